@@ -1,0 +1,30 @@
+# Every target sets itself up: a fresh machine needs only python3 (3.10+) and make.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+
+.PHONY: install test demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(OFFLINE) $(PY) -m pytest -q
+
+demo: install
+	$(OFFLINE) $(PY) recipes/demo.py --output_dir outputs/demo
+
+bench: install
+	$(OFFLINE) $(PY) bench/overhead.py
+
+lint: install
+	$(PY) -m ruff check hf_cpt tests bench recipes
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,120 @@
+"""Training cost in bit operations (REFERENCE §5).
+
+Each quantized GEMM or convolution with ``MACs`` forward multiply-accumulates costs, per step,
+``MACs * (b_w * b_a + b_e * b_w + b_e * b_a)``: the forward product, the input gradient and the
+weight gradient. Layers in full precision count at 32 bits. MACs are measured from the real input
+shapes of each layer's forward pass, so any batch size or sequence length is counted exactly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .layers import QUANT_LAYER_CLASSES, QuantLayerMixin
+
+FULL_PRECISION_BITS = 32
+
+
+def bitops_per_mac(bits: Optional[int], grad_bits: Optional[int]) -> int:
+    """Bit products per forward MAC over one training step (forward + two backward GEMMs)."""
+    weight_bits = activation_bits = bits if bits is not None else FULL_PRECISION_BITS
+    error_bits = grad_bits if grad_bits is not None else FULL_PRECISION_BITS
+    return weight_bits * activation_bits + error_bits * weight_bits + error_bits * activation_bits
+
+
+def relative_cost(bits: Optional[int], grad_bits: Optional[int]) -> float:
+    """Cost of a training step at (bits, grad_bits) relative to FP32: ``(b^2 + 2bg) / (3 * 32^2)``."""
+    return bitops_per_mac(bits, grad_bits) / bitops_per_mac(None, None)
+
+
+def layer_macs(module: nn.Module, output: torch.Tensor) -> int:
+    """Forward multiply-accumulates of one Linear / Conv2d / Conv1D call, from its output shape."""
+    if isinstance(module, nn.Conv2d):
+        kernel_h, kernel_w = module.kernel_size
+        return output.numel() * (module.in_channels // module.groups) * kernel_h * kernel_w
+    if isinstance(module, nn.Linear):
+        return output.numel() * module.in_features
+    return output.numel() * module.weight.shape[0]  # Conv1D: weight is (in, out)
+
+
+@dataclass
+class CostTotals:
+    """Cumulative cost of a run, in bit operations."""
+
+    bitops: float = 0.0
+    static_bitops: float = 0.0  # the same steps at static bits_max / grad_bits
+    fp32_bitops: float = 0.0  # the same steps in full precision
+    steps: int = 0
+    steps_at_bits: Counter = field(default_factory=Counter)
+
+    def as_logs(self, prefix: str = "cpt/") -> dict[str, float]:
+        logs = {f"{prefix}gbitops": self.bitops / 1e9}
+        if self.static_bitops:
+            logs[f"{prefix}cost_vs_static"] = self.bitops / self.static_bitops
+        if self.fp32_bitops:
+            logs[f"{prefix}cost_vs_fp32"] = self.bitops / self.fp32_bitops
+        return logs
+
+    def to_dict(self) -> dict:
+        return {
+            "gbitops": self.bitops / 1e9,
+            "static_gbitops": self.static_bitops / 1e9,
+            "fp32_gbitops": self.fp32_bitops / 1e9,
+            "cost_vs_static": self.bitops / self.static_bitops if self.static_bitops else None,
+            "cost_vs_fp32": self.bitops / self.fp32_bitops if self.fp32_bitops else None,
+            "steps": self.steps,
+            "steps_at_bits": {("fp32" if k is None else str(k)): v for k, v in sorted(
+                self.steps_at_bits.items(), key=lambda kv: 99 if kv[0] is None else kv[0])},
+        }
+
+
+class CostMeter:
+    """Counts the MACs of every GEMM layer in training forward passes and prices them per step.
+
+    Forward hooks record MACs; `end_step` prices the step's MACs at that step's bits (quantized
+    layers) or 32 bits (layers kept in FP32), next to what static ``bits_max`` and FP32 would cost.
+    """
+
+    def __init__(self, model: nn.Module, static_bits: Optional[int], static_grad_bits: Optional[int], scale: int = 1):
+        self.static_bits = static_bits
+        self.static_grad_bits = static_grad_bits
+        self.scale = scale  # e.g. the number of data-parallel processes sharing a global batch
+        self.totals = CostTotals()
+        self._quantized_macs = 0
+        self._float_macs = 0
+        self._handles = [
+            module.register_forward_hook(self._count)
+            for module in model.modules()
+            if isinstance(module, tuple(QUANT_LAYER_CLASSES))
+        ]
+
+    def _count(self, module: nn.Module, inputs, output) -> None:
+        if not (module.training and torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
+            return
+        macs = layer_macs(module, output)
+        if isinstance(module, QuantLayerMixin):
+            self._quantized_macs += macs
+        else:
+            self._float_macs += macs
+
+    def end_step(self, bits: Optional[int], grad_bits: Optional[int]) -> None:
+        """Close one optimizer step trained at (bits, grad_bits)."""
+        quantized, float_ = self._quantized_macs * self.scale, self._float_macs * self.scale
+        full = bitops_per_mac(None, None)
+        totals = self.totals
+        totals.bitops += quantized * bitops_per_mac(bits, grad_bits) + float_ * full
+        totals.static_bitops += quantized * bitops_per_mac(self.static_bits, self.static_grad_bits) + float_ * full
+        totals.fp32_bitops += (quantized + float_) * full
+        totals.steps += 1
+        totals.steps_at_bits[bits] += 1
+        self._quantized_macs = self._float_macs = 0
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

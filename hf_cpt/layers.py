@@ -1,0 +1,217 @@
+"""Quantized layers that replace ``nn.Linear``, ``nn.Conv2d`` and GPT-2's ``Conv1D`` in place.
+
+A layer is converted by changing its class (``convert_layer``): parameters, their names and the
+``state_dict`` keys stay exactly as they were, so optimizers, tied weights, peft and
+``save_pretrained`` see the same model. The bit-widths are not stored in the layers: every layer of
+a model reads them from one shared `PrecisionState`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quantizer import (
+    channel_ranges,
+    fake_quantize,
+    quantize_error_on_backward,
+    quantize_ste,
+    quantize_weight,
+    tensor_range,
+)
+
+try:  # GPT-2 style layer (a Linear with a transposed weight)
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers is a dependency
+    Conv1D = None
+
+
+class PrecisionState:
+    """The bit-widths of one model, read by each of its quantized layers at every forward.
+
+    Bits are held in 0-d tensors updated in place, so a schedule can change them every step without
+    making a compiled model re-trace; ``None`` (full precision) is a Python flag.
+    """
+
+    def __init__(
+        self,
+        fused_error_quantizer: bool = True,
+        activation_momentum: float = 0.9,
+        activation_ema_init: str = "zeros",
+    ) -> None:
+        self.bits = torch.zeros(())
+        self.grad_bits = torch.zeros(())
+        self.eval_bits = torch.zeros(())
+        self.forward_enabled = False
+        self.backward_enabled = False
+        self.eval_enabled = False
+        self.eval_follows_training = False
+        self.fused_error_quantizer = fused_error_quantizer
+        self.activation_momentum = activation_momentum
+        self.activation_ema_init = activation_ema_init
+
+    def set(self, bits: Optional[int], grad_bits: Optional[int]) -> None:
+        """Training precision: forward bits for weights and activations, backward bits for errors."""
+        self.forward_enabled = bits is not None
+        self.backward_enabled = grad_bits is not None
+        if bits is not None:
+            self.bits.fill_(float(bits))
+        if grad_bits is not None:
+            self.grad_bits.fill_(float(grad_bits))
+
+    def set_eval(self, bits: Optional[int], follow_training: bool = False) -> None:
+        """Precision in eval mode: fixed ``bits`` (None: full precision) or the training bits."""
+        self.eval_follows_training = follow_training
+        self.eval_enabled = bits is not None
+        if bits is not None:
+            self.eval_bits.fill_(float(bits))
+
+    @property
+    def current(self) -> tuple[Optional[int], Optional[int]]:
+        """(forward bits, grad bits) in training, as Python numbers."""
+        bits = int(self.bits.item()) if self.forward_enabled else None
+        grad_bits = int(self.grad_bits.item()) if self.backward_enabled else None
+        return bits, grad_bits
+
+    def __repr__(self) -> str:
+        bits, grad_bits = self.current
+        return f"PrecisionState(bits={bits}, grad_bits={grad_bits})"
+
+
+class QuantLayerMixin:
+    """Shared forward of the quantized layers: quantize input and weight, compute, mark the error."""
+
+    weight_channel_dim = 0  # dimension of the weight that indexes output channels
+    cpt_precision: PrecisionState
+
+    def _attach_precision(self, precision: PrecisionState) -> None:
+        # A plain attribute, not a submodule: one state object is shared by all layers of a model.
+        self.__dict__["cpt_precision"] = precision
+        device = self.weight.device
+        self.register_buffer("act_min", torch.zeros((), device=device), persistent=False)
+        self.register_buffer("act_max", torch.zeros((), device=device), persistent=False)
+        self.__dict__["_act_range_initialized"] = False
+
+    def _detach_precision(self) -> None:
+        self.__dict__.pop("cpt_precision", None)
+        self.__dict__.pop("_act_range_initialized", None)
+        for name in ("act_min", "act_max"):
+            self._buffers.pop(name, None)
+
+    def forward_bits(self) -> Optional[torch.Tensor]:
+        """The forward bit-width now in force for this layer, None for full precision."""
+        precision = self.cpt_precision
+        if self.training or precision.eval_follows_training:
+            return precision.bits if precision.forward_enabled else None
+        return precision.eval_bits if precision.eval_enabled else None
+
+    def quantize_input(self, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """Per-tensor input quantization: batch range in training (tracked by EMA), EMA in eval."""
+        if self.training:
+            minimum, maximum = tensor_range(x)
+            self._update_activation_range(minimum, maximum)
+            return quantize_ste(x, minimum, maximum, bits)
+        return quantize_ste(x, self.act_min, self.act_max, bits)
+
+    @torch.no_grad()
+    def _update_activation_range(self, minimum: torch.Tensor, maximum: torch.Tensor) -> None:
+        precision = self.cpt_precision
+        if precision.activation_ema_init == "first_batch" and not self._act_range_initialized:
+            self.act_min.copy_(minimum)
+            self.act_max.copy_(maximum)
+        else:
+            momentum = precision.activation_momentum
+            self.act_min.mul_(momentum).add_(minimum * (1 - momentum))
+            self.act_max.mul_(momentum).add_(maximum * (1 - momentum))
+        self.__dict__["_act_range_initialized"] = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        precision = self.cpt_precision
+        bits = self.forward_bits()
+        quantize_backward = precision.backward_enabled and self.training and torch.is_grad_enabled()
+        if bits is None and not quantize_backward:
+            return super().forward(x)  # exactly the original layer
+        weight = self.weight
+        if bits is not None:
+            x = self.quantize_input(x, bits)
+            weight = quantize_weight(weight, bits, self.weight_channel_dim)
+        out = self.compute(x, weight)
+        if quantize_backward:
+            out = quantize_error_on_backward(out, precision.grad_bits, precision.fused_error_quantizer)
+        return out
+
+    def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def quantized_weight(self, bits: Optional[int] = None) -> torch.Tensor:
+        """The weight as the layer uses it at ``bits`` (default: the eval precision), without grad."""
+        with torch.no_grad():
+            if bits is None:
+                if not self.cpt_precision.eval_enabled:
+                    return self.weight.detach().clone()
+                bits_t = self.cpt_precision.eval_bits
+            else:
+                bits_t = torch.tensor(float(bits))
+            minimum, maximum = channel_ranges(self.weight, self.weight_channel_dim)
+            return fake_quantize(self.weight.detach(), minimum, maximum, bits_t)
+
+
+class QuantLinear(QuantLayerMixin, nn.Linear):
+    """``nn.Linear`` with CPT fake quantization; weights quantized per output row."""
+
+    def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight, self.bias)
+
+
+class QuantConv2d(QuantLayerMixin, nn.Conv2d):
+    """``nn.Conv2d`` with CPT fake quantization; weights quantized per output filter."""
+
+    def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, weight, self.bias)
+
+
+QUANT_LAYER_CLASSES: dict[type, type] = {nn.Linear: QuantLinear, nn.Conv2d: QuantConv2d}
+
+if Conv1D is not None:
+
+    class QuantConv1D(QuantLayerMixin, Conv1D):
+        """transformers' ``Conv1D`` (GPT-2) with CPT fake quantization; weight is (in, out)."""
+
+        weight_channel_dim = 1
+
+        def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            size_out = x.size()[:-1] + (self.nf,)
+            return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), weight).view(size_out)
+
+    QUANT_LAYER_CLASSES[Conv1D] = QuantConv1D
+
+
+def register_quant_layer(float_class: type, quant_class: type) -> None:
+    """Teach model surgery to convert ``float_class`` into ``quant_class`` (a `QuantLayerMixin` subclass)."""
+    if not (isinstance(quant_class, type) and issubclass(quant_class, QuantLayerMixin)):
+        raise TypeError(f"{quant_class!r} must subclass hf_cpt.layers.QuantLayerMixin")
+    if not issubclass(quant_class, float_class):
+        raise TypeError(f"{quant_class.__name__} must subclass {float_class.__name__} so isinstance checks hold")
+    QUANT_LAYER_CLASSES[float_class] = quant_class
+
+
+def convert_layer(module: nn.Module, precision: PrecisionState) -> nn.Module:
+    """Turn a float layer into its quantized class in place (same object, same parameters)."""
+    quant_class = QUANT_LAYER_CLASSES[type(module)]
+    module.__dict__["_cpt_float_class"] = type(module)
+    module.__class__ = quant_class
+    module._attach_precision(precision)
+    return module
+
+
+def restore_layer(module: QuantLayerMixin) -> nn.Module:
+    """Undo `convert_layer`: the plain float layer with its current (trained) weights."""
+    float_class = module.__dict__.pop("_cpt_float_class", None) or next(
+        cls for cls in type(module).__mro__[1:] if cls in QUANT_LAYER_CLASSES
+    )
+    module._detach_precision()
+    module.__class__ = float_class
+    return module

@@ -1,0 +1,196 @@
+"""Quantizer numerics (REFERENCE §2): asymmetric min/max uniform quantization.
+
+``Q(x) = s * round(clamp((x - m) / s, 0, 2^b - 1)) + m`` with ``s = max((M - m) / (2^b - 1), 1e-8)``.
+Weights and input activations use deterministic rounding (round half to even) and are bit-exact
+with that formula; errors use stochastic rounding (uniform noise in [-1/2, 1/2) added before the
+clamp), which is unbiased inside the range. Forward quantizers pass gradients straight through.
+
+Bits are 0-d tensors so that a changing bit-width never makes ``torch.compile`` re-trace.
+This module knows nothing about layers, schedules or the Trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MIN_SCALE = 1e-8
+# Below this many elements the eager error quantizer is as fast as the compiled one.
+FUSED_MIN_NUMEL = 1 << 16
+
+
+def num_levels(bits: torch.Tensor) -> torch.Tensor:
+    """Largest integer code, ``2^b - 1``, exact for integer ``b`` up to 24."""
+    return torch.exp2(bits) - 1
+
+
+def quantization_scale(minimum: torch.Tensor, maximum: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    return ((maximum - minimum) / levels).clamp_min(MIN_SCALE)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    # Half-precision inputs are quantized in float32: bf16 cannot even hold 8-bit codes exactly.
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def fake_quantize(
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
+) -> torch.Tensor:
+    """Deterministic quantize-dequantize of ``x`` over ``[minimum, maximum]`` (broadcastable)."""
+    source = _compute_dtype(x)
+    levels = num_levels(bits).to(source.dtype)
+    minimum, maximum = minimum.to(source.dtype), maximum.to(source.dtype)
+    scale = quantization_scale(minimum, maximum, levels)
+    codes = (source - minimum).div_(scale).clamp_(min=levels.new_zeros(()), max=levels).round_()
+    return codes.mul_(scale).add_(minimum).to(x.dtype)
+
+
+def channel_ranges(weight: torch.Tensor, channel_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel min and max of a weight, shaped to broadcast against it."""
+    moved = weight.detach().movedim(channel_dim, 0)
+    minimum, maximum = torch.aminmax(moved.reshape(moved.shape[0], -1), dim=1)
+    shape = [1] * weight.dim()
+    shape[channel_dim] = weight.shape[channel_dim]
+    return minimum.view(shape), maximum.view(shape)
+
+
+def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor min and max."""
+    minimum, maximum = torch.aminmax(x.detach())
+    return minimum, maximum
+
+
+class _FakeQuantizeSTE(torch.autograd.Function):
+    """Forward: deterministic fake quantization. Backward: the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, minimum, maximum, bits):
+        return fake_quantize(x, minimum, maximum, bits)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None, None, None
+
+
+def quantize_ste(x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Fake quantization with a straight-through gradient."""
+    return _FakeQuantizeSTE.apply(x, minimum, maximum, bits)
+
+
+def quantize_weight(weight: torch.Tensor, bits: torch.Tensor, channel_dim: int = 0) -> torch.Tensor:
+    """Per-output-channel weight quantization (straight-through gradient)."""
+    minimum, maximum = channel_ranges(weight, channel_dim)
+    return quantize_ste(weight, minimum, maximum, bits)
+
+
+# ----------------------------------------------------------------------------- errors (backward)
+
+
+def _stochastic_quantize(
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    levels = num_levels(bits).to(x.dtype)
+    scale = quantization_scale(minimum, maximum, levels)
+    codes = (x - minimum).div_(scale).add_(noise).clamp_(min=levels.new_zeros(()), max=levels).round_()
+    return codes.mul_(scale).add_(minimum)
+
+
+def quantize_error_eager(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Per-tensor stochastic quantization, noise from the global RNG as in the CPT code."""
+    source = _compute_dtype(grad)
+    minimum, maximum = tensor_range(source)
+    noise = torch.empty_like(source).uniform_(-0.5, 0.5)
+    return _stochastic_quantize(source, minimum, maximum, bits, noise).to(grad.dtype)
+
+
+def hashed_uniform_noise(numel: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uniform noise in [-1/2, 1/2) from a 32-bit integer hash of (element index, seed).
+
+    A counter-based source: no RNG state to advance, so a compiler can fuse it into the kernel
+    that consumes it. int32 products wrap; shifts are masked to act as logical shifts.
+    """
+    h = torch.arange(numel, device=device, dtype=torch.int32) ^ seed
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * 0x7FEB352D
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * 0x2C1B3C6D
+    h = h ^ ((h >> 16) & 0xFFFF)
+    return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24)) - 0.5
+
+
+def quantize_error_hashed(grad: torch.Tensor, bits: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """Per-tensor stochastic quantization with hashed noise; meant to run compiled."""
+    source = _compute_dtype(grad)
+    flat = source.reshape(-1)
+    minimum, maximum = torch.aminmax(flat)
+    noise = hashed_uniform_noise(flat.numel(), seed, flat.device)
+    levels = num_levels(bits).to(flat.dtype)
+    scale = quantization_scale(minimum, maximum, levels)
+    codes = torch.round(torch.clamp((flat - minimum) / scale + noise, min=0.0, max=levels))
+    return (codes * scale + minimum).view(grad.shape).to(grad.dtype)
+
+
+_compiled_error_quantizer: Optional[Callable] = None
+_fused_disabled_reason: Optional[str] = None
+
+
+def _fused_error_quantizer() -> Optional[Callable]:
+    global _compiled_error_quantizer
+    if _compiled_error_quantizer is None and _fused_disabled_reason is None:
+        _compiled_error_quantizer = torch.compile(quantize_error_hashed, dynamic=True)
+    return _compiled_error_quantizer
+
+
+def quantize_error(grad: torch.Tensor, bits: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """Stochastic per-tensor quantization of an error tensor at ``bits``.
+
+    ``fused=True`` runs one compiled kernel (min/max, hashed noise, rounding) for large tensors and
+    falls back to the eager path, with one warning, if compilation is unavailable.
+    """
+    global _fused_disabled_reason
+    if grad.numel() == 0:
+        return grad
+    if torch.compiler.is_compiling():
+        # Already inside a compiled graph: the compiler fuses the plain formula itself.
+        seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
+        return quantize_error_hashed(grad, bits, seed)
+    if fused and grad.numel() >= FUSED_MIN_NUMEL:
+        kernel = _fused_error_quantizer()
+        if kernel is not None:
+            seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
+            try:
+                return kernel(grad.contiguous(), bits.to(grad.device), seed)
+            except Exception as error:  # compiler missing or failing: keep training, eagerly
+                _fused_disabled_reason = f"{type(error).__name__}: {error}"
+                logger.warning(
+                    "hf_cpt: the compiled error quantizer is unavailable (%s); using the eager one. "
+                    "Set CPTConfig(fused_error_quantizer=False) to silence this.",
+                    _fused_disabled_reason.splitlines()[0],
+                )
+    return quantize_error_eager(grad, bits)
+
+
+class _QuantizeErrorOnBackward(torch.autograd.Function):
+    """Identity in forward; quantizes the gradient flowing back through it."""
+
+    @staticmethod
+    def forward(ctx, x, bits, fused):
+        ctx.bits = bits.detach().clone()
+        ctx.fused = fused
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return quantize_error(grad_output, ctx.bits, ctx.fused), None, None
+
+
+def quantize_error_on_backward(output: torch.Tensor, bits: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """Mark ``output`` so that the error arriving at it is quantized once at ``bits``.
+
+    Placed on a layer's output, the quantized error then drives both the input and weight gradient.
+    """
+    return _QuantizeErrorOnBackward.apply(output, bits, fused)

@@ -1,0 +1,182 @@
+"""Model surgery: swap float layers for quantized ones in place, and back.
+
+``quantize_model(model, config)`` converts every supported layer except the excluded ones and
+returns a `QuantizationReport` saying what was converted and what was kept, and why. By default
+(as in the papers) embeddings, normalization layers and the output head stay in FP32.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from torch import nn
+
+from .config import CPTConfig
+from .layers import QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer, restore_layer
+
+# Module names that hold a model's output head in transformers and timm models.
+HEAD_MODULE_NAMES = ("lm_head", "classifier", "score", "head", "qa_outputs", "cls")
+ADAPTER_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
+@dataclass
+class QuantizationReport:
+    """What `quantize_model` did: converted layer names, and kept layers with the reason."""
+
+    quantized: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
+        lines += [f"  kept {name}: {reason}" for name, reason in self.kept.items()]
+        return "\n".join(lines)
+
+
+def matches_any(name: str, patterns: Optional[list[str]]) -> Optional[str]:
+    """The first pattern naming this module: exact name, dotted suffix, or a full regex match."""
+    for pattern in patterns or ():
+        if name == pattern or name.endswith("." + pattern) or re.fullmatch(pattern, name):
+            return pattern
+    return None
+
+
+def output_head_names(model: nn.Module) -> set[str]:
+    """Names of the modules that form the output head, found generically."""
+    names_by_id = {id(module): name for name, module in model.named_modules()}
+    heads: set[str] = set()
+    candidates = []
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    if callable(get_output_embeddings):
+        try:
+            candidates.append(get_output_embeddings())
+        except (NotImplementedError, AttributeError):
+            pass
+    for module in model.modules():
+        get_classifier = getattr(module, "get_classifier", None)  # timm models
+        if callable(get_classifier):
+            try:
+                candidates.append(get_classifier())
+            except (NotImplementedError, AttributeError, TypeError):
+                pass
+    for candidate in candidates:
+        if isinstance(candidate, nn.Module) and id(candidate) in names_by_id:
+            heads.add(names_by_id[id(candidate)])
+    for name, _ in model.named_modules():
+        if name.rsplit(".", 1)[-1] in HEAD_MODULE_NAMES:
+            heads.add(name)
+    heads.discard("")
+    return heads
+
+
+def _inside(name: str, parents: set[str]) -> bool:
+    return any(name == parent or name.startswith(parent + ".") for parent in parents)
+
+
+def _is_candidate_layer(module: nn.Module) -> bool:
+    return isinstance(module, tuple(QUANT_LAYER_CLASSES)) and not isinstance(module, QuantLayerMixin)
+
+
+def quant_layers(model: nn.Module) -> Iterator[tuple[str, QuantLayerMixin]]:
+    """The quantized layers of a model, with their names."""
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLayerMixin):
+            yield name, module
+
+
+def find_precision_state(model: nn.Module) -> PrecisionState:
+    """The `PrecisionState` shared by a quantized model's layers."""
+    for _, layer in quant_layers(model):
+        return layer.cpt_precision
+    raise ValueError(
+        f"{type(model).__name__} has no CPT-quantized layers: call hf_cpt.quantize_model(model, config) "
+        "first (CPTTrainer does it for you)."
+    )
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(True for _ in quant_layers(model))
+
+
+def quantize_model(model: nn.Module, config: Optional[CPTConfig] = None) -> QuantizationReport:
+    """Convert the model's Linear / Conv2d / Conv1D layers to CPT layers in place.
+
+    Call it before creating the optimizer and before ``accelerator.prepare`` (CPTTrainer does):
+    parameters are kept as the same objects, but wrappers such as DDP or FSDP fix their view of the
+    model when they are created. The model starts in full precision until `set_precision` is called.
+    """
+    config = config or CPTConfig()
+    if is_quantized(model):
+        raise ValueError(f"{type(model).__name__} is already CPT-quantized; call hf_cpt.dequantize_model first.")
+    heads = output_head_names(model)
+    precision = PrecisionState(
+        fused_error_quantizer=config.fused_error_quantizer,
+        activation_momentum=config.activation_momentum,
+        activation_ema_init=config.activation_ema_init,
+    )
+    report = QuantizationReport()
+    for name, module in list(model.named_modules()):
+        if not _is_candidate_layer(module):
+            continue
+        reason = _reason_to_keep(name, module, config, heads)
+        if reason is not None:
+            report.kept[name] = reason
+            continue
+        convert_layer(module, precision)
+        report.quantized.append(name)
+    if not report.quantized:
+        raise ValueError(
+            "hf_cpt.quantize_model found no layer to quantize in "
+            f"{type(model).__name__}:\n{report}\nCheck CPTConfig.target_modules / exclude_modules."
+        )
+    precision.set(None, None)
+    eval_bits = config.eval_precision
+    precision.set_eval(eval_bits, follow_training=config.eval_bits == "current")
+    return report
+
+
+def _reason_to_keep(name: str, module: nn.Module, config: CPTConfig, heads: set[str]) -> Optional[str]:
+    if type(module) not in QUANT_LAYER_CLASSES:
+        return f"{type(module).__name__} subclasses {type(module).__mro__[1].__name__} with its own forward"
+    if not config.quantize_adapters and any(marker in name.split(".") for marker in ADAPTER_MARKERS):
+        return "peft adapter (set quantize_adapters=True to quantize it)"
+    pattern = matches_any(name, config.exclude_modules)
+    if pattern is not None:
+        return f"excluded by exclude_modules pattern {pattern!r}"
+    if matches_any(name, config.include_modules):
+        return None
+    if config.target_modules is not None and matches_any(name, config.target_modules) is None:
+        return "not matched by target_modules"
+    if _inside(name, heads):
+        return "output head (kept FP32 as in the papers; list it in include_modules to quantize it)"
+    return None
+
+
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Restore plain float layers, keeping the trained weights (in place; returns the model)."""
+    for _, layer in list(quant_layers(model)):
+        restore_layer(layer)
+    return model
+
+
+def set_precision(
+    model: nn.Module,
+    bits: Optional[int],
+    grad_bits: Optional[int] = None,
+) -> None:
+    """Set the training precision of every quantized layer of ``model`` (None = full precision).
+
+    For custom training loops: call it before each step with the bits of a schedule.
+    """
+    for name, value in (("bits", bits), ("grad_bits", grad_bits)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32):
+            raise ValueError(f"set_precision: {name} must be an integer in 1..32 or None, got {value!r}.")
+    find_precision_state(model).set(bits, grad_bits)
+
+
+def set_eval_precision(model: nn.Module, bits: Optional[int], follow_training: bool = False) -> None:
+    """Set the precision used in eval mode (None = full precision; or follow the training bits)."""
+    if bits is not None and (not isinstance(bits, int) or not 1 <= bits <= 32):
+        raise ValueError(f"set_eval_precision: bits must be an integer in 1..32 or None, got {bits!r}.")
+    find_precision_state(model).set_eval(bits, follow_training)
