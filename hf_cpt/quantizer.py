@@ -117,7 +117,7 @@ def hashed_uniform_noise(numel: int, seed: torch.Tensor, device: torch.device) -
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x7FEB352D
     h = h ^ ((h >> 15) & 0x1FFFF)
-    h = h * 0x2C1B3C6D
+    h = h * -0x7B935975  # 0x846CA68B as a signed int32 (the "lowbias32" hash)
     h = h ^ ((h >> 16) & 0xFFFF)
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24)) - 0.5
 
@@ -130,7 +130,7 @@ def quantize_error_hashed(grad: torch.Tensor, bits: torch.Tensor, seed: torch.Te
     noise = hashed_uniform_noise(flat.numel(), seed, flat.device)
     levels = num_levels(bits).to(flat.dtype)
     scale = quantization_scale(minimum, maximum, levels)
-    codes = torch.round(torch.clamp((flat - minimum) / scale + noise, min=0.0, max=levels))
+    codes = torch.round(torch.minimum(((flat - minimum) / scale + noise).clamp_min(0.0), levels))
     return (codes * scale + minimum).view(grad.shape).to(grad.dtype)
 
 
@@ -163,7 +163,9 @@ def quantize_error(grad: torch.Tensor, bits: torch.Tensor, fused: bool = True) -
         if kernel is not None:
             seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
             try:
-                return kernel(grad.contiguous(), bits.to(grad.device), seed)
+                # Flat input: one compiled graph serves tensors of every rank.
+                flat = kernel(grad.contiguous().view(-1), bits.to(grad.device), seed)
+                return flat.view(grad.shape)
             except Exception as error:  # compiler missing or failing: keep training, eagerly
                 _fused_disabled_reason = f"{type(error).__name__}: {error}"
                 logger.warning(

@@ -1,0 +1,62 @@
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from hf_cpt import CPTConfig, quantize_model, set_precision
+from hf_cpt.cost import CostMeter, bitops_per_mac, layer_macs, relative_cost
+from hf_cpt.schedules import PrecisionSchedule
+
+
+def test_bitops_formula():
+    assert bitops_per_mac(8, 8) == 8 * 8 + 8 * 8 + 8 * 8
+    assert bitops_per_mac(3, 8) == 9 + 24 + 24
+    assert bitops_per_mac(None, None) == 3 * 32 * 32
+    assert bitops_per_mac(None, 8) == 32 * 32 + 2 * 8 * 32
+    assert relative_cost(None, None) == 1.0
+
+
+@pytest.mark.parametrize(
+    "bits_min, bits_max, grad_bits, published_saving",
+    [(3, 8, 8, 0.367), (3, 6, 6, 0.300), (4, 8, 8, 0.301), (4, 6, 6, 0.207), (5, 8, 8, 0.232)],
+)
+def test_cpt_schedule_reproduces_the_published_savings(bits_min, bits_max, grad_bits, published_saving):
+    schedule = PrecisionSchedule("cpt", bits_min, bits_max, total_steps=64000, num_cycles=32)
+    spent = sum(bitops_per_mac(schedule(t), grad_bits) for t in range(64000))
+    static = 64000 * bitops_per_mac(bits_max, grad_bits)
+    assert 1 - spent / static == pytest.approx(published_saving, abs=0.0015)
+
+
+def test_macs_from_real_shapes():
+    linear = nn.Linear(12, 5)
+    assert layer_macs(linear, linear(torch.randn(3, 7, 12))) == 3 * 7 * 12 * 5
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
+    out = conv(torch.randn(2, 4, 9, 9))
+    assert layer_macs(conv, out) == out.numel() * (4 // 2) * 9
+    conv1d = Conv1D(5, 12)
+    assert layer_macs(conv1d, conv1d(torch.randn(3, 7, 12))) == 3 * 7 * 12 * 5
+
+
+def test_meter_prices_quantized_and_fp32_layers_per_step():
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 4))
+    quantize_model(model, CPTConfig(exclude_modules=["2"]))
+    meter = CostMeter(model, static_bits=8, static_grad_bits=8, scale=2)
+    for batch, bits in ((6, 3), (9, 8)):
+        set_precision(model, bits, 8)
+        model(torch.randn(batch, 10)).sum().backward()
+        meter.end_step(bits, 8)
+    with torch.no_grad():
+        model(torch.randn(100, 10))  # not training: not counted
+    q_macs = [6 * 10 * 20 * 2, 9 * 10 * 20 * 2]
+    f_macs = [6 * 20 * 4 * 2, 9 * 20 * 4 * 2]
+    totals = meter.totals
+    assert totals.bitops == q_macs[0] * bitops_per_mac(3, 8) + q_macs[1] * bitops_per_mac(8, 8) + sum(f_macs) * 3072
+    assert totals.static_bitops == sum(q_macs) * bitops_per_mac(8, 8) + sum(f_macs) * 3072
+    assert totals.fp32_bitops == (sum(q_macs) + sum(f_macs)) * 3072
+    assert totals.steps == 2 and totals.steps_at_bits == {3: 1, 8: 1}
+    report = totals.to_dict()
+    assert report["cost_vs_static"] < 1 and report["steps_at_bits"] == {"3": 1, "8": 1}
+    meter.remove()
+    model(torch.randn(2, 10)).sum().backward()
+    meter.end_step(8, 8)
+    assert meter.totals.steps_at_bits[8] == 2 and meter.totals.fp32_bitops == totals.fp32_bitops

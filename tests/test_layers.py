@@ -1,0 +1,160 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
+from hf_cpt.layers import QuantConv1D, QuantConv2d, QuantLinear
+from hf_cpt.quantizer import quantize_error_eager
+
+
+def reference_quantize(x, minimum, maximum, bits):
+    scale = torch.clamp((maximum - minimum) / (2**bits - 1), min=1e-8)
+    return scale * torch.round(torch.clamp((x - minimum) / scale, 0, 2**bits - 1)) + minimum
+
+
+def per_channel_reference(weight, bits, channel_dim=0):
+    moved = weight.movedim(channel_dim, 0)
+    flat = moved.reshape(moved.shape[0], -1)
+    shape = [-1] + [1] * (moved.dim() - 1)
+    minimum, maximum = flat.min(1).values.view(shape), flat.max(1).values.view(shape)
+    return reference_quantize(moved, minimum, maximum, bits).movedim(0, channel_dim)
+
+
+LAYERS = [
+    (lambda: nn.Linear(12, 7), lambda: torch.randn(5, 3, 12), QuantLinear),
+    (lambda: nn.Conv2d(3, 6, 3, padding=1), lambda: torch.randn(4, 3, 8, 8), QuantConv2d),
+    (lambda: Conv1D(7, 12), lambda: torch.randn(5, 3, 12), QuantConv1D),
+]
+
+
+def _wrap(layer: nn.Module) -> nn.Sequential:
+    return nn.Sequential(layer)
+
+
+@pytest.mark.parametrize("make_layer, make_input, quant_class", LAYERS)
+def test_bits_none_is_exactly_the_original_layer(make_layer, make_input, quant_class):
+    torch.manual_seed(0)
+    original = _wrap(make_layer())
+    quantized = copy.deepcopy(original)
+    quantize_model(quantized, CPTConfig())
+    assert isinstance(quantized[0], quant_class)
+    set_precision(quantized, None, None)
+    x = make_input()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = original(xa), quantized(xb)
+    upstream = torch.randn_like(ya)
+    ya.backward(upstream)
+    yb.backward(upstream)
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    for pa, pb in zip(original.parameters(), quantized.parameters()):
+        assert torch.equal(pa.grad, pb.grad)
+
+
+@pytest.mark.parametrize("make_layer, make_input, quant_class", LAYERS)
+def test_forward_uses_quantized_input_and_weight(make_layer, make_input, quant_class):
+    torch.manual_seed(1)
+    model = _wrap(make_layer())
+    reference_layer = copy.deepcopy(model[0])
+    quantize_model(model, CPTConfig())
+    set_precision(model, 4, None)
+    x = make_input()
+    got = model(x)
+    qx = reference_quantize(x, x.min(), x.max(), 4)
+    with torch.no_grad():
+        reference_layer.weight.copy_(per_channel_reference(reference_layer.weight, 4, model[0].weight_channel_dim))
+    assert torch.equal(got, reference_layer(qx))
+
+
+def test_backward_quantizes_the_error_once_and_uses_it_for_both_gradients():
+    torch.manual_seed(2)
+    model = _wrap(nn.Linear(16, 8, bias=False))
+    quantize_model(model, CPTConfig(fused_error_quantizer=False))
+    set_precision(model, 5, 4)
+    x = torch.randn(6, 16, requires_grad=True)
+    upstream = torch.randn(6, 8)
+    torch.manual_seed(123)
+    model(x).backward(upstream)
+    torch.manual_seed(123)
+    q_error = quantize_error_eager(upstream, torch.tensor(4.0))
+    qx = reference_quantize(x.detach(), x.min(), x.max(), 5)
+    qw = per_channel_reference(model[0].weight.detach(), 5)
+    assert q_error.unique().numel() <= 16
+    torch.testing.assert_close(x.grad, q_error @ qw, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model[0].weight.grad, q_error.T @ qx, rtol=1e-6, atol=1e-6)
+
+
+def test_activation_ema_and_eval_mode_range():
+    torch.manual_seed(3)
+    model = _wrap(nn.Linear(4, 3))
+    quantize_model(model, CPTConfig())
+    layer = model[0]
+    set_precision(model, 8, 8)
+    set_eval_precision(model, 6)
+    batches = [torch.randn(10, 4) * (i + 1) for i in range(3)]
+    expected_min, expected_max = torch.tensor(0.0), torch.tensor(0.0)
+    for batch in batches:
+        model(batch).sum().backward()
+        expected_min = expected_min * 0.9 + batch.min() * 0.1
+        expected_max = expected_max * 0.9 + batch.max() * 0.1
+    torch.testing.assert_close(layer.act_min, expected_min)
+    torch.testing.assert_close(layer.act_max, expected_max)
+    model.eval()
+    x = torch.randn(5, 4) * 3
+    with torch.no_grad():
+        got = model(x)
+        qx = reference_quantize(x, layer.act_min, layer.act_max, 6)
+        qw = per_channel_reference(layer.weight, 6)
+        assert torch.equal(got, nn.functional.linear(qx, qw, layer.bias))
+    before = layer.act_min.clone()
+    model(torch.randn(5, 4) * 100)
+    assert torch.equal(layer.act_min, before)  # eval never updates the running range
+
+
+def test_first_batch_ema_init_option():
+    model = _wrap(nn.Linear(4, 3))
+    quantize_model(model, CPTConfig(activation_ema_init="first_batch"))
+    set_precision(model, 8, None)
+    x = torch.randn(10, 4)
+    model(x)
+    assert model[0].act_min == x.min() and model[0].act_max == x.max()
+
+
+def test_bits_live_in_one_shared_state():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    quantize_model(model, CPTConfig(include_modules=["3"]))
+    states = {id(layer.cpt_precision) for layer in model if isinstance(layer, QuantLinear)}
+    assert len(states) == 1
+    set_precision(model, 5, 8)
+    assert model[0].cpt_precision.current == (5, 8)
+    assert model[2].cpt_precision.bits is model[0].cpt_precision.bits
+
+
+def test_changing_bits_does_not_retrace_a_compiled_model():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled_graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        compiled_graphs.append(graph_module)
+        return graph_module.forward
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    quantize_model(model, CPTConfig(include_modules=["2"], fused_error_quantizer=False))
+    compiled = torch.compile(model, backend=counting_backend)
+    x = torch.randn(4, 8)
+    for bits in (3, 4, 5, 6, 7, 8, 3, 8):
+        set_precision(model, bits, 8)
+        compiled(x).sum().backward()
+    assert len(compiled_graphs) == 1
+    # The compiled model really uses the new bits: 1-bit and 8-bit outputs differ.
+    with torch.no_grad():
+        set_precision(model, 1, 8)
+        low = compiled(x)
+        set_precision(model, 8, 8)
+        high = compiled(x)
+    assert not torch.equal(low, high)

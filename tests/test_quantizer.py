@@ -1,0 +1,127 @@
+import pytest
+import torch
+
+from hf_cpt.quantizer import (
+    channel_ranges,
+    fake_quantize,
+    hashed_uniform_noise,
+    quantize_error,
+    quantize_error_eager,
+    quantize_error_hashed,
+    quantize_ste,
+    quantize_weight,
+)
+
+
+def reference_quantize(x, minimum, maximum, bits):
+    """REFERENCE §2, written literally."""
+    scale = torch.clamp((maximum - minimum) / (2**bits - 1), min=1e-8)
+    return scale * torch.round(torch.clamp((x - minimum) / scale, 0, 2**bits - 1)) + minimum
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
+def test_per_tensor_quantization_is_bit_exact(bits):
+    torch.manual_seed(bits)
+    x = torch.randn(64, 33) * 3 + 0.7
+    minimum, maximum = x.min(), x.max()
+    got = fake_quantize(x, minimum, maximum, torch.tensor(float(bits)))
+    assert torch.equal(got, reference_quantize(x, minimum, maximum, bits))
+
+
+@pytest.mark.parametrize("shape, channel_dim", [((48, 20), 0), ((8, 4, 3, 3), 0), ((20, 48), 1)])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_per_channel_weight_quantization_is_bit_exact(shape, channel_dim, bits):
+    torch.manual_seed(0)
+    weight = torch.randn(shape)
+    got = quantize_weight(weight, torch.tensor(float(bits)), channel_dim)
+    moved = weight.movedim(channel_dim, 0).reshape(weight.shape[channel_dim], -1)
+    for c in range(weight.shape[channel_dim]):
+        row = weight.select(channel_dim, c)
+        expected = reference_quantize(row, moved[c].min(), moved[c].max(), bits)
+        assert torch.equal(got.select(channel_dim, c), expected)
+        assert got.select(channel_dim, c).unique().numel() <= 2**bits
+
+
+def test_ranges_are_per_output_channel():
+    weight = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.25, -0.75]])
+    minimum, maximum = channel_ranges(weight, 0)
+    assert minimum.flatten().tolist() == [-2.0, -0.75] and maximum.flatten().tolist() == [3.0, 0.5]
+    minimum, maximum = channel_ranges(weight, 1)
+    assert minimum.shape == (1, 3) and maximum.flatten().tolist() == [1.0, 0.25, 3.0]
+
+
+def test_round_half_to_even_on_exact_ties():
+    # range [0, 3] at 2 bits: scale 1, so 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
+    x = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0])
+    got = fake_quantize(x, torch.tensor(0.0), torch.tensor(3.0), torch.tensor(2.0))
+    assert got.tolist() == [0.0, 0.0, 2.0, 2.0, 3.0]
+
+
+def test_straight_through_gradient():
+    x = torch.randn(10, 7, requires_grad=True)
+    upstream = torch.randn(10, 7)
+    quantize_ste(x, x.min().detach(), x.max().detach(), torch.tensor(3.0)).backward(upstream)
+    assert torch.equal(x.grad, upstream)
+
+
+def test_degenerate_range_gives_no_nan():
+    constant = torch.full((4, 5), 1.25)
+    out = fake_quantize(constant, constant.min(), constant.max(), torch.tensor(4.0))
+    assert torch.equal(out, constant)
+    zeros = torch.zeros(300, 300)
+    for fused in (False, True):
+        assert torch.equal(quantize_error(zeros, torch.tensor(8.0), fused=fused), zeros)
+    assert quantize_error(torch.zeros(0), torch.tensor(8.0)).numel() == 0
+
+
+def _biased_probe(value: float, n: int) -> torch.Tensor:
+    """A tensor whose range is exactly [0, 1], filled with `value` elsewhere."""
+    x = torch.full((n,), value)
+    x[0], x[1] = 0.0, 1.0
+    return x
+
+
+@pytest.mark.parametrize("quantize", ["eager", "hashed"])
+def test_stochastic_error_rounding_is_unbiased(quantize):
+    torch.manual_seed(0)
+    bits = torch.tensor(2.0)  # grid {0, 1/3, 2/3, 1}: 0.3 is far from every level
+    n = 400_000
+    for value in (0.3, 0.55, 0.9):
+        x = _biased_probe(value, n)
+        if quantize == "eager":
+            q = quantize_error_eager(x, bits)
+        else:
+            q = quantize_error_hashed(x, bits, torch.tensor(1234, dtype=torch.int32))
+        levels = torch.tensor([0.0, 1 / 3, 2 / 3, 1.0])
+        assert torch.isclose(q[2:, None], levels[None], atol=1e-6).any(dim=1).all()  # on the grid
+        standard_error = (1 / 3) * 0.5 / n**0.5
+        assert abs(q[2:].mean().item() - value) < 5 * standard_error
+
+
+def test_hashed_noise_is_uniform():
+    noise = hashed_uniform_noise(1_000_000, torch.tensor(99, dtype=torch.int32), torch.device("cpu"))
+    assert noise.min() >= -0.5 and noise.max() < 0.5
+    assert abs(noise.mean().item()) < 1e-3
+    assert abs(noise.std().item() - (1 / 12) ** 0.5) < 1e-3
+    other = hashed_uniform_noise(1_000_000, torch.tensor(100, dtype=torch.int32), torch.device("cpu"))
+    assert abs(torch.corrcoef(torch.stack([noise, other]))[0, 1].item()) < 5e-3
+
+
+@pytest.mark.slow
+def test_fused_compiled_error_quantizer_is_unbiased_and_on_grid():
+    torch.manual_seed(0)
+    x = _biased_probe(0.3, 1 << 18)
+    q = quantize_error(x, torch.tensor(2.0), fused=True)
+    assert q.shape == x.shape and q.dtype == x.dtype
+    assert abs(q[2:].mean().item() - 0.3) < 5 * (1 / 6) / (1 << 18) ** 0.5
+    assert torch.isclose(q[2:, None], torch.tensor([0.0, 1 / 3, 2 / 3, 1.0])[None], atol=1e-6).any(1).all()
+    second = quantize_error(x, torch.tensor(2.0), fused=True)
+    assert not torch.equal(q, second)  # fresh noise each call
+
+
+def test_half_precision_inputs_are_quantized_in_float32():
+    x = torch.randn(32, 16).to(torch.bfloat16)
+    out = fake_quantize(x, x.min(), x.max(), torch.tensor(8.0))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    g = quantize_error_eager(x, torch.tensor(8.0))
+    assert g.dtype == torch.bfloat16 and torch.isfinite(g.float()).all()

@@ -1,0 +1,206 @@
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_cpt import CPTCallback, CPTConfig, CPTTrainer, quantize_model
+from hf_cpt.layers import QuantLayerMixin
+from hf_cpt.schedules import PrecisionSchedule
+
+
+def training_args(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=16,
+        learning_rate=2e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def token_classification_data(n=256, seq_len=12, seed=0):
+    """Label = first token id mod 3: learnable by a tiny BERT in a few dozen steps."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 128, (n, seq_len), generator=generator)
+    return [{"input_ids": row, "attention_mask": torch.ones(seq_len, dtype=torch.long), "labels": int(row[0] % 3)}
+            for row in ids]
+
+
+def digits_data():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
+    return [{"pixel_values": image, "labels": int(label)} for image, label in zip(images, digits.target)]
+
+
+class BitsProbe(TrainerCallback):
+    """Records the bits each training forward pass of one layer actually used."""
+
+    def __init__(self):
+        self.forward_bits, self.eval_bits, self.logs = [], [], []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        layer = next(m for m in model.modules() if isinstance(m, QuantLayerMixin))
+
+        def record(module, inputs):
+            bits = module.forward_bits()
+            value = None if bits is None else int(bits.item())
+            (self.forward_bits if module.training else self.eval_bits).append((self.step, value))
+
+        layer.register_forward_pre_hook(record)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_cpt_trainer_trains_a_small_bert_and_follows_the_schedule(tiny_bert, tmp_path):
+    probe = BitsProbe()
+    config = CPTConfig(bits_min=3, bits_max=8, num_cycles=4)
+    trainer = CPTTrainer(
+        model=tiny_bert,
+        args=training_args(tmp_path, max_steps=60),
+        train_dataset=token_classification_data(),
+        eval_dataset=token_classification_data(64, seed=1),
+        callbacks=[probe],
+        cpt_config=config,
+    )
+    assert trainer.cpt_report is not None and len(trainer.cpt_report.quantized) == 13
+    trainer.train()
+    history = losses(trainer)
+    assert np.mean(history[-10:]) < np.mean(history[:10]) - 0.2
+    schedule = PrecisionSchedule("cpt", 3, 8, 60, 4)
+    assert probe.forward_bits == [(step, schedule(step)) for step in range(60)]
+    assert {b for _, b in probe.forward_bits} == {3, 4, 5, 6, 7, 8}
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all("cpt/bits" in entry and entry["cpt/grad_bits"] == 8 for entry in logged)
+    assert logged[0]["cpt/bits"] == schedule(0) and logged[-1]["cpt/bits"] == schedule(59)
+    assert 0.6 < logged[-1]["cpt/cost_vs_static"] < 1.0
+    # Evaluation runs at bits_max whatever the schedule says.
+    metrics = trainer.evaluate()
+    assert np.isfinite(metrics["eval_loss"])
+    assert probe.eval_bits and all(bits == 8 for _, bits in probe.eval_bits)
+    report = json.load(open(os.path.join(trainer.args.output_dir, "cpt_cost_report.json")))
+    assert report["steps"] == 60 and sum(report["steps_at_bits"].values()) == 60
+    assert report["gbitops"] < report["static_gbitops"] < report["fp32_gbitops"]
+
+
+def test_cpt_trainer_trains_a_small_cnn_on_digits(tiny_cnn, tmp_path):
+    trainer = CPTTrainer(
+        model=tiny_cnn,
+        args=training_args(tmp_path, num_train_epochs=1, per_device_train_batch_size=32, learning_rate=1e-2),
+        train_dataset=digits_data(),
+        cpt_config=CPTConfig(bits_min=3, bits_max=8, num_cycles=4),
+    )
+    trainer.train()
+    history = losses(trainer)
+    assert trainer.state.max_steps == 57  # epochs x steps per epoch as the Trainer computes them
+    assert np.mean(history[-10:]) < 0.6 * np.mean(history[:5])
+
+
+def test_bits_are_constant_across_gradient_accumulation(tiny_bert, tmp_path):
+    probe = BitsProbe()
+    trainer = CPTTrainer(
+        model=tiny_bert,
+        args=training_args(tmp_path, max_steps=8, gradient_accumulation_steps=2, per_device_train_batch_size=4),
+        train_dataset=token_classification_data(64),
+        callbacks=[probe],
+        cpt_config=CPTConfig(bits_min=3, bits_max=8, num_cycles=2),
+    )
+    trainer.train()
+    schedule = PrecisionSchedule("cpt", 3, 8, 8, 2)
+    assert len(probe.forward_bits) == 16
+    assert probe.forward_bits == [(step, schedule(step)) for step in range(8) for _ in range(2)]
+
+
+def test_bits_after_resuming_from_a_checkpoint(tmp_path):
+    from transformers import BertForSequenceClassification
+
+    from .conftest import tiny_bert_config
+
+    config = CPTConfig(bits_min=2, bits_max=8, num_cycles=2)
+    args = training_args(tmp_path, max_steps=12, save_strategy="steps", save_steps=6, per_device_train_batch_size=8)
+    torch.manual_seed(0)
+    first = CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args,
+                       train_dataset=token_classification_data(128), cpt_config=config)
+    first.train()
+    probe = BitsProbe()
+    torch.manual_seed(0)
+    resumed = CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args,
+                         train_dataset=token_classification_data(128), cpt_config=config, callbacks=[probe])
+    resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-6"))
+    schedule = PrecisionSchedule("cpt", 2, 8, 12, 2)
+    assert probe.forward_bits == [(step, schedule(step)) for step in range(6, 12)]
+    assert len({b for _, b in probe.forward_bits}) > 2
+
+
+def test_callback_with_a_plain_trainer_reaches_reporting_callbacks(tiny_bert, tmp_path):
+    config = CPTConfig(bits_min=4, bits_max=8, num_cycles=2)
+    quantize_model(tiny_bert, config)
+    reporter = BitsProbe()  # registered before CPTCallback, like the report_to integrations
+    trainer = Trainer(
+        model=tiny_bert,
+        args=training_args(tmp_path, max_steps=6),
+        train_dataset=token_classification_data(96),
+        callbacks=[reporter, CPTCallback(config)],
+    )
+    trainer.train()
+    step_logs = [logs for logs in reporter.logs if "loss" in logs]
+    assert len(step_logs) == 6 and all("cpt/bits" in logs and "cpt/gbitops" in logs for logs in step_logs)
+    assert all("cpt/bits" in entry for entry in trainer.state.log_history if "loss" in entry)
+    final = trainer.state.log_history[-1]
+    assert "train_runtime" in final and "cpt/cost_vs_fp32" in final
+
+
+def test_callback_refuses_a_model_that_was_not_quantized(tiny_bert, tmp_path):
+    trainer = Trainer(model=tiny_bert, args=training_args(tmp_path, max_steps=2),
+                      train_dataset=token_classification_data(32), callbacks=[CPTCallback(CPTConfig())])
+    with pytest.raises(ValueError, match="quantize_model"):
+        trainer.train()
+
+
+def test_too_many_cycles_for_the_run_is_reported_before_training(tiny_bert, tmp_path):
+    trainer = CPTTrainer(model=tiny_bert, args=training_args(tmp_path, max_steps=4),
+                         train_dataset=token_classification_data(32), cpt_config=CPTConfig(num_cycles=32))
+    with pytest.raises(ValueError, match="num_cycles"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_static_and_fp32_baselines_through_the_same_config(tiny_bert, tmp_path):
+    from transformers import BertForSequenceClassification
+
+    from .conftest import tiny_bert_config
+
+    costs = {}
+    for schedule in ("static", "fp32", "cpt"):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(tiny_bert_config())
+        probe = BitsProbe()
+        trainer = CPTTrainer(model=model, args=training_args(tmp_path / schedule, max_steps=8),
+                             train_dataset=token_classification_data(128), callbacks=[probe],
+                             cpt_config=CPTConfig(schedule=schedule, num_cycles=2))
+        trainer.train()
+        costs[schedule] = trainer.cpt_callback.cost_report()
+        expected = {"static": {8}, "fp32": {None}, "cpt": {3, 4, 5, 6, 7, 8}}[schedule]
+        assert {b for _, b in probe.forward_bits} <= expected
+    assert costs["fp32"]["cost_vs_fp32"] == 1.0
+    assert costs["static"]["cost_vs_static"] == 1.0
+    assert costs["cpt"]["gbitops"] < costs["static"]["gbitops"] < costs["fp32"]["gbitops"]
