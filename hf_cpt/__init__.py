@@ -3,8 +3,16 @@
 from .config import CPTConfig
 from .cost import CostMeter, bitops_per_mac, relative_cost
 from .layers import PrecisionState, QuantConv2d, QuantLayerMixin, QuantLinear, register_quant_layer
+from .prt import PrecisionRangeResult, precision_range_test
 from .quantizer import fake_quantize, quantize_error
-from .schedules import PrecisionSchedule, ScheduleShape, available_schedules, register_schedule
+from .schedules import (
+    PrecisionSchedule,
+    ScheduleShape,
+    available_schedules,
+    cost_group,
+    get_schedule,
+    register_schedule,
+)
 from .surgery import (
     QuantizationReport,
     dequantize_model,
@@ -14,14 +22,19 @@ from .surgery import (
     set_precision,
 )
 from .trainer import CPTCallback, CPTTrainer
+from .checkpoint import export_portable, save_quantized
+from .hf_quantizer import CPTHfQuantizer, CPTQuantizationConfig  # registers quant_method "cpt" with transformers
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPTCallback",
     "CPTConfig",
+    "CPTHfQuantizer",
+    "CPTQuantizationConfig",
     "CPTTrainer",
     "CostMeter",
+    "PrecisionRangeResult",
     "PrecisionSchedule",
     "PrecisionState",
     "QuantConv2d",
@@ -31,14 +44,19 @@ __all__ = [
     "ScheduleShape",
     "available_schedules",
     "bitops_per_mac",
+    "cost_group",
     "dequantize_model",
+    "export_portable",
     "fake_quantize",
     "find_precision_state",
+    "get_schedule",
+    "precision_range_test",
     "quantize_error",
     "quantize_model",
     "register_quant_layer",
     "register_schedule",
     "relative_cost",
+    "save_quantized",
     "set_eval_precision",
     "set_precision",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 MIN_BITS = 1
 MAX_BITS = 32
@@ -12,6 +12,8 @@ MAX_BITS = 32
 ROUNDING_MODES = ("nearest", "ceil")
 EVAL_PRECISIONS = ("max", "current", "fp32")
 EMA_INITS = ("zeros", "first_batch")
+DELAY_PRECISIONS = ("max", "fp32")
+PRT_METRICS = ("loss", "accuracy")
 
 
 @dataclass
@@ -31,9 +33,13 @@ class CPTConfig:
     grad_bits: int = field(
         default=8, metadata={"help": "Precision of the output error in the backward pass (bits)."}
     )
-    schedule: str = field(
+    schedule: Union[str, Callable[[int], Optional[int]]] = field(
         default="cpt",
-        metadata={"help": "Precision schedule: 'cpt' (cyclic cosine), 'static' (bits_max), 'fp32', ..."},
+        metadata={
+            "help": "Precision schedule: a registered name ('cpt', 'cpt-triangular', 'cpt-cosine-anneal', 'CR', "
+            "'CT', 'LR', 'LT', 'ER', 'ET-V', 'ET-H', 'RR', 'RT-V', 'RT-H', 'progressive', 'static', 'fp32'; "
+            "see `python -m hf_cpt schedules`) or a callable step -> bits."
+        },
     )
     num_cycles: int = field(default=32, metadata={"help": "Number of precision cycles over the run."})
     rounding: str = field(
@@ -65,6 +71,55 @@ class CPTConfig:
         default="zeros",
         metadata={"help": "Start of the running activation range: 'zeros' (CPT code) or 'first_batch'."},
     )
+    delay: float = field(
+        default=0.0,
+        metadata={
+            "help": "Delayed start: fraction of training (0 <= delay < 1) held at delay_precision before the "
+            "schedule runs its cycles over the remaining steps (protects the critical early period)."
+        },
+    )
+    delay_precision: str = field(
+        default="max",
+        metadata={"help": "Precision of the delayed start: 'max' (bits_max) or 'fp32' (full precision)."},
+    )
+    grad_schedule: Optional[Union[str, Callable[[int], Optional[int]]]] = field(
+        default=None,
+        metadata={
+            "help": "Schedule of the error bits between grad_bits_min and grad_bits (a name or a callable); "
+            "None (default): fixed grad_bits."
+        },
+    )
+    grad_bits_min: Optional[int] = field(
+        default=None, metadata={"help": "Lower bound of the error bits when grad_schedule is set (bits)."}
+    )
+    prt_start_bits: int = field(
+        default=2, metadata={"help": "Precision range test (bits_min='auto'): the precision it starts from (bits)."}
+    )
+    prt_steps_per_precision: int = field(
+        default=20, metadata={"help": "Precision range test: training iterations at each precision."}
+    )
+    prt_threshold: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "Precision range test: improvement that marks bits_min (accuracy: absolute, loss: relative "
+            "decrease); default 0.05 for accuracy, 0.1 for loss."
+        },
+    )
+    prt_metric: str = field(
+        default="loss",
+        metadata={"help": "Precision range test metric: 'loss' (any model) or 'accuracy' (classification logits)."},
+    )
+    prt_window: Optional[int] = field(
+        default=None,
+        metadata={"help": "Precision range test: iterations averaged per precision (default: a quarter of them)."},
+    )
+    prt_restore_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "Precision range test: restore weights, optimizer and RNG after each precision (True) or keep "
+            "training through it as in the CPT paper (False)."
+        },
+    )
     fused_error_quantizer: bool = field(
         default=True,
         metadata={
@@ -85,11 +140,62 @@ class CPTConfig:
             raise ValueError(
                 f"CPTConfig.bits_min ({self.bits_min}) must not exceed CPTConfig.bits_max ({self.bits_max})."
             )
-        from .schedules import available_schedules
-
-        if self.schedule not in available_schedules():
+        _check_schedule("schedule", self.schedule)
+        if self.bits_min == "auto" and callable(self.schedule):
             raise ValueError(
-                f"CPTConfig.schedule={self.schedule!r} is unknown; choose one of {sorted(available_schedules())}."
+                "CPTConfig.bits_min='auto' needs a named schedule: a callable schedule does not use bits_min."
+            )
+        if (
+            not isinstance(self.delay, (int, float))
+            or isinstance(self.delay, bool)
+            or not 0.0 <= self.delay < 1.0
+        ):
+            raise ValueError(f"CPTConfig.delay must be a fraction of training in [0, 1), got {self.delay!r}.")
+        if self.delay_precision not in DELAY_PRECISIONS:
+            raise ValueError(
+                f"CPTConfig.delay_precision must be one of {DELAY_PRECISIONS}, got {self.delay_precision!r}."
+            )
+        if self.grad_schedule is not None:
+            _check_schedule("grad_schedule", self.grad_schedule)
+            if self.grad_bits_min is None:
+                raise ValueError("CPTConfig.grad_bits_min is required when CPTConfig.grad_schedule is set.")
+        if self.grad_bits_min is not None:
+            _check_bits("grad_bits_min", self.grad_bits_min)
+            if self.grad_bits_min > self.grad_bits:
+                raise ValueError(
+                    f"CPTConfig.grad_bits_min ({self.grad_bits_min}) must not exceed CPTConfig.grad_bits "
+                    f"({self.grad_bits})."
+                )
+        _check_bits("prt_start_bits", self.prt_start_bits)
+        if self.bits_min == "auto" and self.prt_start_bits > self.bits_max:
+            raise ValueError(
+                f"CPTConfig.prt_start_bits ({self.prt_start_bits}) must not exceed CPTConfig.bits_max "
+                f"({self.bits_max})."
+            )
+        if (
+            not isinstance(self.prt_steps_per_precision, int)
+            or isinstance(self.prt_steps_per_precision, bool)
+            or self.prt_steps_per_precision < 1
+        ):
+            raise ValueError(
+                f"CPTConfig.prt_steps_per_precision must be an integer >= 1, got {self.prt_steps_per_precision!r}."
+            )
+        if self.prt_threshold is not None and (
+            not isinstance(self.prt_threshold, (int, float))
+            or isinstance(self.prt_threshold, bool)
+            or not self.prt_threshold > 0
+        ):
+            raise ValueError(f"CPTConfig.prt_threshold must be a number > 0, got {self.prt_threshold!r}.")
+        if self.prt_metric not in PRT_METRICS:
+            raise ValueError(f"CPTConfig.prt_metric must be one of {PRT_METRICS}, got {self.prt_metric!r}.")
+        if self.prt_window is not None and (
+            not isinstance(self.prt_window, int)
+            or isinstance(self.prt_window, bool)
+            or not 1 <= self.prt_window <= self.prt_steps_per_precision
+        ):
+            raise ValueError(
+                f"CPTConfig.prt_window must be an integer in 1..prt_steps_per_precision "
+                f"({self.prt_steps_per_precision}), got {self.prt_window!r}."
             )
         if not isinstance(self.num_cycles, int) or isinstance(self.num_cycles, bool) or self.num_cycles < 1:
             raise ValueError(f"CPTConfig.num_cycles must be an integer >= 1, got {self.num_cycles!r}.")
@@ -121,10 +227,19 @@ class CPTConfig:
         """Raise if the run is too short for the requested number of cycles."""
         if total_steps < 1:
             raise ValueError(f"A CPT run needs at least one optimizer step, got total_steps={total_steps}.")
-        if self.schedule not in ("static", "fp32") and total_steps < self.num_cycles:
+        from .schedules import available_schedules
+
+        schedule_steps = total_steps - int(self.delay * total_steps)
+        if schedule_steps < 1:
+            raise ValueError(
+                f"CPTConfig.delay={self.delay} leaves no step of the {total_steps}-step run to the schedule."
+            )
+        shape = available_schedules().get(self.schedule) if isinstance(self.schedule, str) else None
+        if shape is not None and shape.cyclic and shape.level is not None and schedule_steps < self.num_cycles:
             raise ValueError(
                 f"CPTConfig.num_cycles={self.num_cycles} gives cycles shorter than one step for a run of "
-                f"{total_steps} optimizer steps; use at most {total_steps} cycles."
+                f"{schedule_steps} optimizer steps{' after the delay' if self.delay else ''}; use at most "
+                f"{schedule_steps} cycles."
             )
 
     @property
@@ -137,7 +252,12 @@ class CPTConfig:
         return int(self.eval_bits)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a JSON-safe dict; a callable schedule is written as its name (not restorable)."""
+        values = dataclasses.asdict(self)
+        for name in ("schedule", "grad_schedule"):
+            if callable(values[name]):
+                values[name] = _callable_name(values[name])
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "CPTConfig":
@@ -151,3 +271,19 @@ class CPTConfig:
 def _check_bits(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not MIN_BITS <= value <= MAX_BITS:
         raise ValueError(f"CPTConfig.{name} must be an integer in {MIN_BITS}..{MAX_BITS}, got {value!r}.")
+
+
+def _callable_name(fn: Any) -> str:
+    return f"<callable {getattr(fn, '__qualname__', None) or getattr(fn, '__name__', None) or type(fn).__name__}>"
+
+
+def _check_schedule(name: str, value: Any) -> None:
+    from .schedules import available_schedules
+
+    if callable(value) and not isinstance(value, str):
+        return
+    if not isinstance(value, str) or value not in available_schedules():
+        raise ValueError(
+            f"CPTConfig.{name}={value!r} is unknown; choose one of {sorted(available_schedules())}, "
+            "or pass a callable step -> bits."
+        )

@@ -15,7 +15,8 @@ from transformers.trainer_callback import CallbackHandler
 from .config import CPTConfig
 from .cost import CostMeter
 from .layers import PrecisionState
-from .schedules import PrecisionSchedule, schedule_from_config
+from .prt import PrecisionRangeResult, run_precision_range_test_for_trainer
+from .schedules import PrecisionSchedule, grad_schedule_from_config, schedule_from_config, training_precision
 from .surgery import QuantizationReport, find_precision_state, is_quantized, quantize_model
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class CPTCallback(TrainerCallback):
     def __init__(self, config: Optional[CPTConfig] = None) -> None:
         self.config = config if config is not None else CPTConfig()
         self.schedule: Optional[PrecisionSchedule] = None
+        self.grad_schedule: Optional[PrecisionSchedule] = None  # None: fixed config.grad_bits
+        self.prt_result: Optional[PrecisionRangeResult] = None  # set when bits_min="auto"
         self.precision: Optional[PrecisionState] = None
         self.meter: Optional[CostMeter] = None
         self.bits: Optional[int] = None
@@ -49,10 +52,15 @@ class CPTCallback(TrainerCallback):
                 "creating the Trainer (so the optimizer and accelerator see the quantized layers), or use "
                 "hf_cpt.CPTTrainer."
             )
-        if self.config.bits_min == "auto":
-            raise NotImplementedError("CPTConfig(bits_min='auto') needs the precision range test (hf_cpt.prt).")
         self.precision = find_precision_state(model)
-        self.schedule = schedule_from_config(self.config, state.max_steps)
+        bits_min = None
+        if self.config.bits_min == "auto":  # precision range test (REFERENCE §4), before the meter starts
+            self.prt_result = run_precision_range_test_for_trainer(
+                self.config, args, state, model, kwargs.get("train_dataloader"), kwargs.get("optimizer")
+            )
+            bits_min = self.prt_result.bits_min
+        self.schedule = schedule_from_config(self.config, state.max_steps, bits_min=bits_min)
+        self.grad_schedule = grad_schedule_from_config(self.config, state.max_steps)
         self.precision.set_eval(self.config.eval_precision, follow_training=self.config.eval_bits == "current")
         static_bits = None if self.config.schedule == "fp32" else self.config.bits_max
         if self.meter is not None:
@@ -63,8 +71,8 @@ class CPTCallback(TrainerCallback):
             self._log_before_reporting_integrations()
 
     def _set_bits(self, step: int) -> None:
-        self.bits = self.schedule(step)
-        self.grad_bits = None if self.config.schedule == "fp32" else self.config.grad_bits
+        grad_bits = self.grad_schedule if self.grad_schedule is not None else self.config.grad_bits
+        self.bits, self.grad_bits = training_precision(self.schedule(step), grad_bits, step)
         self.precision.set(self.bits, self.grad_bits)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -83,6 +91,12 @@ class CPTCallback(TrainerCallback):
             "cpt/grad_bits": float(self.grad_bits) if self.grad_bits is not None else 32.0,
         }
         values.update(self.meter.totals.as_logs())
+        if any(k.startswith("train_") for k in logs):  # the run's final summary: the full cost report
+            values["cpt/static_gbitops"] = self.meter.totals.static_bitops / 1e9
+            values["cpt/fp32_gbitops"] = self.meter.totals.fp32_bitops / 1e9
+            values["cpt/bits_min"] = float(self.schedule.bits_min)
+            if self.prt_result is not None:
+                values["cpt/prt_steps"] = float(self.prt_result.steps)
         return values
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -122,7 +136,11 @@ class CPTCallback(TrainerCallback):
 
     def cost_report(self) -> dict[str, Any]:
         """The run's cost figures and CPT settings, as written to ``cpt_cost_report.json``."""
-        return {"cpt_config": self.config.to_dict(), **self.meter.totals.to_dict()}
+        report = {"cpt_config": self.config.to_dict(), **self.meter.totals.to_dict()}
+        report["bits_min"] = self.schedule.bits_min  # the bound trained with (the PRT's choice for "auto")
+        if self.prt_result is not None:
+            report["prt"] = self.prt_result.to_dict()
+        return report
 
 
 def format_cost_report(report: dict[str, Any]) -> str:
@@ -135,6 +153,12 @@ def format_cost_report(report: dict[str, Any]) -> str:
         "  steps at each precision  "
         + ", ".join(f"{bits}: {count}" for bits, count in report["steps_at_bits"].items()),
     ]
+    if "prt" in report:
+        prt = report["prt"]
+        lines.append(
+            f"  precision range test     bits_min = {prt['bits_min']}{'' if prt['found'] else ' (none passed)'}, "
+            f"{prt['steps']} steps, {prt['gbitops']:.4g} GBitOPs"
+        )
     return "\n".join(lines)
 
 
@@ -174,3 +198,202 @@ class CPTTrainer(Trainer):
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         logs.update(self.cpt_callback.log_values(logs))
         super().log(logs, *args, **kwargs)
+
+    # -- saving: quantized checkpoints (hf_cpt.checkpoint) ----------------------------------------
+    #: What `save_model` and `push_to_hub` write by default: "packed" (integer CPT checkpoint),
+    #: "portable" (float weights on the grid, loads anywhere) or "fp32" (the FP32 master weights).
+    cpt_save_format: str = "packed"
+    #: Export precision (None: ``cpt_config.bits_max``) and storage of the weights trained in FP32.
+    cpt_save_bits: Optional[int] = None
+    cpt_float_weight_bits: Any = "auto"
+    _CPT_DEFAULT = object()  # "not given" (None is a valid float_weight_bits: exact float)
+
+    def save_model(
+        self,
+        output_dir: Optional[str] = None,
+        _internal_call: bool = False,
+        *,
+        save_format: Optional[str] = None,
+        bits: Optional[int] = None,
+        float_weight_bits: Any = _CPT_DEFAULT,
+    ) -> None:
+        """Save the trained model for use, with its tokenizer / image processor and a model card.
+
+        ``save_format`` (default ``self.cpt_save_format``, "packed") picks a packed CPT checkpoint at
+        ``bits`` (default ``cpt_config.bits_max``), a "portable" float export on the same grid, or the
+        "fp32" master weights; by default a model that cannot be exported (not a transformers
+        ``PreTrainedModel``, e.g. a peft or plain torch model, or a ``schedule="fp32"`` run) is saved
+        as "fp32". ``float_weight_bits`` is `hf_cpt.save_quantized`'s. Checkpoints the Trainer writes
+        itself to resume from (``save_steps``, ``_internal_call=True``) always hold the FP32 master
+        weights with plain keys, so that resuming continues exactly.
+        """
+        export = self.__dict__.pop("_cpt_export_pending", None)
+        if _internal_call and export is None:
+            with self._cpt_plain_model():
+                super().save_model(output_dir, _internal_call=True)
+            return
+        export = export or {}
+        explicit = save_format or export.get("save_format")
+        save_format = explicit or self._cpt_default_save_format()
+        bits = bits if bits is not None else export.get("bits", self.cpt_save_bits)
+        if float_weight_bits is self._CPT_DEFAULT:
+            float_weight_bits = export.get("float_weight_bits", self.cpt_float_weight_bits)
+        if save_format not in ("packed", "portable", "fp32"):
+            raise ValueError(f"save_format must be 'packed', 'portable' or 'fp32', got {save_format!r}.")
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if save_format == "fp32":
+            with self._cpt_plain_model():
+                super().save_model(output_dir, _internal_call=True)
+            fields = None
+        else:
+            fields = self._cpt_export(output_dir, save_format, bits, float_weight_bits)
+        self._cpt_last_export = {"fields": fields, "output_dir": output_dir}
+        if self.args.should_save:
+            self._cpt_write_card(output_dir, fields)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(
+                commit_message="Model save",
+                revision=self.args.hub_revision,
+                save_format=save_format,
+                bits=bits,
+                float_weight_bits=float_weight_bits,
+            )
+
+    def push_to_hub(self, *args, save_format: Optional[str] = None, bits: Optional[int] = None,
+                    float_weight_bits: Any = _CPT_DEFAULT, **kwargs):
+        """`Trainer.push_to_hub`, uploading the checkpoint `save_model` writes (packed by default) and its model card.
+
+        ``save_format``, ``bits`` and ``float_weight_bits`` are those of `save_model`; other arguments are
+        `Trainer.push_to_hub`'s.
+        """
+        pending = {"save_format": save_format, "bits": bits}
+        self._cpt_export_pending = {key: value for key, value in pending.items() if value is not None}
+        if float_weight_bits is not self._CPT_DEFAULT:
+            self._cpt_export_pending["float_weight_bits"] = float_weight_bits
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_cpt_export_pending", None)
+
+    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
+                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None, **kwargs) -> None:
+        """Write the CPT model card (README.md) into ``args.output_dir``: settings, schedule, cost, metrics."""
+        from transformers import PreTrainedModel
+
+        if not isinstance(self._cpt_unwrapped(), PreTrainedModel):  # peft or plain torch models: Trainer's card
+            return super().create_model_card(
+                language=language, license=license, tags=tags, model_name=model_name, finetuned_from=finetuned_from,
+                tasks=tasks, dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args,
+            )
+        if not self.is_world_process_zero():
+            return
+        last = self.__dict__.get("_cpt_last_export") or {}
+        fields = last.get("fields") if last.get("output_dir") == self.args.output_dir else None
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        metadata = {"license": license, "language": language, "base_model": finetuned_from,
+                    "datasets": dataset_tags or dataset, "pipeline_tag": tasks if isinstance(tasks, str) else None}
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        self._cpt_write_card(self.args.output_dir, fields, model_name=model_name, tags=tags, metadata=metadata)
+
+    # helpers
+    def _cpt_unwrapped(self) -> nn.Module:
+        try:
+            return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        except TypeError:  # older accelerate
+            return self.accelerator.unwrap_model(self.model)
+
+    def _cpt_plain_model(self):
+        from .checkpoint import plain_model
+
+        return plain_model(self._cpt_unwrapped())
+
+    def _cpt_default_save_format(self) -> str:
+        """``cpt_save_format``, or "fp32" where a quantized export cannot apply (said in the log)."""
+        from transformers import PreTrainedModel
+
+        if self.cpt_save_format == "fp32":
+            return "fp32"
+        model = self._cpt_unwrapped()
+        reason = None
+        if self.cpt_config.schedule == "fp32":
+            reason = "the run trained in full precision (schedule='fp32')"
+        elif not isinstance(model, PreTrainedModel):
+            reason = f"{type(model).__name__} is not a transformers PreTrainedModel (e.g. a peft or plain torch model)"
+        elif not is_quantized(model):
+            reason = "the model has no CPT layers"
+        if reason is None:
+            return self.cpt_save_format
+        logger.info("CPTTrainer.save_model: saving the FP32 master weights: %s.", reason)
+        return "fp32"
+
+    def _cpt_export(self, output_dir: str, save_format: str, bits, float_weight_bits) -> Optional[dict]:
+        from .checkpoint import packed_state_dict, portable_state_dict, resolve_export_bits, write_checkpoint
+
+        if self.is_fsdp_enabled or getattr(self, "is_deepspeed_enabled", False):
+            raise NotImplementedError(
+                f"CPTTrainer.save_model(save_format={save_format!r}) needs the whole model on one process; with "
+                "FSDP / DeepSpeed, save with save_format='fp32' and export with hf_cpt.save_quantized afterwards."
+            )
+        if not self.args.should_save:
+            return None
+        model = self._cpt_unwrapped()
+        bits = resolve_export_bits(model, bits, self.cpt_config)
+        if save_format == "packed":
+            state_dict, fields = packed_state_dict(model, bits, float_weight_bits, self.cpt_config)
+        else:
+            state_dict, fields = portable_state_dict(model, bits, self.cpt_config)
+        os.makedirs(output_dir, exist_ok=True)
+        write_checkpoint(model, output_dir, state_dict, fields)
+        processing_class = self.processing_class
+        if processing_class is None:
+            processing_class = getattr(self.data_collator, "tokenizer", None)
+        if processing_class is not None:
+            processing_class.save_pretrained(output_dir)
+        import torch
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        return fields
+
+    def _cpt_write_card(self, output_dir: str, fields: Optional[dict], **card) -> None:
+        from transformers import PreTrainedModel
+
+        from .checkpoint import eval_metrics_from_log_history, write_model_card
+
+        if not isinstance(self._cpt_unwrapped(), PreTrainedModel):
+            return  # not a transformers checkpoint: no model card of ours
+
+        callback = self.cpt_callback
+        cost_report = None
+        if callback.meter is not None:
+            try:
+                cost_report = callback.cost_report()
+            except Exception as error:  # the card must not fail a save
+                logger.warning("hf_cpt: no cost figures in the model card (%s).", error)
+        total_steps = self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
+        args = self.args
+        hyperparameters = {
+            "learning_rate": args.learning_rate,
+            "train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "optimizer": str(getattr(args.optim, "value", args.optim)),
+            "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+            "num_train_epochs": args.num_train_epochs,
+            "max_steps": total_steps,
+            "seed": args.seed,
+        }
+        write_model_card(
+            output_dir,
+            self._cpt_unwrapped(),
+            fields,
+            cpt_config=self.cpt_config,
+            total_steps=total_steps,
+            schedule=callback.schedule,
+            grad_schedule=getattr(callback, "grad_schedule", None),
+            model_name=card.pop("model_name", None) or os.path.basename(os.path.abspath(output_dir)),
+            cost_report=cost_report,
+            eval_metrics=eval_metrics_from_log_history(self.state.log_history),
+            repo_id=getattr(self, "hub_model_id", None),
+            training_hyperparameters=hyperparameters,
+            **card,
+        )

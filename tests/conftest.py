@@ -11,51 +11,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import pytest
 import torch
-from torch import nn
 
-SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
-
-
-def tiny_bert_config(num_labels: int = 3):
-    from transformers import BertConfig
-
-    return BertConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=num_labels,
-    )
-
-
-def tiny_gpt2_config():
-    from transformers import GPT2Config
-
-    return GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2)
-
-
-class TinyCNN(nn.Module):
-    """A small CNN classifier for 8x8 single-channel images (the sklearn digits)."""
-
-    def __init__(self, num_classes: int = 10, channels: int = 16) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, channels, 3, padding=1, bias=False),
-            nn.BatchNorm2d(channels),
-            nn.ReLU(),
-            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
-            nn.BatchNorm2d(channels),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(2),
-        )
-        self.classifier = nn.Linear(4 * channels, num_classes)
-
-    def forward(self, pixel_values=None, labels=None):
-        logits = self.classifier(self.features(pixel_values).flatten(1))
-        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
-        return {"loss": loss, "logits": logits} if loss is not None else {"logits": logits}
+from .helpers import SHARED_DATA, TinyCNN, tiny_bert_config, tiny_gpt2_config
 
 
 @pytest.fixture
@@ -78,20 +35,6 @@ def tiny_gpt2():
 def tiny_cnn():
     torch.manual_seed(0)
     return TinyCNN()
-
-
-def build_word_tokenizer(words: list[str], save_dir: str | None = None):
-    """A BERT WordPiece tokenizer over a given vocabulary, built without any download."""
-    from transformers import BertTokenizerFast
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(set(words))
-    import tempfile
-
-    directory = save_dir or tempfile.mkdtemp()
-    path = os.path.join(directory, "vocab.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(vocab) + "\n")
-    return BertTokenizerFast(vocab_file=path, do_lower_case=True)
 
 
 @pytest.fixture

@@ -133,7 +133,7 @@ def test_bits_are_constant_across_gradient_accumulation(tiny_bert, tmp_path):
 def test_bits_after_resuming_from_a_checkpoint(tmp_path):
     from transformers import BertForSequenceClassification
 
-    from .conftest import tiny_bert_config
+    from .helpers import tiny_bert_config
 
     config = CPTConfig(bits_min=2, bits_max=8, num_cycles=2)
     args = training_args(tmp_path, max_steps=12, save_strategy="steps", save_steps=6, per_device_train_batch_size=8)
@@ -187,7 +187,7 @@ def test_too_many_cycles_for_the_run_is_reported_before_training(tiny_bert, tmp_
 def test_static_and_fp32_baselines_through_the_same_config(tiny_bert, tmp_path):
     from transformers import BertForSequenceClassification
 
-    from .conftest import tiny_bert_config
+    from .helpers import tiny_bert_config
 
     costs = {}
     for schedule in ("static", "fp32", "cpt"):

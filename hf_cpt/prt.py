@@ -1,0 +1,575 @@
+"""Precision range test (REFERENCE §4): find the lowest precision at which training makes progress.
+
+The CPT paper picks ``bits_min`` with a short test in the first cycle: start at a low precision (2
+bits), raise it one bit at a time after a few training iterations each, and watch the training
+accuracy (or loss) averaged over consecutive iterations; the first precision at which it improves by
+more than a threshold is ``bits_min``. ``bits_max`` stays the precision of the static baseline.
+
+`precision_range_test` runs it on any quantized model and any iterable of batches (dicts for
+transformers models, ``(inputs, labels)`` pairs otherwise); `run_precision_range_test_for_trainer`
+runs it at the start of a `transformers.Trainer` run for ``CPTConfig(bits_min="auto")``.
+
+Two modes, chosen with ``restore_weights``:
+
+- ``True`` (default): every precision trains from the *same* starting weights on the *same* batches
+  with the same random numbers, and weights, buffers, optimizer state and RNG are restored afterwards.
+  Each precision is judged by how far its own training gets beyond the untrained model (the mean
+  metric of the last ``window`` iterations against the untrained model's metric on the first
+  ``window`` batches). The real run then starts from the original weights with the chosen bound, as
+  if ``bits_min`` had been given, and none of the test's 2-bit iterations reach the model: the
+  follow-up study finds that low precision early in training can cost accuracy for good (a
+  critical-period effect), so the test must not inflict it. The price is that the test's
+  iterations are extra work (reported as ``steps`` and ``gbitops``).
+- ``False``: the paper's way. Training simply continues through the precisions, one optimizer
+  throughout, and a precision is judged against the previous one (its window mean minus the previous
+  precision's window mean; the untrained model before the first). Cheaper (the iterations are real
+  training), but the model keeps whatever the lowest precisions did to it.
+
+Improvements are absolute for accuracy (in ``[0, 1]``) and relative for the loss
+(``(reference - loss) / |reference|``). If no precision up to ``max_bits`` passes the threshold, the
+result says so (``found=False``) and proposes ``max_bits``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from .cost import CostMeter
+from .surgery import dequantize_model, find_precision_state, is_quantized, quantize_model, set_precision
+
+logger = logging.getLogger(__name__)
+
+PRT_METRICS = ("accuracy", "loss")
+DEFAULT_THRESHOLDS = {"accuracy": 0.05, "loss": 0.1}
+PRT_REPORT_FILE = "cpt_prt.json"
+PRT_PLOT_FILE = "cpt_prt.png"
+
+OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
+
+
+@dataclass
+class PrecisionRangeResult:
+    """What a precision range test measured and chose.
+
+    ``bits_min`` is the chosen lower bound (``max_bits`` when ``found`` is False); ``curve`` holds
+    the metric of every training iteration at each precision, ``scores`` their window means and
+    ``improvements`` what was compared with ``threshold``. ``steps`` is the number of training
+    iterations the test spent and ``gbitops`` their cost (REFERENCE §5).
+    """
+
+    bits_min: int
+    found: bool
+    metric: str
+    threshold: float
+    start_bits: int
+    max_bits: int
+    grad_bits: Optional[int]
+    steps_per_precision: int
+    window: int
+    restore_weights: bool
+    baseline: float
+    scores: dict[int, float] = field(default_factory=dict)
+    improvements: dict[int, float] = field(default_factory=dict)
+    curve: dict[int, list[float]] = field(default_factory=dict)
+    steps: int = 0
+    gbitops: float = 0.0
+
+    @property
+    def bits(self) -> int:
+        return self.bits_min
+
+    def to_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        for key in ("scores", "improvements", "curve"):
+            values[key] = {str(bits): value for bits, value in values[key].items()}
+        return _json_safe(values)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PrecisionRangeResult:
+        values = dict(values)
+        for key in ("scores", "improvements", "curve"):
+            values[key] = {int(bits): value for bits, value in values.get(key, {}).items()}
+        return cls(**values)
+
+    def save_json(self, path: str) -> str:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        return path
+
+    def save_plot(self, path: str) -> str:
+        """Plot the metric of every iteration, its window mean per precision, and the chosen bound."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        offset = 0
+        for bits, values in self.curve.items():
+            xs = range(offset, offset + len(values))
+            ax.plot(xs, values, color="tab:blue", alpha=0.5, linewidth=1)
+            score = self.scores.get(bits)
+            if score is not None and len(values):
+                tail = range(offset + len(values) - min(self.window, len(values)), offset + len(values))
+                ax.plot(tail, [score] * len(tail), color="black", linewidth=2)
+                if self.found and bits == self.bits_min:
+                    ax.plot([tail[-1]], [score], "o", markersize=12, markerfacecolor="none", color="red")
+            ax.axvline(offset, color="grey", linewidth=0.5)
+            ax.text(offset + len(values) / 2, 1.0, f"{bits}b", transform=ax.get_xaxis_transform(),
+                    ha="center", va="bottom", fontsize=8)
+            offset += len(values)
+        ax.axhline(self.baseline, color="grey", linestyle="--", linewidth=1, label="untrained model")
+        ax.set_xlabel("precision range test iteration")
+        ax.set_ylabel(f"training {self.metric}")
+        verdict = f"bits_min = {self.bits_min}" if self.found else f"no precision passed; bits_min = {self.bits_min}"
+        ax.set_title(f"Precision range test: {verdict} (threshold {self.threshold:g}, {self.steps} steps)", pad=14)
+        ax.legend(loc="best", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def __str__(self) -> str:
+        lines = [
+            f"Precision range test ({self.metric}, threshold {self.threshold:g}, "
+            f"{'weights restored' if self.restore_weights else 'weights kept'}): "
+            + (f"bits_min = {self.bits_min}" if self.found else f"no precision passed, bits_min = {self.bits_min}"),
+            f"  untrained model {self.metric}: {self.baseline:.4g}",
+        ]
+        for bits, score in self.scores.items():
+            mark = "  <- chosen" if self.found and bits == self.bits_min else ""
+            lines.append(
+                f"  {bits:2d} bits: {self.metric} {score:.4g}, improvement {self.improvements[bits]:+.4g}{mark}"
+            )
+        lines.append(f"  steps spent: {self.steps} ({self.gbitops:.4g} GBitOPs)")
+        return "\n".join(lines)
+
+
+def precision_range_test(
+    model: nn.Module,
+    data: Iterable,
+    *,
+    start_bits: int = 2,
+    max_bits: int = 8,
+    steps_per_precision: int = 20,
+    threshold: Optional[float] = None,
+    metric: str = "accuracy",
+    window: Optional[int] = None,
+    optimizer: OptimizerArg = None,
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    grad_bits: Optional[int] = 8,
+    restore_weights: bool = True,
+    max_grad_norm: Optional[float] = None,
+    stop_at_first: bool = True,
+) -> PrecisionRangeResult:
+    """Find ``bits_min`` by training briefly at ``start_bits``, ``start_bits + 1``, ... ``max_bits``.
+
+    Args:
+        model: a model converted with `hf_cpt.quantize_model` (a plain model is converted for the
+            test with the default `CPTConfig` and restored afterwards).
+        data: an iterable of batches, re-iterated if it runs out: dicts passed as ``model(**batch)``
+            (the loss is ``outputs.loss`` if the model returns one), or ``(inputs, labels)`` pairs
+            passed as ``model(inputs)``.
+        steps_per_precision: training iterations at each precision.
+        threshold: improvement that marks ``bits_min``: absolute for accuracy, a relative decrease
+            for the loss (defaults 0.05 and 0.1).
+        metric: 'accuracy' (argmax of the logits against ``labels``, ignoring -100) or 'loss'.
+        window: how many consecutive iterations are averaged (default: a quarter of them).
+        optimizer: None (Adam, lr 1e-3, fresh for each precision when weights are restored), a
+            function ``params -> optimizer``, or an optimizer over the model's parameters (its state
+            is restored with the weights; its ``initial_lr`` is used if a scheduler set one).
+        loss_fn: ``loss_fn(logits, labels)``, for models that do not return a loss (default:
+            cross-entropy).
+        grad_bits: error precision during the test (None: full-precision backward).
+        restore_weights: see the module docstring; True keeps the model's weights unchanged.
+        max_grad_norm: clip gradients to this norm, as the Trainer does.
+        stop_at_first: stop at the chosen precision (False: measure every precision up to max_bits).
+    """
+    _check_bits("start_bits", start_bits)
+    _check_bits("max_bits", max_bits)
+    if start_bits > max_bits:
+        raise ValueError(f"precision_range_test: start_bits ({start_bits}) must not exceed max_bits ({max_bits}).")
+    if grad_bits is not None:
+        _check_bits("grad_bits", grad_bits)
+    if not isinstance(steps_per_precision, int) or isinstance(steps_per_precision, bool) or steps_per_precision < 1:
+        raise ValueError(
+            f"precision_range_test: steps_per_precision must be an integer >= 1, got {steps_per_precision!r}."
+        )
+    if metric not in PRT_METRICS:
+        raise ValueError(f"precision_range_test: metric must be one of {PRT_METRICS}, got {metric!r}.")
+    if threshold is None:
+        threshold = DEFAULT_THRESHOLDS[metric]
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not threshold > 0:
+        raise ValueError(f"precision_range_test: threshold must be a number > 0, got {threshold!r}.")
+    if window is None:
+        window = max(1, steps_per_precision // 4)
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= steps_per_precision:
+        raise ValueError(
+            f"precision_range_test: window must be an integer in 1..steps_per_precision ({steps_per_precision}), "
+            f"got {window!r}."
+        )
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"precision_range_test: model must be a torch.nn.Module, got {type(model).__name__}.")
+    if data is None or not hasattr(data, "__iter__"):
+        raise ValueError(f"precision_range_test: data must be an iterable of batches, got {type(data).__name__}.")
+
+    converted_here = not is_quantized(model)
+    if converted_here:
+        quantize_model(model)
+    precision = find_precision_state(model)
+    previous_precision = precision.current
+    was_training = model.training
+    rng = _rng_state()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("precision_range_test: the model has no trainable parameters.")
+    device = params[0].device
+    optimizer, make_optimizer = _resolve_optimizer(optimizer, params)
+    snapshot = _snapshot(model, optimizer) if restore_weights else None
+    lrs = _use_initial_lr(optimizer) if optimizer is not None else None
+    batches = _Batches(data, device, cache=steps_per_precision if restore_weights else None)
+    meter = CostMeter(model, max_bits, grad_bits)
+
+    result = PrecisionRangeResult(
+        bits_min=max_bits,
+        found=False,
+        metric=metric,
+        threshold=float(threshold),
+        start_bits=start_bits,
+        max_bits=max_bits,
+        grad_bits=grad_bits,
+        steps_per_precision=steps_per_precision,
+        window=window,
+        restore_weights=restore_weights,
+        baseline=float("nan"),
+    )
+    try:
+        model.train()
+        result.baseline = _baseline(model, batches, window, metric, loss_fn, precision)
+        reference = result.baseline
+        current_optimizer = optimizer
+        for bits in range(start_bits, max_bits + 1):
+            if restore_weights:
+                _restore(model, optimizer, snapshot)
+                _set_rng_state(rng)
+                batches.rewind()
+            if current_optimizer is None or (restore_weights and make_optimizer is not None):
+                current_optimizer = make_optimizer(params)
+            set_precision(model, bits, grad_bits)
+            values = []
+            for _ in range(steps_per_precision):
+                values.append(_train_step(model, batches.next(), metric, loss_fn, current_optimizer, params,
+                                          max_grad_norm))
+                meter.end_step(bits, grad_bits)
+                result.steps += 1
+            score = _nanmean(values[-window:])
+            improvement = _improvement(metric, reference, score)
+            result.curve[bits] = values
+            result.scores[bits] = score
+            result.improvements[bits] = improvement
+            logger.info("PRT %d bits: %s %.4g, improvement %+.4g", bits, metric, score, improvement)
+            if not result.found and improvement > threshold:
+                result.found, result.bits_min = True, bits
+                if stop_at_first:
+                    break
+            if not restore_weights:
+                reference = score
+    finally:
+        meter.remove()
+        result.gbitops = meter.totals.bitops / 1e9
+        model.zero_grad(set_to_none=True)
+        if restore_weights:
+            _restore(model, optimizer, snapshot)
+            _set_rng_state(rng)
+        if lrs is not None:
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
+        precision.set(*previous_precision)
+        model.train(was_training)
+        if converted_here:
+            dequantize_model(model)
+    result = _agree_across_processes(result, model, restore_weights)
+    if not result.found:
+        logger.warning(
+            "Precision range test: no precision from %d to %d bits improved the training %s by more than %g; "
+            "using bits_min = %d. Lower the threshold or raise steps_per_precision.",
+            start_bits, max_bits, metric, threshold, max_bits,
+        )
+    return result
+
+
+def run_precision_range_test_for_trainer(
+    config,
+    args,
+    state,
+    model: nn.Module,
+    train_dataloader: Optional[Iterable],
+    optimizer: Optional[torch.optim.Optimizer] = None,
+) -> PrecisionRangeResult:
+    """``CPTConfig(bits_min="auto")`` at the start of a Trainer run: run the test, save and log it.
+
+    Uses the Trainer's training batches and optimizer (at its peak learning rate), writes
+    ``cpt_prt.json`` and ``cpt_prt.png`` to the output directory, and on a resumed run reuses the
+    ``cpt_prt.json`` found there instead of testing again.
+    """
+    output_dir = getattr(args, "output_dir", None)
+    saved = os.path.join(output_dir, PRT_REPORT_FILE) if output_dir else None
+    if state.global_step > 0 and saved and os.path.exists(saved):
+        with open(saved) as f:
+            result = PrecisionRangeResult.from_dict(json.load(f))
+        logger.warning("Precision range test: resuming with bits_min = %d from %s", result.bits_min, saved)
+        return result
+    if train_dataloader is None:
+        raise ValueError(
+            "CPTConfig(bits_min='auto') needs the Trainer's train_dataloader for the precision range test."
+        )
+    result = precision_range_test(
+        model,
+        train_dataloader,
+        start_bits=config.prt_start_bits,
+        max_bits=config.bits_max,
+        steps_per_precision=config.prt_steps_per_precision,
+        threshold=config.prt_threshold,
+        metric=config.prt_metric,
+        window=config.prt_window,
+        optimizer=optimizer,
+        grad_bits=config.grad_bits,
+        restore_weights=config.prt_restore_weights,
+        max_grad_norm=getattr(args, "max_grad_norm", None) or None,
+    )
+    logger.warning("%s", result)
+    if output_dir and getattr(state, "is_world_process_zero", True):
+        os.makedirs(output_dir, exist_ok=True)
+        result.save_json(os.path.join(output_dir, PRT_REPORT_FILE))
+        try:
+            result.save_plot(os.path.join(output_dir, PRT_PLOT_FILE))
+        except Exception as error:  # a plot must never stop a training run
+            logger.warning("Precision range test: could not save the plot: %s", error)
+    return result
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _check_bits(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32:
+        raise ValueError(f"precision_range_test: {name} must be an integer in 1..32, got {value!r}.")
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def _improvement(metric: str, reference: float, score: float) -> float:
+    if metric == "accuracy":
+        return score - reference
+    return (reference - score) / max(abs(reference), 1e-12)
+
+
+class _Batches:
+    """Cycles through ``data``; with ``cache``, keeps the first batches so each precision sees the same."""
+
+    def __init__(self, data: Iterable, device: torch.device, cache: Optional[int]) -> None:
+        self.data, self.device, self.cache = data, device, cache is not None
+        self.one_shot = isinstance(data, Iterator)  # cannot be iterated again
+        self.iterator: Optional[Iterator] = None
+        self.cached: list = []
+        self.position = 0
+
+    def _draw(self):
+        for _ in range(2):
+            if self.iterator is None:
+                self.iterator = iter(self.data)
+            try:
+                return _to_device(next(self.iterator), self.device)
+            except StopIteration:
+                self.iterator = None
+                if self.one_shot:
+                    break
+        raise ValueError("precision_range_test: data ran out of batches (an exhausted iterator or an empty dataset).")
+
+    def next(self):
+        if not self.cache:
+            return self._draw()
+        if self.position == len(self.cached):
+            self.cached.append(self._draw())
+        batch = self.cached[self.position]
+        self.position += 1
+        return batch
+
+    def rewind(self) -> None:
+        self.position = 0
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _forward(model: nn.Module, batch: Any, loss_fn, metric: str):
+    """(loss, logits, labels) of one batch."""
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+        outputs = model(**batch)
+    elif isinstance(batch, (list, tuple)) and len(batch) == 2:
+        inputs, labels = batch
+        outputs = model(inputs)
+    else:
+        raise ValueError(
+            "precision_range_test: a batch must be a dict of model inputs or an (inputs, labels) pair, "
+            f"got {type(batch).__name__}."
+        )
+    loss, logits = None, None
+    if isinstance(outputs, torch.Tensor):
+        logits = outputs
+    elif isinstance(outputs, Mapping):
+        loss, logits = outputs.get("loss"), outputs.get("logits")
+    elif isinstance(outputs, (list, tuple)) and outputs:
+        if isinstance(batch, Mapping) and labels is not None and len(outputs) > 1:
+            loss, logits = outputs[0], outputs[1]
+        else:
+            logits = outputs[0]
+    if loss_fn is not None or loss is None:
+        if logits is None or labels is None:
+            raise ValueError(
+                "precision_range_test: the model returned no loss, and no logits and labels to compute one from."
+            )
+        loss = (loss_fn or nn.functional.cross_entropy)(logits, labels)
+    return loss, logits, labels
+
+
+def _metric_value(metric: str, loss: torch.Tensor, logits, labels) -> float:
+    if metric == "loss":
+        return float(loss.detach())
+    if logits is None or labels is None:
+        raise ValueError("precision_range_test: metric='accuracy' needs logits and labels; use metric='loss'.")
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"precision_range_test: metric='accuracy' needs logits shaped like labels plus a class dimension, "
+            f"got logits {tuple(logits.shape)} and labels {tuple(labels.shape)}; use metric='loss'."
+        )
+    mask = labels != -100
+    correct = (logits.detach().argmax(-1) == labels) & mask
+    return float(correct.sum()) / max(int(mask.sum()), 1)
+
+
+def _baseline(model, batches: _Batches, window: int, metric: str, loss_fn, precision) -> float:
+    """The untrained model's metric (full precision, no update) on the first ``window`` batches."""
+    precision.set(None, None)
+    values = []
+    with torch.no_grad():
+        for _ in range(window):
+            loss, logits, labels = _forward(model, batches.next(), loss_fn, metric)
+            values.append(_metric_value(metric, loss, logits, labels))
+    batches.rewind()
+    return _nanmean(values)
+
+
+def _train_step(model, batch, metric, loss_fn, optimizer, params, max_grad_norm) -> float:
+    loss, logits, labels = _forward(model, batch, loss_fn, metric)
+    value = _metric_value(metric, loss, logits, labels)
+    if torch.isfinite(loss.detach()).all():
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return value
+
+
+def _resolve_optimizer(optimizer: OptimizerArg, params: list):
+    """(optimizer instance or None, factory or None)."""
+    if optimizer is None:
+        return None, lambda ps: torch.optim.Adam(ps, lr=1e-3)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
+        return (inner if isinstance(inner, torch.optim.Optimizer) else optimizer), None
+    if callable(optimizer):
+        return None, optimizer
+    raise ValueError(
+        f"precision_range_test: optimizer must be None, a torch optimizer or a function params -> optimizer, "
+        f"got {type(optimizer).__name__}."
+    )
+
+
+def _use_initial_lr(optimizer: torch.optim.Optimizer) -> list:
+    """Train at the scheduler's peak lr (a warmup would start at 0); returns the lrs to put back."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group.get("initial_lr", group["lr"])
+    return lrs
+
+
+def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
+    # parameters and every buffer, non-persistent ones (activation ranges) included; kept on the CPU
+    tensors = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        tensors.setdefault(id(tensor), (tensor, tensor.detach().to("cpu", copy=True)))
+    flags = {id(m): m.__dict__["_act_range_initialized"] for m in model.modules()
+             if "_act_range_initialized" in m.__dict__}
+    modules = {id(m): m for m in model.modules()}
+    optimizer_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    return {"tensors": tensors, "flags": flags, "modules": modules, "optimizer": optimizer_state}
+
+
+@torch.no_grad()
+def _restore(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], snapshot: dict) -> None:
+    for tensor, saved in snapshot["tensors"].values():
+        tensor.copy_(saved)
+    for key, flag in snapshot["flags"].items():
+        snapshot["modules"][key].__dict__["_act_range_initialized"] = flag
+    if optimizer is not None:
+        optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+    model.zero_grad(set_to_none=True)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _agree_across_processes(result: PrecisionRangeResult, model: nn.Module, restored: bool) -> PrecisionRangeResult:
+    """Under torch.distributed, every process takes process 0's result (and weights, if they trained)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return result
+    shared = [result]
+    dist.broadcast_object_list(shared, src=0)
+    if not restored:
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(tensor.data, src=0)
+    return shared[0]

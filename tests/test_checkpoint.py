@@ -1,0 +1,582 @@
+"""Quantized CPT checkpoints: packing, `from_pretrained` round trips, bad input, Trainer saving, push_to_hub.
+
+Round trips use small configs (tiny BERT classifier, tiny GPT-2 LM, timm ``test_resnet``) at 8 and 4
+bits. Sizes: the ratios of the round-trip models are printed; the targets (8-bit <= 0.27, 4-bit <= 0.15
+of the FP32 safetensors) are asserted on a BERT with realistic proportions (embeddings about a quarter
+of the weights, hidden 256) and measured at BERT-base / GPT-2 size by ``bench/checkpoint_size.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_cpt
+from hf_cpt import CPTConfig, CPTTrainer, export_portable, quantize_model, save_quantized, set_eval_precision
+from hf_cpt.checkpoint import (
+    FORMAT_VERSION,
+    checkpoint_size,
+    dequantize_rows,
+    float_storage_bits,
+    pack_codes,
+    plan_export,
+    quantize_rows,
+    unpack_codes,
+    weight_channel_dim,
+)
+from hf_cpt.layers import QuantLayerMixin
+
+from .helpers import build_word_tokenizer, tiny_bert_config, tiny_gpt2_config
+
+WORDS = ["good", "bad", "movie", "plot", "great", "awful", "fine", "dull"]
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _bert():
+    from transformers import AutoModelForSequenceClassification, BertForSequenceClassification
+
+    model = BertForSequenceClassification(tiny_bert_config())
+    return model, {"input_ids": torch.randint(0, 128, (4, 12))}, AutoModelForSequenceClassification
+
+
+def _gpt2():
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    config = tiny_gpt2_config()
+    config.bos_token_id = config.eos_token_id = 0
+    return GPT2LMHeadModel(config), {"input_ids": torch.randint(0, 128, (2, 12))}, AutoModelForCausalLM
+
+
+def _timm():
+    from transformers import AutoModelForImageClassification, TimmWrapperConfig, TimmWrapperForImageClassification
+
+    model = TimmWrapperForImageClassification(TimmWrapperConfig(architecture="test_resnet", num_labels=10))
+    return model, {"pixel_values": torch.randn(2, 3, 32, 32)}, AutoModelForImageClassification
+
+
+BUILDERS = {"bert": _bert, "gpt2": _gpt2, "timm": _timm}
+_CACHE: dict = {}
+
+
+def calibrated(kind: str):
+    """A CPT model after a few training-mode forwards (so its activation ranges are real), in eval mode."""
+    if kind not in _CACHE:
+        torch.manual_seed(0)
+        model, inputs, auto_class = BUILDERS[kind]()
+        quantize_model(model, CPTConfig(bits_min=3, bits_max=8, activation_ema_init="first_batch"))
+        model.train()
+        hf_cpt.set_precision(model, 6, 8)
+        with torch.no_grad():
+            for _ in range(3):
+                model(**{k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v for k, v in inputs.items()})
+        model.eval()
+        _CACHE[kind] = (model, inputs, auto_class)
+    return _CACHE[kind]
+
+
+def logits(model, inputs, bits=None):
+    if bits is not None:
+        set_eval_precision(model, bits)
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def snapped_float_weights(model, bits, float_weight_bits="auto"):
+    """A copy of ``model`` whose FP32-trained weights are rounded as a packed export stores them."""
+    reference = copy.deepcopy(model)
+    for name, module_bits in plan_export(reference, bits, float_weight_bits).float_bits.items():
+        module = reference.get_submodule(name)
+        dim = weight_channel_dim(module)
+        codes, scale, zero_point = quantize_rows(module.weight, module_bits, dim)
+        with torch.no_grad():
+            module.weight.copy_(dequantize_rows(codes, scale, zero_point, module.weight.shape, dim))
+    return reference
+
+
+# ----------------------------------------------------------------------------- codes and packing
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_codes_reproduce_the_fake_quantized_weight_bit_for_bit(bits):
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(bits)
+    layers = [torch.nn.Linear(7, 5), torch.nn.Conv2d(3, 4, 3), Conv1D(6, 7)]
+    model = torch.nn.Sequential(*layers)
+    quantize_model(model, CPTConfig(include_modules=["0", "1", "2"]))
+    with torch.no_grad():
+        layers[0].weight[2].fill_(0.25)  # a constant channel: scale clamps to 1e-8
+    for layer in layers:
+        assert isinstance(layer, QuantLayerMixin)
+        dim = weight_channel_dim(layer)
+        codes, scale, zero_point = quantize_rows(layer.weight, bits, dim)
+        assert codes.dtype == torch.uint8 and int(codes.max()) <= 2**bits - 1
+        assert torch.equal(zero_point, layer.weight.detach().movedim(dim, 0).reshape(codes.shape[0], -1).amin(1))
+        packed = pack_codes(codes, bits)
+        assert packed.shape == (codes.shape[0], (codes.shape[1] + 1) // 2 if bits <= 4 else codes.shape[1])
+        assert torch.equal(unpack_codes(packed, bits, codes.shape[1]), codes)
+        unpacked = unpack_codes(packed, bits, codes.shape[1])
+        rebuilt = dequantize_rows(unpacked, scale, zero_point, layer.weight.shape, dim)
+        assert torch.equal(rebuilt, layer.quantized_weight(bits))
+
+
+def test_float_weight_bits_auto_gives_embeddings_the_storage_of_the_cpt_layers():
+    assert [float_storage_bits(b, "auto", embedding=True) for b in (2, 4, 5, 8)] == [4, 4, 8, 8]
+    assert [float_storage_bits(b, "auto", embedding=False) for b in (2, 4, 5, 8)] == [8, 8, 8, 8]
+    assert float_storage_bits(8, None, embedding=True) is None and float_storage_bits(4, 6, embedding=False) == 6
+    with pytest.raises(ValueError, match="float_weight_bits"):
+        float_storage_bits(8, 12, embedding=True)
+    model, _, _ = calibrated("gpt2")
+    plan = plan_export(model, 4)
+    assert plan.float_bits == {"transformer.wte": 4, "transformer.wpe": 4}
+    assert plan.shared == {"lm_head": "transformer.wte"}  # the tied head is stored once, with the embedding
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "timm"])
+def test_round_trip_matches_the_fake_quantized_model(kind, bits, tmp_path):
+    """Exact storage of the FP32-trained weights: the loaded model equals the in-memory one at ``bits``."""
+    model, inputs, auto_class = calibrated(kind)
+    expected = logits(model, inputs, bits)
+    save_quantized(model, tmp_path, bits, float_weight_bits=None, model_card=False)
+    loaded = auto_class.from_pretrained(tmp_path)
+
+    torch.testing.assert_close(logits(loaded, inputs), expected, rtol=1e-5, atol=1e-6)
+    assert loaded.hf_quantizer.is_trainable and loaded.hf_quantizer.is_qat_trainable
+    assert loaded.config.quantization_config.bits == bits
+    assert set(loaded.state_dict()) == set(model.state_dict())  # plain keys again after unpacking
+    for name, layer in model.named_modules():
+        if isinstance(layer, QuantLayerMixin):
+            twin = loaded.get_submodule(name)
+            assert type(twin) is type(layer)
+            assert torch.equal(twin.weight, layer.quantized_weight(bits))  # FP32 master = codes x scale + min
+            assert twin.weight.requires_grad
+            assert torch.equal(twin.act_min, layer.act_min) and torch.equal(twin.act_max, layer.act_max)
+    if kind == "gpt2":
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "timm"])
+def test_round_trip_with_compact_float_weights(kind, bits, tmp_path):
+    """Default storage: FP32-trained weights as per-row codes; the loaded model equals the in-memory one
+    with exactly those weights rounded (and nothing else changed)."""
+    model, inputs, auto_class = calibrated(kind)
+    save_quantized(model, tmp_path, bits, model_card=False)
+    loaded = auto_class.from_pretrained(tmp_path)
+    stored = loaded.config.quantization_config.float_packed_modules
+    assert loaded.config.quantization_config.float_weight_bits == "auto"
+    assert stored == plan_export(model, bits).float_bits and stored
+
+    reference = snapped_float_weights(model, bits)
+    torch.testing.assert_close(logits(loaded, inputs), logits(reference, inputs, bits), rtol=1e-5, atol=1e-6)
+    drift = (logits(loaded, inputs) - logits(model, inputs, bits)).abs().max() / logits(model, inputs, bits).abs().max()
+    print(f"{kind} {bits}-bit: FP32-trained weights stored as {stored} move the outputs by {float(drift):.2%}")
+
+
+def test_packed_tensors_and_config(tmp_path):
+    model, inputs, _ = calibrated("bert")
+    save_quantized(model, tmp_path, 4, model_card=False)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    config = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
+
+    assert config["quant_method"] == "cpt" and config["format_version"] == FORMAT_VERSION
+    assert config["checkpoint_format"] == "packed" and config["bits"] == 4 and config["float_weight_bits"] == "auto"
+    assert config["activation_momentum"] == 0.9 and config["activation_ema_init"] == "first_batch"
+    query = "bert.encoder.layer.0.attention.self.query"
+    assert config["guard_tensor"] == f"{query}.weight" and tensors[f"{query}.weight"].shape == (0,)
+    up = "bert.encoder.layer.0.intermediate.dense"  # weight [64, 32]
+    assert config["quantized_modules"][0] == query and up in config["quantized_modules"]
+    assert tensors[f"{up}.weight_packed"].dtype == torch.uint8 and tensors[f"{up}.weight_packed"].shape == (64, 16)
+    assert tensors[f"{up}.weight_scale"].shape == (64,) and tensors[f"{up}.weight_zero_point"].dtype == torch.float32
+    assert tensors[f"{up}.act_min"].shape == () and f"{up}.weight" not in tensors and f"{up}.bias" in tensors
+    assert tensors["bert.embeddings.word_embeddings.weight_packed"].shape == (128, 16)  # 4-bit embedding codes
+    assert config["float_packed_modules"]["bert.embeddings.word_embeddings"] == 4
+    assert config["float_packed_modules"]["classifier"] == 8  # the FP32 head: 8-bit codes
+    assert tensors["classifier.weight_packed"].shape == (3, 32)
+    assert "bert.embeddings.LayerNorm.weight" in tensors  # norms stay float
+
+
+def test_size_ratios_at_realistic_proportions(tmp_path):
+    """8-bit <= 0.27 and 4-bit <= 0.15 of the FP32 safetensors, on a BERT whose embeddings are a quarter of it."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    for kind in ("bert", "gpt2", "timm"):  # tiny models: per-channel overhead dominates, printed only
+        model, _, _ = calibrated(kind)
+        with hf_cpt.checkpoint.plain_model(model):
+            model.save_pretrained(tmp_path / kind / "fp32")
+        for bits in (8, 4):
+            save_quantized(model, tmp_path / kind / str(bits), bits, model_card=False)
+        fp32 = checkpoint_size(tmp_path / kind / "fp32")
+        print(kind, {b: round(checkpoint_size(tmp_path / kind / str(b)) / fp32, 3) for b in (8, 4)})
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=4000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=1024, max_position_embeddings=512, num_labels=2)
+    model = BertForSequenceClassification(config)
+    quantize_model(model, CPTConfig())
+    model.save_pretrained(tmp_path / "fp32")
+    fp32 = checkpoint_size(tmp_path / "fp32")
+    ratios = {}
+    for bits in (8, 4):
+        save_quantized(model, tmp_path / str(bits), bits, model_card=False)
+        ratios[bits] = checkpoint_size(tmp_path / str(bits)) / fp32
+    print("BERT hidden 256, 4 layers, vocab 4000:", {b: round(r, 3) for b, r in ratios.items()})
+    assert ratios[8] <= 0.27 and ratios[4] <= 0.15
+
+
+def test_portable_export_loads_as_cpt_model(tmp_path):
+    model, inputs, auto_class = calibrated("gpt2")
+    expected = logits(model, inputs, 4)
+    export_portable(model, tmp_path, 4, model_card=False)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert all(t.is_floating_point() for t in tensors.values())
+    layer = model.transformer.h[0].mlp.c_fc
+    assert torch.equal(tensors["transformer.h.0.mlp.c_fc.weight"], layer.quantized_weight(4))
+
+    loaded = auto_class.from_pretrained(tmp_path)
+    assert isinstance(loaded.transformer.h[0].mlp.c_fc, QuantLayerMixin)
+    torch.testing.assert_close(logits(loaded, inputs), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_without_import_hf_cpt_packed_fails_loudly_and_portable_loads(tmp_path):
+    """Measured in a fresh interpreter that never imports hf_cpt."""
+    model, inputs, _ = calibrated("bert")
+    save_quantized(model, tmp_path / "packed", 8, model_card=False)
+    export_portable(model, tmp_path / "portable", 8, model_card=False)
+    float_model = copy.deepcopy(model)
+    for layer in list(float_model.modules()):
+        if isinstance(layer, QuantLayerMixin):
+            with torch.no_grad():
+                layer.weight.copy_(layer.quantized_weight(8))
+    hf_cpt.dequantize_model(float_model)
+    torch.save({"inputs": inputs, "expected": logits(float_model, inputs)}, tmp_path / "io.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        from transformers import AutoModelForSequenceClassification
+        try:
+            AutoModelForSequenceClassification.from_pretrained({str(tmp_path / "packed")!r})
+            print("PACKED LOADED")
+        except RuntimeError as error:
+            print("PACKED FAILED:", type(error).__name__, str(error).splitlines()[0])
+        model = AutoModelForSequenceClassification.from_pretrained({str(tmp_path / "portable")!r})
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        with torch.no_grad():
+            diff = (model(**io["inputs"]).logits - io["expected"]).abs().max().item()
+        print("PORTABLE DIFF", diff, type(model.bert.encoder.layer[0].output.dense).__name__)
+        print("HF_CPT IMPORTED", "hf_cpt" in sys.modules)
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "PACKED FAILED: RuntimeError" in out and "PACKED LOADED" not in out
+    assert "MISMATCH" in result.stderr and "bert.encoder.layer.0.attention.self.query.weight" in result.stderr
+    assert "Unknown quantization type, got cpt" in result.stderr
+    diff = float(out.split("PORTABLE DIFF ")[1].split()[0])
+    assert diff < 1e-5 and "PORTABLE DIFF" in out and " Linear" in out
+    assert "HF_CPT IMPORTED False" in out
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def packed_dir(tmp_path):
+    model, _, auto_class = calibrated("bert")
+    save_quantized(model, tmp_path, 8, model_card=False)
+    return tmp_path, auto_class
+
+
+def _edit_tensors(path, edit):
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _edit_config(path, **changes):
+    file = os.path.join(path, "config.json")
+    config = json.load(open(file))
+    config["quantization_config"].update(changes)
+    json.dump(config, open(file, "w"))
+
+
+LAYER = "bert.encoder.layer.1.output.dense"
+
+
+def test_missing_tensor_is_named(packed_dir):
+    path, auto_class = packed_dir
+    _edit_tensors(path, lambda t: t.pop(f"{LAYER}.weight_scale"))
+    with pytest.raises(ValueError, match=rf"'{LAYER}\.weight_scale' is missing"):
+        auto_class.from_pretrained(path)
+
+
+def test_misshaped_tensor_is_named(packed_dir):
+    path, auto_class = packed_dir
+    _edit_tensors(path, lambda t: t.update({f"{LAYER}.weight_packed": t[f"{LAYER}.weight_packed"][:, :-1].clone()}))
+    with pytest.raises(ValueError, match=rf"'{LAYER}\.weight_packed' has shape \[32, 63\], expected \[32, 64\]"):
+        auto_class.from_pretrained(path)
+
+
+def test_mistyped_tensor_is_named(packed_dir):
+    path, auto_class = packed_dir
+    _edit_tensors(path, lambda t: t.update({f"{LAYER}.act_max": t[f"{LAYER}.act_max"].double()}))
+    with pytest.raises(ValueError, match=rf"'{LAYER}\.act_max' has dtype F64, expected F32"):
+        auto_class.from_pretrained(path)
+
+
+def test_float_weight_where_codes_are_expected_is_named(packed_dir):
+    path, auto_class = packed_dir
+    _edit_tensors(path, lambda t: t.update({f"{LAYER}.weight": torch.zeros(32, 64)}))
+    with pytest.raises(ValueError, match=rf"'{LAYER}\.weight' is a plain weight"):
+        auto_class.from_pretrained(path)
+
+
+def test_unknown_format_version_is_named(packed_dir):
+    path, auto_class = packed_dir
+    _edit_config(path, format_version=FORMAT_VERSION + 1)
+    with pytest.raises(ValueError, match="quantization_config.format_version=2 is not supported"):
+        auto_class.from_pretrained(path)
+
+
+@pytest.mark.parametrize("field,value", [("bits", 12), ("bits", 0), ("float_weight_bits", 16), ("bits", "8")])
+def test_bits_out_of_range_are_named(packed_dir, field, value):
+    path, auto_class = packed_dir
+    _edit_config(path, **{field: value})
+    with pytest.raises(ValueError, match=rf"quantization_config\.{field} must be an integer in 1\.\.8"):
+        auto_class.from_pretrained(path)
+
+
+def test_bits_that_do_not_match_the_codes_are_caught(packed_dir):
+    path, auto_class = packed_dir
+    _edit_config(path, bits=7)  # same bytes per value as 8 bits, but codes above 127
+    with pytest.raises(ValueError, match=r"weight_packed' holds codes up to 255, more than 7 bits allow"):
+        auto_class.from_pretrained(path)
+
+
+def test_unknown_module_is_named(packed_dir):
+    path, auto_class = packed_dir
+    config = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    _edit_config(path, quantized_modules=config["quantized_modules"] + ["bert.encoder.layer.7.output.dense"])
+    with pytest.raises(ValueError, match=r"quantized_modules names module 'bert.encoder.layer.7.output.dense'"):
+        auto_class.from_pretrained(path)
+
+
+def test_export_rejects_bits_out_of_range(tmp_path):
+    model, _, _ = calibrated("bert")
+    cases = [({"bits": 9}, "bits"), ({"bits": 0}, "bits"), ({"bits": 8, "float_weight_bits": 32}, "float_weight_bits")]
+    for kwargs, field in cases:
+        with pytest.raises(ValueError, match=rf"^{field} must be an integer in 1\.\.8"):
+            save_quantized(model, tmp_path, **kwargs)
+    with pytest.raises(ValueError, match="pass bits="):  # no bits, no cpt_config, evaluating in FP32
+        save_quantized(_fresh_fp32_eval_model(), tmp_path)
+
+
+def _fresh_fp32_eval_model():
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification(tiny_bert_config())
+    quantize_model(model, CPTConfig(eval_bits="fp32"))
+    return model
+
+
+# ----------------------------------------------------------------------------- Trainer
+
+
+class _Texts(torch.utils.data.Dataset):
+    def __init__(self, tokenizer, n=32):
+        generator = torch.Generator().manual_seed(0)
+        self.rows = []
+        for i in range(n):
+            words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (6,), generator=generator)]
+            encoded = tokenizer(" ".join(words), padding="max_length", max_length=10, truncation=True)
+            self.rows.append({**{k: torch.tensor(v) for k, v in encoded.items()}, "labels": torch.tensor(i % 3)})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _trainer(tmp_path, model=None, **overrides):
+    from transformers import BertForSequenceClassification, TrainingArguments
+
+    os.makedirs(tmp_path, exist_ok=True)
+    tokenizer = build_word_tokenizer(WORDS, str(tmp_path))
+    values = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=1e-3, max_steps=4,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+        data_seed=0, eval_strategy="no",
+    )
+    values.update(overrides)
+    torch.manual_seed(0)
+    model = model if model is not None else BertForSequenceClassification(tiny_bert_config())
+    data = _Texts(tokenizer)
+    cpt = CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False)
+    return CPTTrainer(model=model, args=TrainingArguments(**values), cpt_config=cpt, train_dataset=data,
+                      eval_dataset=data, processing_class=tokenizer)
+
+
+def test_trainer_checkpoints_keep_fp32_masters_and_resume_exactly(tmp_path):
+    first = _trainer(tmp_path, save_strategy="steps", save_steps=2)
+    first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+    assert set(tensors) == set(first.model.state_dict())  # plain keys: FP32 master weights
+    assert all(t.is_floating_point() or t.dtype == torch.int64 for t in tensors.values())
+    assert "quantization_config" not in json.load(open(os.path.join(checkpoint, "config.json")))
+    final = {k: v.clone() for k, v in first.model.state_dict().items()}
+
+    resumed = _trainer(tmp_path / "again", save_strategy="steps", save_steps=2)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(value, final[key]), key
+
+
+def test_trainer_save_model_writes_packed_checkpoint_card_and_fp32_option(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    trainer = _trainer(tmp_path, eval_strategy="steps", eval_steps=4)
+    trainer.train()
+    model = trainer.model
+    model.eval()
+    inputs = {k: torch.stack([trainer.train_dataset[i][k] for i in range(4)]) for k in ("input_ids", "attention_mask")}
+    expected = logits(snapped_float_weights(model, 8), inputs, 8)
+
+    trainer.save_model(str(tmp_path / "packed"))
+    files = set(os.listdir(tmp_path / "packed"))
+    assert {"config.json", "model.safetensors", "README.md", "cpt_schedule.png", "tokenizer.json",
+            "tokenizer_config.json", "training_args.bin"} <= files
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "packed")
+    torch.testing.assert_close(logits(loaded, inputs), expected, rtol=1e-5, atol=1e-6)
+
+    trainer.save_model(str(tmp_path / "fp32"), save_format="fp32")
+    plain = load_file(os.path.join(tmp_path / "fp32", "model.safetensors"))
+    dense = "bert.encoder.layer.0.output.dense"
+    assert torch.equal(plain[f"{dense}.weight"], model.get_submodule(dense).weight)
+    assert "quantization_config" not in json.load(open(os.path.join(tmp_path / "fp32", "config.json")))
+    assert "FP32 master weights" in open(os.path.join(tmp_path / "fp32", "README.md")).read()
+
+
+def test_trainer_saves_fp32_where_no_quantized_export_applies(tmp_path, tiny_cnn):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "cnn"), report_to="none", use_cpu=True, save_strategy="no")
+    trainer = CPTTrainer(model=tiny_cnn, args=args, cpt_config=CPTConfig())
+    trainer.save_model()  # a plain torch module: its state dict, as Trainer saves it
+    assert set(load_file(os.path.join(tmp_path / "cnn", "model.safetensors"))) == set(tiny_cnn.state_dict())
+    with pytest.raises(TypeError, match="expected a PreTrainedModel"):
+        trainer.save_model(save_format="packed")
+
+    baseline = _trainer(tmp_path / "fp32run")
+    baseline.cpt_config = CPTConfig(schedule="fp32")
+    baseline.save_model()
+    assert "quantization_config" not in json.load(open(tmp_path / "fp32run" / "out" / "config.json"))
+
+
+def test_loaded_checkpoint_trains_further_and_saves_again(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    model, _, _ = calibrated("bert")
+    save_quantized(model, tmp_path / "start", 8, model_card=False)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "start")
+    before = loaded.bert.encoder.layer[0].output.dense.weight.detach().clone()
+    trainer = _trainer(tmp_path, model=loaded, max_steps=2)  # passes Trainer's quantized-model gating
+    trainer.train()
+    assert not torch.equal(loaded.bert.encoder.layer[0].output.dense.weight, before)
+    trainer.save_model(str(tmp_path / "again"))
+    again = AutoModelForSequenceClassification.from_pretrained(tmp_path / "again")
+    assert isinstance(again.bert.pooler.dense, QuantLayerMixin)
+    loaded.eval()
+    loaded.save_pretrained(tmp_path / "resaved")  # plain save_pretrained: the quantizer writes the packed format
+    resaved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "resaved")
+    _, inputs, _ = calibrated("bert")
+    expected = logits(snapped_float_weights(loaded, 8), inputs, 8)
+    torch.testing.assert_close(logits(resaved, inputs), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits(again, inputs), expected, rtol=1e-5, atol=1e-6)
+    loaded.dequantize()  # transformers' API: back to plain float layers
+    assert type(loaded.bert.pooler.dense) is torch.nn.Linear and not getattr(loaded, "is_quantized", False)
+
+
+def test_push_to_hub_uploads_packed_checkpoint_and_model_card(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoUrl
+
+    calls = []
+
+    def create_repo(self, repo_id, **kwargs):
+        calls.append(("create_repo", repo_id))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, *, repo_id, folder_path, ignore_patterns=None, **kwargs):
+        names = sorted(
+            os.path.relpath(os.path.join(root, f), folder_path)
+            for root, _, filenames in os.walk(folder_path) for f in filenames
+        )
+        kept = [n for n in names if not any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n.split(os.sep)[0], p)
+                                            for p in ignore_patterns or [])]
+        contents = {n: open(os.path.join(folder_path, n), "rb").read() for n in kept}
+        calls.append(("upload_folder", repo_id, kept, contents))
+        return "https://huggingface.co/user/tiny-cpt/commit/0"
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    trainer = _trainer(tmp_path, push_to_hub=True, hub_model_id="user/tiny-cpt", eval_strategy="steps", eval_steps=4)
+    trainer.train()
+    trainer.push_to_hub()
+
+    assert calls[0] == ("create_repo", "user/tiny-cpt")
+    _, repo, files, contents = calls[-1]
+    assert repo == "user/tiny-cpt"
+    assert files == sorted([
+        "README.md", "config.json", "cpt_cost_report.json", "cpt_schedule.png", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json", "training_args.bin",
+    ])
+    config = json.loads(contents["config.json"])["quantization_config"]
+    assert config["quant_method"] == "cpt" and config["bits"] == 8 and config["checkpoint_format"] == "packed"
+    assert contents["cpt_schedule.png"].startswith(b"\x89PNG")
+    card = contents["README.md"].decode()
+    report = trainer.cpt_callback.cost_report()
+    eval_loss = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e][-1]
+    for line in [
+        "library_name: transformers",
+        "- hf-cpt",
+        "# tiny-cpt",
+        "Loading needs hf-cpt: `pip install hf-cpt`, then `import hf_cpt` before `from_pretrained` "
+        "(it registers the `cpt` quantization method with transformers).",
+        "import hf_cpt  # noqa: F401  (registers quant_method 'cpt' with transformers)",
+        'model = AutoModelForSequenceClassification.from_pretrained("user/tiny-cpt")',
+        "| bits (weights and input activations) | 8 |",
+        "| packing | uint8, 1 code per byte |",
+        "| bits_min | 4 |",
+        "| bits_max | 8 |",
+        "| grad_bits | 8 |",
+        "| schedule | cpt |",
+        "| num_cycles | 2 |",
+        "Forward bits (weights and activations) follow the `cpt` schedule between 4 and 8 bits over 2 cycles "
+        "of a 4-step run; errors are quantized at 8 bits with stochastic rounding.",
+        "![CPT precision schedule](cpt_schedule.png)",
+        f"| GBitOPs spent | {report['gbitops']:.4g} |",
+        f"| cost vs static bits_max | {report['cost_vs_static']:.4g} |",
+        f"| eval_loss | {eval_loss:.4g} |",
+        "| learning_rate | 0.001 |",
+    ]:
+        assert line in card.splitlines(), line
