@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from .config import CPTConfig
+from .config import CPTConfig, check_bits as check_any_bits
 from .layers import QuantLayerMixin
 from .quantizer import channel_ranges, num_levels, quantization_scale
 from .surgery import quant_layers
@@ -78,12 +78,7 @@ def check_bits(name: str, value: Any, allow_none: bool = False) -> Optional[int]
     """Validate an export bit-width (1..8), naming the field in the error."""
     if value is None and allow_none:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or not MIN_EXPORT_BITS <= value <= MAX_EXPORT_BITS:
-        raise ValueError(
-            f"{name} must be an integer in {MIN_EXPORT_BITS}..{MAX_EXPORT_BITS} for a packed CPT checkpoint, "
-            f"got {value!r}."
-        )
-    return value
+    return check_any_bits(name, value, MIN_EXPORT_BITS, MAX_EXPORT_BITS)
 
 
 def check_float_weight_bits(value: Any) -> Union[int, str, None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -268,9 +269,15 @@ class CPTConfig:
         return cls(**values)
 
 
+def check_bits(name: str, value: Any, low: int = MIN_BITS, high: int = MAX_BITS) -> int:
+    """Validate a bit-width, naming ``name`` in the error; the one check every module uses."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}.")
+    return int(value)
+
+
 def _check_bits(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not MIN_BITS <= value <= MAX_BITS:
-        raise ValueError(f"CPTConfig.{name} must be an integer in {MIN_BITS}..{MAX_BITS}, got {value!r}.")
+    check_bits(f"CPTConfig.{name}", value)
 
 
 def _callable_name(fn: Any) -> str:

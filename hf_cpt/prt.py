@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from .config import check_bits
 from .cost import CostMeter
 from .surgery import dequantize_model, find_precision_state, is_quantized, quantize_model, set_precision
 
@@ -195,12 +196,12 @@ def precision_range_test(
         max_grad_norm: clip gradients to this norm, as the Trainer does.
         stop_at_first: stop at the chosen precision (False: measure every precision up to max_bits).
     """
-    _check_bits("start_bits", start_bits)
-    _check_bits("max_bits", max_bits)
+    check_bits("precision_range_test: start_bits", start_bits)
+    check_bits("precision_range_test: max_bits", max_bits)
     if start_bits > max_bits:
         raise ValueError(f"precision_range_test: start_bits ({start_bits}) must not exceed max_bits ({max_bits}).")
     if grad_bits is not None:
-        _check_bits("grad_bits", grad_bits)
+        check_bits("precision_range_test: grad_bits", grad_bits)
     if not isinstance(steps_per_precision, int) or isinstance(steps_per_precision, bool) or steps_per_precision < 1:
         raise ValueError(
             f"precision_range_test: steps_per_precision must be an integer >= 1, got {steps_per_precision!r}."
@@ -359,11 +360,6 @@ def run_precision_range_test_for_trainer(
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _check_bits(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32:
-        raise ValueError(f"precision_range_test: {name} must be an integer in 1..32, got {value!r}.")
-
-
 def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

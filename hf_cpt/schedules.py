@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from .config import DELAY_PRECISIONS, MAX_BITS, MIN_BITS, ROUNDING_MODES, check_bits
 from .cost import FULL_PRECISION_BITS, bitops_per_mac
 
 LevelFn = Callable[[float, int, float, float], float]  # (z, k, lo, hi) -> smooth bits
@@ -41,10 +42,6 @@ CycleLengthFn = Callable[[int, int], float]
 StepFn = Callable[[int], Optional[float]]  # step -> bits (or smooth bits), None = full precision
 GradBits = Union[int, None, Callable[[int], Optional[int]]]
 
-MIN_BITS = 1
-MAX_BITS = 32
-ROUNDING_MODES = ("nearest", "ceil")
-DELAY_PRECISIONS = ("max", "fp32")
 COST_GROUPS = ("small", "medium", "large")
 # Cost groups, by where the mean bits of a run fall between the bounds:
 # f = (mean_bits - bits_min) / (bits_max - bits_min); small if f < 1/3, large if f > 2/3.
@@ -265,11 +262,6 @@ def _callable_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def _check_int(name: str, value: Any, low: int, high: int = MAX_BITS) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}.")
-
-
 class PrecisionSchedule:
     """The bits of each optimizer step of one run: ``schedule(step) -> int`` (None = full precision).
 
@@ -302,8 +294,8 @@ class PrecisionSchedule:
             self.name = name
         else:
             raise ValueError(f"Unknown schedule {name!r}; choose one of {sorted(_SCHEDULES)} or pass a callable.")
-        _check_int("bits_min", bits_min, MIN_BITS)
-        _check_int("bits_max", bits_max, MIN_BITS)
+        check_bits("bits_min", bits_min)
+        check_bits("bits_max", bits_max)
         if bits_min > bits_max:
             raise ValueError(f"bits_min ({bits_min}) must not exceed bits_max ({bits_max}).")
         if not isinstance(total_steps, numbers.Integral) or isinstance(total_steps, bool) or total_steps < 1:
@@ -464,7 +456,7 @@ def _check_step(step: Any) -> None:
 
 def _check_grad_bits(grad_bits: Any) -> None:
     if grad_bits is not None:
-        _check_int("grad_bits", grad_bits, MIN_BITS)
+        check_bits("grad_bits", grad_bits)
 
 
 def cost_group(mean_bits: float, bits_min: int, bits_max: int) -> str:

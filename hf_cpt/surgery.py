@@ -11,9 +11,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+import torch
 from torch import nn
 
-from .config import CPTConfig
+from .config import CPTConfig, check_bits
 from .layers import QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer, restore_layer
 
 # Module names that hold a model's output head in transformers and timm models.
@@ -160,6 +161,25 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def activation_ranges(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The running input ranges of every quantized layer, ``{"<layer>.act_min": t, "<layer>.act_max": t}``."""
+    ranges = {}
+    for name, layer in quant_layers(model):
+        ranges[f"{name}.act_min"] = layer.act_min.detach().cpu().clone()
+        ranges[f"{name}.act_max"] = layer.act_max.detach().cpu().clone()
+    return ranges
+
+
+def load_activation_ranges(model: nn.Module, ranges: dict[str, torch.Tensor]) -> None:
+    """Restore what `activation_ranges` returned; a layer missing from ``ranges`` is an error."""
+    for name, layer in quant_layers(model):
+        for key in ("act_min", "act_max"):
+            if f"{name}.{key}" not in ranges:
+                raise KeyError(f"no saved activation range {name}.{key}")
+            getattr(layer, key).copy_(ranges[f"{name}.{key}"])
+        layer.__dict__["_act_range_initialized"] = True
+
+
 def set_precision(
     model: nn.Module,
     bits: Optional[int],
@@ -170,13 +190,13 @@ def set_precision(
     For custom training loops: call it before each step with the bits of a schedule.
     """
     for name, value in (("bits", bits), ("grad_bits", grad_bits)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32):
-            raise ValueError(f"set_precision: {name} must be an integer in 1..32 or None, got {value!r}.")
+        if value is not None:
+            check_bits(f"set_precision: {name} (or None)", value)
     find_precision_state(model).set(bits, grad_bits)
 
 
 def set_eval_precision(model: nn.Module, bits: Optional[int], follow_training: bool = False) -> None:
     """Set the precision used in eval mode (None = full precision; or follow the training bits)."""
-    if bits is not None and (not isinstance(bits, int) or not 1 <= bits <= 32):
-        raise ValueError(f"set_eval_precision: bits must be an integer in 1..32 or None, got {bits!r}.")
+    if bits is not None:
+        check_bits("set_eval_precision: bits (or None)", bits)
     find_precision_state(model).set_eval(bits, follow_training)

@@ -8,20 +8,42 @@ import logging
 import os
 from typing import Any, Optional
 
+import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .checkpoint import (
+    eval_metrics_from_log_history,
+    packed_state_dict,
+    plain_model,
+    portable_state_dict,
+    resolve_export_bits,
+    write_checkpoint,
+    write_model_card,
+)
 from .config import CPTConfig
 from .cost import CostMeter
 from .layers import PrecisionState
 from .prt import PrecisionRangeResult, run_precision_range_test_for_trainer
 from .schedules import PrecisionSchedule, grad_schedule_from_config, schedule_from_config, training_precision
-from .surgery import QuantizationReport, find_precision_state, is_quantized, quantize_model
+from .surgery import (
+    QuantizationReport,
+    activation_ranges,
+    find_precision_state,
+    is_quantized,
+    load_activation_ranges,
+    quantize_model,
+)
 
 logger = logging.getLogger(__name__)
 
 COST_REPORT_FILE = "cpt_cost_report.json"
+# Written into each Trainer checkpoint: the eval-mode activation ranges are buffers outside state_dict.
+ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
 
 
 class CPTCallback(TrainerCallback):
@@ -67,6 +89,8 @@ class CPTCallback(TrainerCallback):
             self.meter.remove()
         self.meter = CostMeter(model, static_bits, self.config.grad_bits, scale=max(1, args.world_size))
         self._set_bits(state.global_step)
+        if state.global_step > 0:
+            self._restore_activation_ranges(args, state, model)
         if not self.logs_injected_by_trainer:
             self._log_before_reporting_integrations()
 
@@ -74,6 +98,20 @@ class CPTCallback(TrainerCallback):
         grad_bits = self.grad_schedule if self.grad_schedule is not None else self.config.grad_bits
         self.bits, self.grad_bits = training_precision(self.schedule(step), grad_bits, step)
         self.precision.set(self.bits, self.grad_bits)
+
+    def on_save(self, args, state, control, model: Optional[nn.Module] = None, **kwargs):
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if state.is_world_process_zero and model is not None and os.path.isdir(checkpoint):
+            save_file(activation_ranges(model), os.path.join(checkpoint, ACTIVATION_RANGES_FILE))
+
+    @staticmethod
+    def _restore_activation_ranges(args, state, model: nn.Module) -> None:
+        # Resuming: the Trainer restored weights and state; the running ranges come from our own file.
+        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", ACTIVATION_RANGES_FILE)
+        if os.path.isfile(path):
+            load_activation_ranges(model, load_file(path))
+        else:
+            logger.info("hf_cpt: no %s to resume from; eval-mode activation ranges start afresh.", path)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._set_bits(state.global_step)
@@ -278,8 +316,6 @@ class CPTTrainer(Trainer):
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None, **kwargs) -> None:
         """Write the CPT model card (README.md) into ``args.output_dir``: settings, schedule, cost, metrics."""
-        from transformers import PreTrainedModel
-
         if not isinstance(self._cpt_unwrapped(), PreTrainedModel):  # peft or plain torch models: Trainer's card
             return super().create_model_card(
                 language=language, license=license, tags=tags, model_name=model_name, finetuned_from=finetuned_from,
@@ -303,14 +339,10 @@ class CPTTrainer(Trainer):
             return self.accelerator.unwrap_model(self.model)
 
     def _cpt_plain_model(self):
-        from .checkpoint import plain_model
-
         return plain_model(self._cpt_unwrapped())
 
     def _cpt_default_save_format(self) -> str:
         """``cpt_save_format``, or "fp32" where a quantized export cannot apply (said in the log)."""
-        from transformers import PreTrainedModel
-
         if self.cpt_save_format == "fp32":
             return "fp32"
         model = self._cpt_unwrapped()
@@ -327,8 +359,6 @@ class CPTTrainer(Trainer):
         return "fp32"
 
     def _cpt_export(self, output_dir: str, save_format: str, bits, float_weight_bits) -> Optional[dict]:
-        from .checkpoint import packed_state_dict, portable_state_dict, resolve_export_bits, write_checkpoint
-
         if self.is_fsdp_enabled or getattr(self, "is_deepspeed_enabled", False):
             raise NotImplementedError(
                 f"CPTTrainer.save_model(save_format={save_format!r}) needs the whole model on one process; with "
@@ -349,17 +379,10 @@ class CPTTrainer(Trainer):
             processing_class = getattr(self.data_collator, "tokenizer", None)
         if processing_class is not None:
             processing_class.save_pretrained(output_dir)
-        import torch
-        from transformers.trainer import TRAINING_ARGS_NAME
-
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         return fields
 
     def _cpt_write_card(self, output_dir: str, fields: Optional[dict], **card) -> None:
-        from transformers import PreTrainedModel
-
-        from .checkpoint import eval_metrics_from_log_history, write_model_card
-
         if not isinstance(self._cpt_unwrapped(), PreTrainedModel):
             return  # not a transformers checkpoint: no model card of ours
 

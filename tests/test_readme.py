@@ -17,3 +17,13 @@ def python_blocks():
 def test_readme_example_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(python_blocks()[index], f"README.md block {index}", "exec"), {"__name__": "__readme__"})
+
+
+def test_every_config_field_is_documented():
+    import dataclasses
+
+    from hf_cpt import CPTConfig
+
+    text = open(README).read()
+    missing = [f.name for f in dataclasses.fields(CPTConfig) if f"| `{f.name}` |" not in text]
+    assert not missing, f"CPTConfig fields missing from the README table: {missing}"

@@ -7,6 +7,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_cpt import CPTCallback, CPTConfig, CPTTrainer, quantize_model
+from hf_cpt.surgery import activation_ranges
 from hf_cpt.layers import QuantLayerMixin
 from hf_cpt.schedules import PrecisionSchedule
 
@@ -51,6 +52,7 @@ class BitsProbe(TrainerCallback):
         self.forward_bits, self.eval_bits, self.logs = [], [], []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.ranges_at_start = activation_ranges(model)
         layer = next(m for m in model.modules() if isinstance(m, QuantLayerMixin))
 
         def record(module, inputs):
@@ -149,6 +151,13 @@ def test_bits_after_resuming_from_a_checkpoint(tmp_path):
     schedule = PrecisionSchedule("cpt", 2, 8, 12, 2)
     assert probe.forward_bits == [(step, schedule(step)) for step in range(6, 12)]
     assert len({b for _, b in probe.forward_bits}) > 2
+    # The eval-mode activation ranges (buffers outside state_dict) resume too.
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(args.output_dir, "checkpoint-6", "cpt_activation_ranges.safetensors"))
+    assert saved.keys() == probe.ranges_at_start.keys()
+    assert all(torch.equal(saved[k], probe.ranges_at_start[k]) for k in saved)
+    assert any(float(v) != 0.0 for v in saved.values())
 
 
 def test_callback_with_a_plain_trainer_reaches_reporting_callbacks(tiny_bert, tmp_path):
