@@ -18,8 +18,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -161,7 +161,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"error quantizer: {'fused (torch.compile)' if fused else 'eager'}, repeats {args.repeats}")
     print("quantized: 8-bit weights/activations, 8-bit errors; times are medians per step")
-    header = f"{'case':<44}{'plain ms':>10}{'quant ms':>10}{'ratio':>8}{'paired':>8}{'target':>8}  {'ok':<4}{'warm-up s':>10}"
+    header = (
+        f"{'case':<44}{'plain ms':>10}{'quant ms':>10}{'ratio':>8}{'paired':>8}{'target':>8}  {'ok':<4}"
+        f"{'warm-up s':>10}"
+    )
     print(header)
     print("-" * len(header))
     for key in selected:

@@ -1,7 +1,9 @@
 """hf_cpt: Cyclic Precision Training for the Hugging Face ecosystem."""
 
+from .checkpoint import export_portable, plot_schedule, save_quantized
 from .config import CPTConfig
 from .cost import CostMeter, bitops_per_mac, relative_cost
+from .hf_quantizer import CPTHfQuantizer, CPTQuantizationConfig  # registers quant_method "cpt" with transformers
 from .layers import PrecisionState, QuantConv2d, QuantLayerMixin, QuantLinear, register_quant_layer
 from .prt import PrecisionRangeResult, precision_range_test
 from .quantizer import fake_quantize, quantize_error
@@ -22,8 +24,6 @@ from .surgery import (
     set_precision,
 )
 from .trainer import CPTCallback, CPTTrainer
-from .checkpoint import export_portable, save_quantized
-from .hf_quantizer import CPTHfQuantizer, CPTQuantizationConfig  # registers quant_method "cpt" with transformers
 
 __version__ = "0.1.0"
 
@@ -50,6 +50,7 @@ __all__ = [
     "fake_quantize",
     "find_precision_state",
     "get_schedule",
+    "plot_schedule",
     "precision_range_test",
     "quantize_error",
     "quantize_model",

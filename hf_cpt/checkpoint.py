@@ -32,13 +32,15 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
 
-from .config import CPTConfig, check_bits as check_any_bits
+from .config import CPTConfig
+from .config import check_bits as check_any_bits
 from .layers import QuantLayerMixin
 from .quantizer import channel_ranges, num_levels, quantization_scale
 from .surgery import quant_layers
@@ -74,21 +76,21 @@ _FLOAT_PACKABLE: tuple[type, ...] = (nn.Embedding, nn.Linear, nn.Conv1d, nn.Conv
 # ----------------------------------------------------------------------------- integer codes
 
 
-def check_bits(name: str, value: Any, allow_none: bool = False) -> Optional[int]:
+def check_bits(name: str, value: Any, allow_none: bool = False) -> int | None:
     """Validate an export bit-width (1..8), naming the field in the error."""
     if value is None and allow_none:
         return None
     return check_any_bits(name, value, MIN_EXPORT_BITS, MAX_EXPORT_BITS)
 
 
-def check_float_weight_bits(value: Any) -> Union[int, str, None]:
+def check_float_weight_bits(value: Any) -> int | str | None:
     """``"auto"``, ``None`` (exact float) or an export bit-width."""
     if value == "auto" or value is None:
         return value
     return check_bits("float_weight_bits", value)
 
 
-def float_storage_bits(bits: int, float_weight_bits: Union[int, str, None], embedding: bool) -> Optional[int]:
+def float_storage_bits(bits: int, float_weight_bits: int | str | None, embedding: bool) -> int | None:
     """Storage bits of one FP32-trained weight (None: exact float).
 
     ``"auto"``: embedding tables (and weights tied to them) take the finest codes in the bytes per value
@@ -172,7 +174,7 @@ class ExportPlan:
     float_packed: dict[str, nn.Module] = field(default_factory=dict)  # FP32-trained weights stored as codes
     float_bits: dict[str, int] = field(default_factory=dict)  # their storage bits
     shared: dict[str, str] = field(default_factory=dict)  # module -> module whose weight it shares
-    guard: Optional[str] = None
+    guard: str | None = None
 
 
 def _check_model(model: nn.Module) -> None:
@@ -191,7 +193,7 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def plan_export(model: nn.Module, bits: int, float_weight_bits: Union[int, str, None] = "auto") -> ExportPlan:
+def plan_export(model: nn.Module, bits: int, float_weight_bits: int | str | None = "auto") -> ExportPlan:
     """Decide which module weights become codes (and at which bits), which are shared, and the guard tensor."""
     float_weight_bits = check_float_weight_bits(float_weight_bits)
     plan = ExportPlan(bits=bits)
@@ -232,7 +234,7 @@ def plan_export(model: nn.Module, bits: int, float_weight_bits: Union[int, str, 
     return plan
 
 
-def _quantization_fields(model: nn.Module, cpt_config: Optional[CPTConfig]) -> dict[str, Any]:
+def _quantization_fields(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str, Any]:
     precision = next(layer for _, layer in quant_layers(model)).cpt_precision
     from . import __version__
 
@@ -263,8 +265,8 @@ def _warn_unset_activation_ranges(plan: ExportPlan) -> None:
 def packed_state_dict(
     model: nn.Module,
     bits: int,
-    float_weight_bits: Union[int, str, None] = "auto",
-    cpt_config: Optional[CPTConfig] = None,
+    float_weight_bits: int | str | None = "auto",
+    cpt_config: CPTConfig | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The packed state dict of a CPT model at ``bits`` and the ``quantization_config`` fields describing it."""
     _check_model(model)
@@ -300,7 +302,7 @@ def packed_state_dict(
 
 
 def portable_state_dict(
-    model: nn.Module, bits: int, cpt_config: Optional[CPTConfig] = None
+    model: nn.Module, bits: int, cpt_config: CPTConfig | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Float state dict with every CPT layer's weight snapped to its ``bits`` grid (plain keys)."""
     _check_model(model)
@@ -329,7 +331,7 @@ def portable_state_dict(
 # ----------------------------------------------------------------------------- writing
 
 
-def resolve_export_bits(model: nn.Module, bits: Optional[int], cpt_config: Optional[CPTConfig]) -> int:
+def resolve_export_bits(model: nn.Module, bits: int | None, cpt_config: CPTConfig | None) -> int:
     """``bits`` if given, else the run's ``bits_max``, else the precision the model evaluates at."""
     if bits is None and cpt_config is not None and cpt_config.schedule != "fp32":
         bits = cpt_config.bits_max
@@ -403,14 +405,14 @@ def write_checkpoint(model: nn.Module, save_directory: str, state_dict: dict, fi
 
 def save_quantized(
     model: nn.Module,
-    save_directory: Union[str, os.PathLike],
-    bits: Optional[int] = None,
+    save_directory: str | os.PathLike,
+    bits: int | None = None,
     *,
-    cpt_config: Optional[CPTConfig] = None,
-    float_weight_bits: Union[int, str, None] = "auto",
+    cpt_config: CPTConfig | None = None,
+    float_weight_bits: int | str | None = "auto",
     processing_class: Any = None,
     model_card: bool = True,
-    card_info: Optional[dict[str, Any]] = None,
+    card_info: dict[str, Any] | None = None,
     **save_kwargs: Any,
 ) -> str:
     """Write a packed CPT checkpoint of ``model`` at ``bits`` (default: ``cpt_config.bits_max``).
@@ -437,13 +439,13 @@ def save_quantized(
 
 def export_portable(
     model: nn.Module,
-    save_directory: Union[str, os.PathLike],
-    bits: Optional[int] = None,
+    save_directory: str | os.PathLike,
+    bits: int | None = None,
     *,
-    cpt_config: Optional[CPTConfig] = None,
+    cpt_config: CPTConfig | None = None,
     processing_class: Any = None,
     model_card: bool = True,
-    card_info: Optional[dict[str, Any]] = None,
+    card_info: dict[str, Any] | None = None,
     **save_kwargs: Any,
 ) -> str:
     """Write a float checkpoint whose CPT-layer weights are snapped to the ``bits`` grid; it loads anywhere.
@@ -467,7 +469,7 @@ def _finish_export(model, save_directory, fields, cpt_config, processing_class, 
         write_model_card(save_directory, model, fields, cpt_config=cpt_config, **(card_info or {}))
 
 
-def checkpoint_size(path: Union[str, os.PathLike]) -> int:
+def checkpoint_size(path: str | os.PathLike) -> int:
     """Bytes of the weight files (``*.safetensors``) in a checkpoint directory."""
     path = os.fspath(path)
     return sum(
@@ -489,7 +491,7 @@ def json_safe(value: Any) -> Any:
     return getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)
 
 
-def schedule_for_card(cpt_config: CPTConfig, total_steps: Optional[int] = None):
+def schedule_for_card(cpt_config: CPTConfig, total_steps: int | None = None):
     """The run's `PrecisionSchedule` (a nominal 100 steps per cycle when the length is unknown), or None."""
     from .schedules import schedule_from_config
 
@@ -501,7 +503,7 @@ def schedule_for_card(cpt_config: CPTConfig, total_steps: Optional[int] = None):
         return None
 
 
-def plot_schedule(schedule, path: str, grad_bits: Any = None, export_bits: Optional[int] = None) -> str:
+def plot_schedule(schedule, path: str, grad_bits: Any = None, export_bits: int | None = None) -> str:
     """Save a PNG of the forward bits at every step of ``schedule`` (a `PrecisionSchedule`).
 
     ``grad_bits`` (an int, or a schedule of error bits) is drawn too, and so is ``export_bits``.
@@ -624,17 +626,17 @@ def _table(header: tuple[str, str], rows) -> list[str]:
 
 def render_model_card(
     model: nn.Module,
-    fields: Optional[dict[str, Any]],
-    cpt_config: Optional[CPTConfig] = None,
-    model_name: Optional[str] = None,
-    total_steps: Optional[int] = None,
-    cost_report: Optional[dict[str, Any]] = None,
-    eval_metrics: Optional[dict[str, Any]] = None,
-    schedule_plot: Optional[str] = None,
-    repo_id: Optional[str] = None,
-    training_hyperparameters: Optional[dict[str, Any]] = None,
-    tags: Optional[list[str]] = None,
-    metadata: Optional[dict[str, Any]] = None,
+    fields: dict[str, Any] | None,
+    cpt_config: CPTConfig | None = None,
+    model_name: str | None = None,
+    total_steps: int | None = None,
+    cost_report: dict[str, Any] | None = None,
+    eval_metrics: dict[str, Any] | None = None,
+    schedule_plot: str | None = None,
+    repo_id: str | None = None,
+    training_hyperparameters: dict[str, Any] | None = None,
+    tags: list[str] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> str:
     """The README.md of a CPT checkpoint, as text. ``fields`` is its ``quantization_config`` (None: FP32 masters)."""
     checkpoint_format = fields["checkpoint_format"] if fields else "fp32"
@@ -754,9 +756,9 @@ def render_model_card(
 def write_model_card(
     save_directory: str,
     model: nn.Module,
-    fields: Optional[dict[str, Any]],
-    cpt_config: Optional[CPTConfig] = None,
-    total_steps: Optional[int] = None,
+    fields: dict[str, Any] | None,
+    cpt_config: CPTConfig | None = None,
+    total_steps: int | None = None,
     schedule: Any = None,
     grad_schedule: Any = None,
     **card: Any,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .schedules import (
     DELAY_PRECISIONS,
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def schedules_table(schedules: Sequence[PrecisionSchedule], grad_bits: Optional[int]) -> str:
+def schedules_table(schedules: Sequence[PrecisionSchedule], grad_bits: int | None) -> str:
     """A markdown table: schedule, mean bits, cost vs static bits_max and vs FP32, group, description."""
     if not schedules:
         return ""
@@ -163,7 +163,7 @@ def _schedules_command(args: argparse.Namespace, parser: argparse.ArgumentParser
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-cpt`` and ``python -m hf_cpt``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)

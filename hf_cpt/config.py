@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 MIN_BITS = 1
 MAX_BITS = 32
@@ -27,14 +28,14 @@ class CPTConfig:
     precision, so baselines go through the same code path.
     """
 
-    bits_min: Union[int, str] = field(
+    bits_min: int | str = field(
         default=3, metadata={"help": "Lower bound of the forward precision (bits)."}
     )
     bits_max: int = field(default=8, metadata={"help": "Upper bound of the forward precision (bits)."})
     grad_bits: int = field(
         default=8, metadata={"help": "Precision of the output error in the backward pass (bits)."}
     )
-    schedule: Union[str, Callable[[int], Optional[int]]] = field(
+    schedule: str | Callable[[int], int | None] = field(
         default="cpt",
         metadata={
             "help": "Precision schedule: a registered name ('cpt', 'cpt-triangular', 'cpt-cosine-anneal', 'CR', "
@@ -47,19 +48,19 @@ class CPTConfig:
         default="nearest",
         metadata={"help": "How the smooth schedule becomes bits: 'nearest' (CPT code) or 'ceil' (CPT paper)."},
     )
-    eval_bits: Union[int, str] = field(
+    eval_bits: int | str = field(
         default="max",
         metadata={"help": "Evaluation precision: 'max' (bits_max), 'current' (schedule), 'fp32' or a bit-width."},
     )
-    target_modules: Optional[list[str]] = field(
+    target_modules: list[str] | None = field(
         default=None,
         metadata={"help": "Only quantize layers whose name matches one of these patterns (default: all)."},
     )
-    include_modules: Optional[list[str]] = field(
+    include_modules: list[str] | None = field(
         default=None,
         metadata={"help": "Quantize these layers even if kept in FP32 by default (e.g. the output head)."},
     )
-    exclude_modules: Optional[list[str]] = field(
+    exclude_modules: list[str] | None = field(
         default=None, metadata={"help": "Keep layers whose name matches one of these patterns in FP32."}
     )
     quantize_adapters: bool = field(
@@ -83,14 +84,14 @@ class CPTConfig:
         default="max",
         metadata={"help": "Precision of the delayed start: 'max' (bits_max) or 'fp32' (full precision)."},
     )
-    grad_schedule: Optional[Union[str, Callable[[int], Optional[int]]]] = field(
+    grad_schedule: str | Callable[[int], int | None] | None = field(
         default=None,
         metadata={
             "help": "Schedule of the error bits between grad_bits_min and grad_bits (a name or a callable); "
             "None (default): fixed grad_bits."
         },
     )
-    grad_bits_min: Optional[int] = field(
+    grad_bits_min: int | None = field(
         default=None, metadata={"help": "Lower bound of the error bits when grad_schedule is set (bits)."}
     )
     prt_start_bits: int = field(
@@ -99,7 +100,7 @@ class CPTConfig:
     prt_steps_per_precision: int = field(
         default=20, metadata={"help": "Precision range test: training iterations at each precision."}
     )
-    prt_threshold: Optional[float] = field(
+    prt_threshold: float | None = field(
         default=None,
         metadata={
             "help": "Precision range test: improvement that marks bits_min (accuracy: absolute, loss: relative "
@@ -110,7 +111,7 @@ class CPTConfig:
         default="loss",
         metadata={"help": "Precision range test metric: 'loss' (any model) or 'accuracy' (classification logits)."},
     )
-    prt_window: Optional[int] = field(
+    prt_window: int | None = field(
         default=None,
         metadata={"help": "Precision range test: iterations averaged per precision (default: a quarter of them)."},
     )
@@ -244,7 +245,7 @@ class CPTConfig:
             )
 
     @property
-    def eval_precision(self) -> Optional[int]:
+    def eval_precision(self) -> int | None:
         """Bits used in eval mode, None for full precision ('current' is resolved by the caller)."""
         if self.eval_bits == "fp32" or self.schedule == "fp32":
             return None
@@ -261,7 +262,7 @@ class CPTConfig:
         return values
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "CPTConfig":
+    def from_dict(cls, values: dict[str, Any]) -> CPTConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

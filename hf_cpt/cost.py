@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -20,14 +19,14 @@ from .layers import QUANT_LAYER_CLASSES, QuantLayerMixin
 FULL_PRECISION_BITS = 32
 
 
-def bitops_per_mac(bits: Optional[int], grad_bits: Optional[int]) -> int:
+def bitops_per_mac(bits: int | None, grad_bits: int | None) -> int:
     """Bit products per forward MAC over one training step (forward + two backward GEMMs)."""
     weight_bits = activation_bits = bits if bits is not None else FULL_PRECISION_BITS
     error_bits = grad_bits if grad_bits is not None else FULL_PRECISION_BITS
     return weight_bits * activation_bits + error_bits * weight_bits + error_bits * activation_bits
 
 
-def relative_cost(bits: Optional[int], grad_bits: Optional[int]) -> float:
+def relative_cost(bits: int | None, grad_bits: int | None) -> float:
     """Cost of a training step at (bits, grad_bits) relative to FP32: ``(b^2 + 2bg) / (3 * 32^2)``."""
     return bitops_per_mac(bits, grad_bits) / bitops_per_mac(None, None)
 
@@ -80,7 +79,7 @@ class CostMeter:
     layers) or 32 bits (layers kept in FP32), next to what static ``bits_max`` and FP32 would cost.
     """
 
-    def __init__(self, model: nn.Module, static_bits: Optional[int], static_grad_bits: Optional[int], scale: int = 1):
+    def __init__(self, model: nn.Module, static_bits: int | None, static_grad_bits: int | None, scale: int = 1):
         self.static_bits = static_bits
         self.static_grad_bits = static_grad_bits
         self.scale = scale  # e.g. the number of data-parallel processes sharing a global batch
@@ -102,7 +101,7 @@ class CostMeter:
         else:
             self._float_macs += macs
 
-    def end_step(self, bits: Optional[int], grad_bits: Optional[int]) -> None:
+    def end_step(self, bits: int | None, grad_bits: int | None) -> None:
         """Close one optimizer step trained at (bits, grad_bits)."""
         quantized, float_ = self._quantized_macs * self.scale, self._float_macs * self.scale
         full = bitops_per_mac(None, None)

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,19 +76,19 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
     def __init__(
         self,
         bits: int = 8,
-        quantized_modules: Optional[list[str]] = None,
+        quantized_modules: list[str] | None = None,
         format_version: int = FORMAT_VERSION,
         checkpoint_format: str = "packed",
         float_weight_bits: Any = "auto",
-        float_packed_modules: Optional[dict[str, int]] = None,
-        shared_weights: Optional[dict[str, str]] = None,
-        guard_tensor: Optional[str] = None,
-        activation_ranges: Optional[dict[str, list[float]]] = None,
+        float_packed_modules: dict[str, int] | None = None,
+        shared_weights: dict[str, str] | None = None,
+        guard_tensor: str | None = None,
+        activation_ranges: dict[str, list[float]] | None = None,
         activation_momentum: float = 0.9,
         activation_ema_init: str = "zeros",
         fused_error_quantizer: bool = True,
-        cpt_config: Optional[dict[str, Any]] = None,
-        hf_cpt_version: Optional[str] = None,
+        cpt_config: dict[str, Any] | None = None,
+        hf_cpt_version: str | None = None,
         quant_method: str = QUANT_METHOD,
         **kwargs: Any,
     ) -> None:
@@ -186,10 +186,10 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         modules.update(self.float_packed_modules)
         return modules
 
-    def guard_module(self) -> Optional[str]:
+    def guard_module(self) -> str | None:
         return self.guard_tensor.rsplit(".", 1)[0] if self.packed and self.guard_tensor else None
 
-    def run_config(self) -> Optional[CPTConfig]:
+    def run_config(self) -> CPTConfig | None:
         """The `CPTConfig` of the run that produced the checkpoint, when it was recorded."""
         if not self.cpt_config:
             return None
@@ -203,7 +203,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
 # ----------------------------------------------------------------------------- checkpoint checks
 
 
-def _safetensors_files(model: nn.Module, checkpoint_files: Optional[list[str]]) -> list[str]:
+def _safetensors_files(model: nn.Module, checkpoint_files: list[str] | None) -> list[str]:
     """The checkpoint's safetensors files: given by transformers 5.x, else found from ``name_or_path`` (4.x)."""
     if checkpoint_files:
         return [f for f in checkpoint_files if str(f).endswith(".safetensors")]
@@ -336,7 +336,7 @@ class CPTHfQuantizer(HfQuantizer):
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ValueError("hf_cpt: CPT checkpoints cannot be loaded with disk offloading (device_map has 'disk').")
 
-    def update_dtype(self, dtype: Optional[torch.dtype]) -> torch.dtype:
+    def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         if dtype is not None and dtype != torch.float32:
             logger.warning(
                 "hf_cpt: CPT checkpoints rebuild FP32 master weights (codes x scale + zero point); loading in "
@@ -345,7 +345,7 @@ class CPTHfQuantizer(HfQuantizer):
             )
         return torch.float32
 
-    def update_torch_dtype(self, dtype: Optional[torch.dtype]) -> torch.dtype:  # transformers 4.x name
+    def update_torch_dtype(self, dtype: torch.dtype | None) -> torch.dtype:  # transformers 4.x name
         return self.update_dtype(dtype)
 
     # -- before loading: rebuild the layers on the meta model --------------------------------
@@ -516,7 +516,7 @@ class CPTHfQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         return True
 
-    def _dequantize(self, model: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
         from .surgery import dequantize_model
 
         dequantize_model(model)

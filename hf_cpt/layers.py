@@ -8,8 +8,6 @@ a model reads them from one shared `PrecisionState`.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,7 +51,7 @@ class PrecisionState:
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
 
-    def set(self, bits: Optional[int], grad_bits: Optional[int]) -> None:
+    def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""
         self.forward_enabled = bits is not None
         self.backward_enabled = grad_bits is not None
@@ -62,7 +60,7 @@ class PrecisionState:
         if grad_bits is not None:
             self.grad_bits.fill_(float(grad_bits))
 
-    def set_eval(self, bits: Optional[int], follow_training: bool = False) -> None:
+    def set_eval(self, bits: int | None, follow_training: bool = False) -> None:
         """Precision in eval mode: fixed ``bits`` (None: full precision) or the training bits."""
         self.eval_follows_training = follow_training
         self.eval_enabled = bits is not None
@@ -70,7 +68,7 @@ class PrecisionState:
             self.eval_bits.fill_(float(bits))
 
     @property
-    def current(self) -> tuple[Optional[int], Optional[int]]:
+    def current(self) -> tuple[int | None, int | None]:
         """(forward bits, grad bits) in training, as Python numbers."""
         bits = int(self.bits.item()) if self.forward_enabled else None
         grad_bits = int(self.grad_bits.item()) if self.backward_enabled else None
@@ -101,7 +99,7 @@ class QuantLayerMixin:
         for name in ("act_min", "act_max"):
             self._buffers.pop(name, None)
 
-    def forward_bits(self) -> Optional[torch.Tensor]:
+    def forward_bits(self) -> torch.Tensor | None:
         """The forward bit-width now in force for this layer, None for full precision."""
         precision = self.cpt_precision
         if self.training or precision.eval_follows_training:
@@ -146,7 +144,7 @@ class QuantLayerMixin:
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def quantized_weight(self, bits: Optional[int] = None) -> torch.Tensor:
+    def quantized_weight(self, bits: int | None = None) -> torch.Tensor:
         """The weight as the layer uses it at ``bits`` (default: the eval precision), without grad."""
         with torch.no_grad():
             if bits is None:

@@ -37,9 +37,9 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ DEFAULT_THRESHOLDS = {"accuracy": 0.05, "loss": 0.1}
 PRT_REPORT_FILE = "cpt_prt.json"
 PRT_PLOT_FILE = "cpt_prt.png"
 
-OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
+OptimizerArg = torch.optim.Optimizer | Callable[[list], torch.optim.Optimizer] | None
 
 
 @dataclass
@@ -74,7 +74,7 @@ class PrecisionRangeResult:
     threshold: float
     start_bits: int
     max_bits: int
-    grad_bits: Optional[int]
+    grad_bits: int | None
     steps_per_precision: int
     window: int
     restore_weights: bool
@@ -163,14 +163,14 @@ def precision_range_test(
     start_bits: int = 2,
     max_bits: int = 8,
     steps_per_precision: int = 20,
-    threshold: Optional[float] = None,
+    threshold: float | None = None,
     metric: str = "accuracy",
-    window: Optional[int] = None,
+    window: int | None = None,
     optimizer: OptimizerArg = None,
-    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-    grad_bits: Optional[int] = 8,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    grad_bits: int | None = 8,
     restore_weights: bool = True,
-    max_grad_norm: Optional[float] = None,
+    max_grad_norm: float | None = None,
     stop_at_first: bool = True,
 ) -> PrecisionRangeResult:
     """Find ``bits_min`` by training briefly at ``start_bits``, ``start_bits + 1``, ... ``max_bits``.
@@ -314,8 +314,8 @@ def run_precision_range_test_for_trainer(
     args,
     state,
     model: nn.Module,
-    train_dataloader: Optional[Iterable],
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    train_dataloader: Iterable | None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> PrecisionRangeResult:
     """``CPTConfig(bits_min="auto")`` at the start of a Trainer run: run the test, save and log it.
 
@@ -384,10 +384,10 @@ def _improvement(metric: str, reference: float, score: float) -> float:
 class _Batches:
     """Cycles through ``data``; with ``cache``, keeps the first batches so each precision sees the same."""
 
-    def __init__(self, data: Iterable, device: torch.device, cache: Optional[int]) -> None:
+    def __init__(self, data: Iterable, device: torch.device, cache: int | None) -> None:
         self.data, self.device, self.cache = data, device, cache is not None
         self.one_shot = isinstance(data, Iterator)  # cannot be iterated again
-        self.iterator: Optional[Iterator] = None
+        self.iterator: Iterator | None = None
         self.cached: list = []
         self.position = 0
 
@@ -520,7 +520,7 @@ def _use_initial_lr(optimizer: torch.optim.Optimizer) -> list:
     return lrs
 
 
-def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     # parameters and every buffer, non-persistent ones (activation ranges) included; kept on the CPU
     tensors = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
@@ -533,7 +533,7 @@ def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> d
 
 
 @torch.no_grad()
-def _restore(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], snapshot: dict) -> None:
+def _restore(model: nn.Module, optimizer: torch.optim.Optimizer | None, snapshot: dict) -> None:
     for tensor, saved in snapshot["tensors"].values():
         tensor.copy_(saved)
     for key, flag in snapshot["flags"].items():

@@ -12,7 +12,7 @@ This module knows nothing about layers, schedules or the Trainer.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -142,11 +142,11 @@ def _quantize_error_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed
     return (codes * scale + minimum).view(grad.shape).to(grad.dtype)
 
 
-_compiled_error_quantizer: Optional[Callable] = None
-_fused_disabled_reason: Optional[str] = None
+_compiled_error_quantizer: Callable | None = None
+_fused_disabled_reason: str | None = None
 
 
-def _fused_error_quantizer() -> Optional[Callable]:
+def _fused_error_quantizer() -> Callable | None:
     global _compiled_error_quantizer
     if _compiled_error_quantizer is None and _fused_disabled_reason is None:
         _compiled_error_quantizer = torch.compile(_quantize_error_hashed_levels, dynamic=True)

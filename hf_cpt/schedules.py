@@ -31,16 +31,17 @@ import inspect
 import math
 import numbers
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 from .config import DELAY_PRECISIONS, MAX_BITS, MIN_BITS, ROUNDING_MODES, check_bits
 from .cost import FULL_PRECISION_BITS, bitops_per_mac
 
 LevelFn = Callable[[float, int, float, float], float]  # (z, k, lo, hi) -> smooth bits
 CycleLengthFn = Callable[[int, int], float]
-StepFn = Callable[[int], Optional[float]]  # step -> bits (or smooth bits), None = full precision
-GradBits = Union[int, None, Callable[[int], Optional[int]]]
+StepFn = Callable[[int], float | None]  # step -> bits (or smooth bits), None = full precision
+GradBits = int | Callable[[int], int | None] | None
 
 COST_GROUPS = ("small", "medium", "large")
 # Cost groups, by where the mean bits of a run fall between the bounds:
@@ -157,17 +158,17 @@ class ScheduleShape:
     length does not depend on ``num_cycles`` (no check that cycles are at least one step long).
     """
 
-    level: Optional[LevelFn]  # None: full precision throughout (unless step_fn is set)
+    level: LevelFn | None  # None: full precision throughout (unless step_fn is set)
     cycle_length: CycleLengthFn = cpt_cycle_length
     description: str = ""
     cyclic: bool = True
-    step_fn: Optional[StepFn] = None
+    step_fn: StepFn | None = None
 
 
 _SCHEDULES: dict[str, ScheduleShape] = {}
 
 
-def _positional_arity(fn: Callable) -> Optional[int]:
+def _positional_arity(fn: Callable) -> int | None:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -178,7 +179,7 @@ def _positional_arity(fn: Callable) -> Optional[int]:
     return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
 
 
-def register_schedule(name: str, shape: Union[ScheduleShape, Callable], *, overwrite: bool = False) -> None:
+def register_schedule(name: str, shape: ScheduleShape | Callable, *, overwrite: bool = False) -> None:
     """Make a schedule available by name (``CPTConfig(schedule=name)``, ``get_schedule(name, ...)``).
 
     ``shape`` is a `ScheduleShape`, a level function ``(z, k, lo, hi) -> smooth bits`` (cycles of
@@ -276,7 +277,7 @@ class PrecisionSchedule:
 
     def __init__(
         self,
-        name: Union[str, StepFn],
+        name: str | StepFn,
         bits_min: int,
         bits_max: int,
         total_steps: int,
@@ -324,19 +325,19 @@ class PrecisionSchedule:
             raise ValueError(
                 f"num_cycles={num_cycles} gives cycles shorter than one step over {self.schedule_steps} steps."
             )
-        self._bits_cache: Optional[tuple] = None
+        self._bits_cache: tuple | None = None
 
     # -- bits of one step --------------------------------------------------------------------
-    def smooth(self, step: int) -> Optional[float]:
+    def smooth(self, step: int) -> float | None:
         """The unrounded precision ``S(t)`` (None: full precision)."""
         _check_step(step)
         return self._smooth(step)
 
-    def __call__(self, step: int) -> Optional[int]:
+    def __call__(self, step: int) -> int | None:
         _check_step(step)
         return self._bits(step)
 
-    def _smooth(self, step: int) -> Optional[float]:
+    def _smooth(self, step: int) -> float | None:
         if step < self.delay_steps:
             return None if self.delay_precision == "fp32" else float(self.bits_max)
         t = step - self.delay_steps
@@ -355,7 +356,7 @@ class PrecisionSchedule:
         z = (t % self.cycle_length) / self.cycle_length
         return self.shape.level(z, cycle_index, self.bits_min, self.bits_max)
 
-    def _bits(self, step: int) -> Optional[int]:
+    def _bits(self, step: int) -> int | None:
         value = self._smooth(step)
         if value is None:
             return None
@@ -405,7 +406,7 @@ class PrecisionSchedule:
         """Training cost relative to FP32 training of the same steps (REFERENCE §5)."""
         return self.bitops_per_mac(grad_bits) / (self.total_steps * bitops_per_mac(None, None))
 
-    def static_grad_bits(self, grad_bits: GradBits = 8) -> Optional[int]:
+    def static_grad_bits(self, grad_bits: GradBits = 8) -> int | None:
         """The error bits of the static counterpart: fixed ``grad_bits``, or a grad schedule's maximum."""
         if not callable(grad_bits):
             _check_grad_bits(grad_bits)
@@ -475,7 +476,7 @@ def cost_group(mean_bits: float, bits_min: int, bits_max: int) -> str:
     return "medium"
 
 
-def training_precision(bits: Optional[int], grad_bits: GradBits, step: int) -> tuple[Optional[int], Optional[int]]:
+def training_precision(bits: int | None, grad_bits: GradBits, step: int) -> tuple[int | None, int | None]:
     """(forward bits, error bits) of one step: full-precision steps are full precision both ways."""
     if bits is None:
         return None, None
@@ -487,7 +488,7 @@ def training_precision(bits: Optional[int], grad_bits: GradBits, step: int) -> t
 
 
 def get_schedule(
-    name: Union[str, StepFn],
+    name: str | StepFn,
     bits_min: int = 3,
     bits_max: int = 8,
     total_steps: int = 64000,
@@ -508,7 +509,7 @@ def get_schedule(
     )
 
 
-def schedule_from_config(config, total_steps: int, bits_min: Optional[int] = None) -> PrecisionSchedule:
+def schedule_from_config(config, total_steps: int, bits_min: int | None = None) -> PrecisionSchedule:
     """The forward-bits schedule a `CPTConfig` asks for over ``total_steps`` optimizer steps.
 
     ``bits_min`` overrides the config's (for ``bits_min="auto"``, the precision range test's choice).
@@ -529,7 +530,7 @@ def schedule_from_config(config, total_steps: int, bits_min: Optional[int] = Non
     )
 
 
-def grad_schedule_from_config(config, total_steps: int) -> Optional[PrecisionSchedule]:
+def grad_schedule_from_config(config, total_steps: int) -> PrecisionSchedule | None:
     """The error-bits schedule of a `CPTConfig` (None: fixed ``grad_bits``, the default).
 
     During a delayed start the error bits are held at ``grad_bits``.

@@ -8,8 +8,8 @@ returns a `QuantizationReport` saying what was converted and what was kept, and 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ class QuantizationReport:
         return "\n".join(lines)
 
 
-def matches_any(name: str, patterns: Optional[list[str]]) -> Optional[str]:
+def matches_any(name: str, patterns: list[str] | None) -> str | None:
     """The first pattern naming this module: exact name, dotted suffix, or a full regex match."""
     for pattern in patterns or ():
         if name == pattern or name.endswith("." + pattern) or re.fullmatch(pattern, name):
@@ -100,7 +100,7 @@ def is_quantized(model: nn.Module) -> bool:
     return any(True for _ in quant_layers(model))
 
 
-def quantize_model(model: nn.Module, config: Optional[CPTConfig] = None) -> QuantizationReport:
+def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> QuantizationReport:
     """Convert the model's Linear / Conv2d / Conv1D layers to CPT layers in place.
 
     Call it before creating the optimizer and before ``accelerator.prepare`` (CPTTrainer does):
@@ -137,7 +137,7 @@ def quantize_model(model: nn.Module, config: Optional[CPTConfig] = None) -> Quan
     return report
 
 
-def _reason_to_keep(name: str, module: nn.Module, config: CPTConfig, heads: set[str]) -> Optional[str]:
+def _reason_to_keep(name: str, module: nn.Module, config: CPTConfig, heads: set[str]) -> str | None:
     if type(module) not in QUANT_LAYER_CLASSES:
         return f"{type(module).__name__} subclasses {type(module).__mro__[1].__name__} with its own forward"
     if not config.quantize_adapters and any(marker in name.split(".") for marker in ADAPTER_MARKERS):
@@ -182,8 +182,8 @@ def load_activation_ranges(model: nn.Module, ranges: dict[str, torch.Tensor]) ->
 
 def set_precision(
     model: nn.Module,
-    bits: Optional[int],
-    grad_bits: Optional[int] = None,
+    bits: int | None,
+    grad_bits: int | None = None,
 ) -> None:
     """Set the training precision of every quantized layer of ``model`` (None = full precision).
 
@@ -195,7 +195,7 @@ def set_precision(
     find_precision_state(model).set(bits, grad_bits)
 
 
-def set_eval_precision(model: nn.Module, bits: Optional[int], follow_training: bool = False) -> None:
+def set_eval_precision(model: nn.Module, bits: int | None, follow_training: bool = False) -> None:
     """Set the precision used in eval mode (None = full precision; or follow the training bits)."""
     if bits is not None:
         check_bits("set_eval_precision: bits (or None)", bits)

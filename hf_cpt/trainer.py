@@ -6,7 +6,7 @@ import inspect
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -55,19 +55,19 @@ class CPTCallback(TrainerCallback):
     ``cpt/bits``, ``cpt/grad_bits`` and the cost figures are added to the Trainer's logs.
     """
 
-    def __init__(self, config: Optional[CPTConfig] = None) -> None:
+    def __init__(self, config: CPTConfig | None = None) -> None:
         self.config = config if config is not None else CPTConfig()
-        self.schedule: Optional[PrecisionSchedule] = None
-        self.grad_schedule: Optional[PrecisionSchedule] = None  # None: fixed config.grad_bits
-        self.prt_result: Optional[PrecisionRangeResult] = None  # set when bits_min="auto"
-        self.precision: Optional[PrecisionState] = None
-        self.meter: Optional[CostMeter] = None
-        self.bits: Optional[int] = None
-        self.grad_bits: Optional[int] = None
+        self.schedule: PrecisionSchedule | None = None
+        self.grad_schedule: PrecisionSchedule | None = None  # None: fixed config.grad_bits
+        self.prt_result: PrecisionRangeResult | None = None  # set when bits_min="auto"
+        self.precision: PrecisionState | None = None
+        self.meter: CostMeter | None = None
+        self.bits: int | None = None
+        self.grad_bits: int | None = None
         self.logs_injected_by_trainer = False  # CPTTrainer adds the values in Trainer.log itself
 
     # -- schedule -----------------------------------------------------------------------------
-    def on_train_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs):
+    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs):
         if model is None or not is_quantized(model):
             raise ValueError(
                 "CPTCallback: the model has no CPT layers. Call hf_cpt.quantize_model(model, config) before "
@@ -99,7 +99,7 @@ class CPTCallback(TrainerCallback):
         self.bits, self.grad_bits = training_precision(self.schedule(step), grad_bits, step)
         self.precision.set(self.bits, self.grad_bits)
 
-    def on_save(self, args, state, control, model: Optional[nn.Module] = None, **kwargs):
+    def on_save(self, args, state, control, model: nn.Module | None = None, **kwargs):
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if state.is_world_process_zero and model is not None and os.path.isdir(checkpoint):
             save_file(activation_ranges(model), os.path.join(checkpoint, ACTIVATION_RANGES_FILE))
@@ -187,7 +187,8 @@ def format_cost_report(report: dict[str, Any]) -> str:
         f"  GBitOPs spent            {report['gbitops']:.4g}",
         f"  at static {report['cpt_config']['bits_max']}-bit           {report['static_gbitops']:.4g}"
         f"  (ratio {report['cost_vs_static'] or float('nan'):.3f})",
-        f"  in FP32                  {report['fp32_gbitops']:.4g}  (ratio {report['cost_vs_fp32'] or float('nan'):.4f})",
+        f"  in FP32                  {report['fp32_gbitops']:.4g}"
+        f"  (ratio {report['cost_vs_fp32'] or float('nan'):.4f})",
         "  steps at each precision  "
         + ", ".join(f"{bits}: {count}" for bits, count in report["steps_at_bits"].items()),
     ]
@@ -208,9 +209,9 @@ class CPTTrainer(Trainer):
     ``accelerator.prepare`` exist.
     """
 
-    def __init__(self, model=None, args=None, *trainer_args, cpt_config: Optional[CPTConfig] = None, **kwargs):
+    def __init__(self, model=None, args=None, *trainer_args, cpt_config: CPTConfig | None = None, **kwargs):
         self.cpt_config = cpt_config if cpt_config is not None else CPTConfig()
-        self.cpt_report: Optional[QuantizationReport] = None
+        self.cpt_report: QuantizationReport | None = None
         if model is not None:
             self.cpt_report = self._quantize(model)
         model_init = kwargs.get("model_init")
@@ -226,7 +227,7 @@ class CPTTrainer(Trainer):
         kwargs["callbacks"] = [self.cpt_callback] + list(kwargs.get("callbacks") or [])
         super().__init__(model, args, *trainer_args, **kwargs)
 
-    def _quantize(self, model: nn.Module) -> Optional[QuantizationReport]:
+    def _quantize(self, model: nn.Module) -> QuantizationReport | None:
         if is_quantized(model):
             return None  # converted by the user, e.g. before get_peft_model
         report = quantize_model(model, self.cpt_config)
@@ -242,17 +243,17 @@ class CPTTrainer(Trainer):
     #: "portable" (float weights on the grid, loads anywhere) or "fp32" (the FP32 master weights).
     cpt_save_format: str = "packed"
     #: Export precision (None: ``cpt_config.bits_max``) and storage of the weights trained in FP32.
-    cpt_save_bits: Optional[int] = None
+    cpt_save_bits: int | None = None
     cpt_float_weight_bits: Any = "auto"
     _CPT_DEFAULT = object()  # "not given" (None is a valid float_weight_bits: exact float)
 
     def save_model(
         self,
-        output_dir: Optional[str] = None,
+        output_dir: str | None = None,
         _internal_call: bool = False,
         *,
-        save_format: Optional[str] = None,
-        bits: Optional[int] = None,
+        save_format: str | None = None,
+        bits: int | None = None,
         float_weight_bits: Any = _CPT_DEFAULT,
     ) -> None:
         """Save the trained model for use, with its tokenizer / image processor and a model card.
@@ -297,7 +298,7 @@ class CPTTrainer(Trainer):
                 float_weight_bits=float_weight_bits,
             )
 
-    def push_to_hub(self, *args, save_format: Optional[str] = None, bits: Optional[int] = None,
+    def push_to_hub(self, *args, save_format: str | None = None, bits: int | None = None,
                     float_weight_bits: Any = _CPT_DEFAULT, **kwargs):
         """`Trainer.push_to_hub`, uploading the checkpoint `save_model` writes (packed by default) and its model card.
 
@@ -358,7 +359,7 @@ class CPTTrainer(Trainer):
         logger.info("CPTTrainer.save_model: saving the FP32 master weights: %s.", reason)
         return "fp32"
 
-    def _cpt_export(self, output_dir: str, save_format: str, bits, float_weight_bits) -> Optional[dict]:
+    def _cpt_export(self, output_dir: str, save_format: str, bits, float_weight_bits) -> dict | None:
         if self.is_fsdp_enabled or getattr(self, "is_deepspeed_enabled", False):
             raise NotImplementedError(
                 f"CPTTrainer.save_model(save_format={save_format!r}) needs the whole model on one process; with "
@@ -382,7 +383,7 @@ class CPTTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         return fields
 
-    def _cpt_write_card(self, output_dir: str, fields: Optional[dict], **card) -> None:
+    def _cpt_write_card(self, output_dir: str, fields: dict | None, **card) -> None:
         if not isinstance(self._cpt_unwrapped(), PreTrainedModel):
             return  # not a transformers checkpoint: no model card of ours
 

@@ -20,18 +20,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
-from transformers import TrainerCallback, TrainingArguments, set_seed
+from transformers import TrainingArguments, set_seed
 
-from hf_cpt import CPTConfig, CPTTrainer
+from hf_cpt import CPTConfig, CPTTrainer, plot_schedule
 
 RUNS = {
     "FP32": CPTConfig(schedule="fp32"),
@@ -76,17 +72,6 @@ class DigitsCNN(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
-class BitsRecorder(TrainerCallback):
-    """Records the forward bits CPTTrainer used at every optimizer step (None = FP32)."""
-
-    def __init__(self) -> None:
-        self.bits: list[int | None] = []
-        self.trainer: CPTTrainer | None = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.bits.append(self.trainer.cpt_callback.bits)
-
-
 def compute_metrics(eval_pred) -> dict[str, float]:
     logits, labels = eval_pred
     return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
@@ -115,17 +100,14 @@ def train_one(name: str, config: CPTConfig, data: tuple, args: argparse.Namespac
         data_seed=args.seed,
         dataloader_num_workers=0,
     )
-    recorder = BitsRecorder()
     trainer = CPTTrainer(
         model=model,
         args=training_args,
         train_dataset=train_set,
         eval_dataset=test_set,
         compute_metrics=compute_metrics,
-        callbacks=[recorder],
         cpt_config=config,
     )
-    recorder.trainer = trainer
     print(f"\n=== {name} ===", flush=True)
     start = time.perf_counter()
     trainer.train()
@@ -139,22 +121,9 @@ def train_one(name: str, config: CPTConfig, data: tuple, args: argparse.Namespac
         "steps": report["steps"],
         "steps_at_bits": report["steps_at_bits"],
         "seconds": time.perf_counter() - start,
-        "bits_per_step": recorder.bits,
+        "schedule": trainer.cpt_callback.schedule,
         "cpt_config": config.to_dict(),
     }
-
-
-def plot_schedule(bits: list[int | None], path: str, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(8, 3))
-    ax.step(range(len(bits)), bits, where="post", color="tab:blue")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("forward bits")
-    ax.set_yticks(range(min(bits), max(bits) + 1))
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main() -> None:
@@ -185,7 +154,9 @@ def main() -> None:
 
     cpt = results["CPT 3-8 / 8"]
     plot_path = os.path.join(args.output_dir, "cpt_schedule.png")
-    plot_schedule(cpt["bits_per_step"], plot_path, "CPT 3-8 bits, 8 cycles: forward precision per step")
+    plot_schedule(cpt.pop("schedule"), plot_path, grad_bits=8)
+    for result in results.values():
+        result.pop("schedule", None)
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump({"args": vars(args), "wall_seconds": wall, "runs": results}, f, indent=2)
 
