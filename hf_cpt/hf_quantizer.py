@@ -289,10 +289,24 @@ def weight_channel_dim_for(module: nn.Module, name: str, config: CPTQuantization
     return weight_channel_dim(module)
 
 
+def as_model_keys(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's tensor names as the model's state-dict keys, renamed as transformers renames them on load.
+
+    transformers 4.x models may rename keys between the file and the model: ``_fix_state_dict_key_on_save``
+    when writing and ``_fix_state_dict_key_on_load`` when reading (``TimmWrapperPreTrainedModel`` drops the
+    ``timm_model.`` prefix in the file and adds it back on load). transformers 5.x has neither hook.
+    """
+    fix = getattr(model, "_fix_state_dict_key_on_load", None)
+    if not callable(fix):
+        return tensors
+    return {fix(key)[0]: value for key, value in tensors.items()}
+
+
 def validate_checkpoint(
     model: nn.Module, config: CPTQuantizationConfig, tensors: dict[str, tuple[str, tuple[int, ...]]], where: str = ""
 ) -> None:
     """Raise ``ValueError`` naming every missing, mis-shaped or mistyped tensor of a CPT checkpoint."""
+    tensors = as_model_keys(model, tensors)
     problems = []
     for key, (dtype, shape) in expected_tensors(model, config).items():
         found = tensors.get(key)

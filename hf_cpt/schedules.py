@@ -502,7 +502,7 @@ def get_schedule(
 
     >>> s = get_schedule("RR", 3, 8, total_steps=64000, num_cycles=8)
     >>> s(0), round(s.mean_bits(), 2), s.cost_group
-    (3, 3.81, 'small')
+    (3, 3.8, 'small')
     """
     return PrecisionSchedule(
         name, bits_min, bits_max, total_steps, num_cycles, rounding, delay=delay, delay_precision=delay_precision

@@ -274,6 +274,7 @@ def test_without_import_hf_cpt_packed_fails_loudly_and_portable_loads(tmp_path):
             print("PACKED LOADED")
         except RuntimeError as error:
             print("PACKED FAILED:", type(error).__name__, str(error).splitlines()[0])
+            print("PACKED ERROR:", " ".join(str(error).split()))
         model = AutoModelForSequenceClassification.from_pretrained({str(tmp_path / "portable")!r})
         io = torch.load({str(tmp_path / "io.pt")!r})
         with torch.no_grad():
@@ -287,7 +288,19 @@ def test_without_import_hf_cpt_packed_fails_loudly_and_portable_loads(tmp_path):
     out = result.stdout
     assert result.returncode == 0, result.stderr[-2000:]
     assert "PACKED FAILED: RuntimeError" in out and "PACKED LOADED" not in out
-    assert "MISMATCH" in result.stderr and "bert.encoder.layer.0.attention.self.query.weight" in result.stderr
+    # The failure is the guard's size mismatch: an empty uint8 file tensor against the model's weight. transformers
+    # 5.x names it in its load report ("<key> | MISMATCH | ... ckpt: torch.Size([0]) vs model:torch.Size([...])"),
+    # 4.x in the RuntimeError ("size mismatch for weight: copying a param with shape torch.Size([0]) ...").
+    guard = json.loads((tmp_path / "packed" / "config.json").read_text())["quantization_config"]["guard_tensor"]
+    assert guard == "bert.encoder.layer.0.attention.self.query.weight"
+    empty, shape = "torch.Size([0])", f"torch.Size({list(model.get_parameter(guard).shape)})"
+    mismatches = [
+        line for line in (out + result.stderr).splitlines()
+        if "size mismatch" in line.lower() and empty in line and shape in line
+    ]
+    assert any(guard in line for line in mismatches) or any(
+        line.startswith("PACKED ERROR:") and "size mismatch for weight:" in line for line in mismatches
+    ), out + result.stderr[-4000:]
     assert "Unknown quantization type, got cpt" in result.stderr
     diff = float(out.split("PORTABLE DIFF ")[1].split()[0])
     assert diff < 1e-5 and "PORTABLE DIFF" in out and " Linear" in out
@@ -539,6 +552,14 @@ def test_push_to_hub_uploads_packed_checkpoint_and_model_card(tmp_path, monkeypa
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    # transformers 4.x's trainer imported huggingface_hub's module-level `create_repo` / `upload_folder` (methods
+    # bound to a default HfApi when huggingface_hub was imported, which patching the class does not reach); 5.x
+    # calls them on `hf_api()`, an HfApi, so patching the class covers it.
+    import transformers.trainer as trainer_module
+
+    for name, fake in (("create_repo", create_repo), ("upload_folder", upload_folder)):
+        if hasattr(trainer_module, name):
+            monkeypatch.setattr(trainer_module, name, lambda *args, _fake=fake, **kwargs: _fake(None, *args, **kwargs))
     trainer = _trainer(tmp_path, push_to_hub=True, hub_model_id="user/tiny-cpt", eval_strategy="steps", eval_steps=4)
     trainer.train()
     trainer.push_to_hub()
@@ -546,9 +567,14 @@ def test_push_to_hub_uploads_packed_checkpoint_and_model_card(tmp_path, monkeypa
     assert calls[0] == ("create_repo", "user/tiny-cpt")
     _, repo, files, contents = calls[-1]
     assert repo == "user/tiny-cpt"
+    # The tokenizer's own files differ across transformers versions (4.x adds special_tokens_map.json):
+    # they are whatever its save_pretrained writes, and must include tokenizer.json / tokenizer_config.json.
+    trainer.processing_class.save_pretrained(str(tmp_path / "tokenizer_files"))
+    tokenizer_files = sorted(os.listdir(tmp_path / "tokenizer_files"))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(tokenizer_files)
     assert files == sorted([
         "README.md", "config.json", "cpt_cost_report.json", "cpt_schedule.png", "model.safetensors",
-        "tokenizer.json", "tokenizer_config.json", "training_args.bin",
+        "training_args.bin", *tokenizer_files,
     ])
     config = json.loads(contents["config.json"])["quantization_config"]
     assert config["quant_method"] == "cpt" and config["bits"] == 8 and config["checkpoint_format"] == "packed"
