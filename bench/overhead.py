@@ -131,7 +131,10 @@ def main() -> None:
     parser.add_argument("--no-fused", action="store_true", help="use the eager error quantizer")
     parser.add_argument("--bert-batch", type=int, default=8, help="batch size of the BERT training step")
     parser.add_argument("--only", choices=("linear", "conv", "bert"), nargs="*", help="run only these cases")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     fused = not args.no_fused
 
     torch.manual_seed(0)
@@ -161,6 +164,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"error quantizer: {'fused (torch.compile)' if fused else 'eager'}, repeats {args.repeats}")
     print("quantized: 8-bit weights/activations, 8-bit errors; times are medians per step")
+    # Other processes on the same cores stall multi-threaded ops; the load average says how busy it was.
+    print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     header = (
         f"{'case':<44}{'plain ms':>10}{'quant ms':>10}{'ratio':>8}{'paired':>8}{'target':>8}  {'ok':<4}"
         f"{'warm-up s':>10}"
@@ -175,6 +180,7 @@ def main() -> None:
               f"{result['paired']:>8.3f}{case.target:>8.2f}  {ok:<4}{result['warmup_s']:>10.2f}", flush=True)
     print("ratio = median quantized / median plain; paired = median of per-repeat ratios;")
     print("warm-up = first quantized step, including any torch.compile of the fused error kernel")
+    print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ def train_one(name: str, config: CPTConfig, data: tuple, args: argparse.Namespac
         seed=args.seed,
         data_seed=args.seed,
         dataloader_num_workers=0,
+        dataloader_pin_memory=False,  # CPU only: pinning would only warn
     )
     trainer = CPTTrainer(
         model=model,
