@@ -494,12 +494,7 @@ class CPTHfQuantizer(HfQuantizer):
                 setattr(model.get_submodule(parent) if parent else model, attribute, model.get_parameter(source))
 
     def _new_precision(self) -> PrecisionState:
-        config = self.quantization_config
-        return PrecisionState(
-            fused_error_quantizer=config.fused_error_quantizer,
-            activation_momentum=config.activation_momentum,
-            activation_ema_init=config.activation_ema_init,
-        )
+        return PrecisionState.from_settings(self.quantization_config)
 
     # -- saving and training -------------------------------------------------------------------
     def is_serializable(self, safe_serialization=None, **kwargs: Any) -> bool:

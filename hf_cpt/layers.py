@@ -51,6 +51,15 @@ class PrecisionState:
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
 
+    @classmethod
+    def from_settings(cls, settings) -> PrecisionState:
+        """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
+        return cls(
+            fused_error_quantizer=settings.fused_error_quantizer,
+            activation_momentum=settings.activation_momentum,
+            activation_ema_init=settings.activation_ema_init,
+        )
+
     def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""
         self.forward_enabled = bits is not None

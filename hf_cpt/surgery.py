@@ -111,11 +111,7 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
     if is_quantized(model):
         raise ValueError(f"{type(model).__name__} is already CPT-quantized; call hf_cpt.dequantize_model first.")
     heads = output_head_names(model)
-    precision = PrecisionState(
-        fused_error_quantizer=config.fused_error_quantizer,
-        activation_momentum=config.activation_momentum,
-        activation_ema_init=config.activation_ema_init,
-    )
+    precision = PrecisionState.from_settings(config)
     report = QuantizationReport()
     for name, module in list(model.named_modules()):
         if not _is_candidate_layer(module):
