@@ -53,8 +53,8 @@ except ImportError:  # pragma: no cover - transformers is a dependency
 logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "cpt"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 2  # 2: layer_schemes (per-token / rotated layers)
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 CHECKPOINT_FORMATS = ("packed", "portable")
 MIN_EXPORT_BITS = 1
 MAX_EXPORT_BITS = 8
@@ -239,6 +239,11 @@ def _quantization_fields(model: nn.Module, cpt_config: CPTConfig | None) -> dict
     from . import __version__
 
     return {
+        "layer_schemes": {
+            name: [layer.cpt_granularity, layer.cpt_rotation_seed]
+            for name, layer in quant_layers(model)
+            if layer.cpt_granularity != "tensor" or layer.cpt_rotation_seed is not None
+        },
         "activation_momentum": precision.activation_momentum,
         "activation_ema_init": precision.activation_ema_init,
         "fused_error_quantizer": precision.fused_error_quantizer,
@@ -251,7 +256,7 @@ def _warn_unset_activation_ranges(plan: ExportPlan) -> None:
     unset = [
         name
         for name, layer in plan.quantized.items()
-        if float(layer.act_min) == 0.0 and float(layer.act_max) == 0.0
+        if layer.cpt_granularity == "tensor" and float(layer.act_min) == 0.0 and float(layer.act_max) == 0.0
     ]
     if unset:
         logger.warning(
@@ -278,7 +283,9 @@ def packed_state_dict(
         state_dict.pop(f"{name}.weight", None)
     for name, module in list(plan.quantized.items()) + list(plan.float_packed.items()):
         module_bits = bits if name in plan.quantized else plan.float_bits[name]
-        codes, scale, zero_point = quantize_rows(module.weight, module_bits, weight_channel_dim(module))
+        # a rotated CPT layer computes with Q(W R): its codes are taken in the rotated basis
+        weight = module.rotate_weight(module.weight.detach()) if name in plan.quantized else module.weight
+        codes, scale, zero_point = quantize_rows(weight, module_bits, weight_channel_dim(module))
         state_dict[f"{name}.{PACKED}"] = pack_codes(codes, module_bits).cpu()
         state_dict[f"{name}.{SCALE}"] = scale.cpu()
         state_dict[f"{name}.{ZERO_POINT}"] = zero_point.cpu()

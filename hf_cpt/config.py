@@ -16,6 +16,9 @@ EVAL_PRECISIONS = ("max", "current", "fp32")
 EMA_INITS = ("zeros", "first_batch")
 DELAY_PRECISIONS = ("max", "fp32")
 PRT_METRICS = ("loss", "accuracy")
+# How activations are quantized (docs/method.md, "Pretrained transformers"): the CPT paper's per-tensor
+# running range, per-token ranges, either after a fixed rotation of the input features, or "auto".
+QUANT_SCHEMES = ("auto", "paper", "per-token", "rotated", "rotated-per-token")
 
 
 @dataclass
@@ -122,6 +125,25 @@ class CPTConfig:
             "training through it as in the CPT paper (False)."
         },
     )
+    quant_scheme: str = field(
+        default="auto",
+        metadata={
+            "help": "Activation quantization: 'auto' (default: 'rotated-per-token' for Linear / GPT-2 Conv1D "
+            "layers, 'paper' for Conv2d), 'paper' (the CPT paper's per-tensor running min/max, bit-exact), "
+            "'per-token' (each token's own range), 'rotated' (per tensor after a Hadamard rotation of the input "
+            "features) or 'rotated-per-token'. Pretrained transformers need 'rotated-per-token' below 6 bits."
+        },
+    )
+    rotation_seed: int = field(
+        default=0, metadata={"help": "Seed of the random signs of the Hadamard rotation (rotated schemes)."}
+    )
+    fidelity_threshold: float | None = field(
+        default=0.8,
+        metadata={
+            "help": "At the start of training, warn when the model's output at bits_min on the first batch has a "
+            "cosine similarity to full precision below this (None: no check)."
+        },
+    )
     fused_error_quantizer: bool = field(
         default=True,
         metadata={
@@ -219,6 +241,19 @@ class CPTConfig:
         if not 0.0 <= self.activation_momentum < 1.0:
             raise ValueError(
                 f"CPTConfig.activation_momentum must be in [0, 1), got {self.activation_momentum!r}."
+            )
+        if self.quant_scheme not in QUANT_SCHEMES:
+            raise ValueError(f"CPTConfig.quant_scheme must be one of {QUANT_SCHEMES}, got {self.quant_scheme!r}.")
+        if not isinstance(self.rotation_seed, int) or isinstance(self.rotation_seed, bool) or self.rotation_seed < 0:
+            raise ValueError(f"CPTConfig.rotation_seed must be an integer >= 0, got {self.rotation_seed!r}.")
+        if self.fidelity_threshold is not None and (
+            not isinstance(self.fidelity_threshold, (int, float))
+            or isinstance(self.fidelity_threshold, bool)
+            or not -1.0 <= self.fidelity_threshold <= 1.0
+        ):
+            raise ValueError(
+                f"CPTConfig.fidelity_threshold must be a cosine similarity in [-1, 1] or None, "
+                f"got {self.fidelity_threshold!r}."
             )
         if self.activation_ema_init not in EMA_INITS:
             raise ValueError(

@@ -4,6 +4,11 @@ Each quantized GEMM or convolution with ``MACs`` forward multiply-accumulates co
 ``MACs * (b_w * b_a + b_e * b_w + b_e * b_a)``: the forward product, the input gradient and the
 weight gradient. Layers in full precision count at 32 bits. MACs are measured from the real input
 shapes of each layer's forward pass, so any batch size or sequence length is counted exactly.
+
+A rotated layer (docs/method.md, "Rotation") also rotates its input and weight in full precision,
+forward and backward: each rotated value costs the transform's additions at 32 bit operations and
+its multiplications (dense factors only) at 32 x 32; this is counted apart as ``rotation_bitops`` and
+included in the totals (and in the static counterfactual, which would rotate too).
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ def relative_cost(bits: int | None, grad_bits: int | None) -> float:
     return bitops_per_mac(bits, grad_bits) / bitops_per_mac(None, None)
 
 
+def rotation_bitops_per_value(rotation) -> int:
+    """Bit operations to rotate one value, forward and backward (`hf_cpt.rotation.Rotation`)."""
+    adds, mults = rotation.operations_per_value
+    return 2 * (adds * FULL_PRECISION_BITS + mults * FULL_PRECISION_BITS * FULL_PRECISION_BITS)
+
+
 def layer_macs(module: nn.Module, output: torch.Tensor) -> int:
     """Forward multiply-accumulates of one Linear / Conv2d / Conv1D call, from its output shape."""
     if isinstance(module, nn.Conv2d):
@@ -46,6 +57,7 @@ class CostTotals:
     """Cumulative cost of a run, in bit operations."""
 
     bitops: float = 0.0
+    rotation_bitops: float = 0.0  # share of ``bitops`` spent rotating inputs and weights
     static_bitops: float = 0.0  # the same steps at static bits_max / grad_bits
     fp32_bitops: float = 0.0  # the same steps in full precision
     steps: int = 0
@@ -62,6 +74,7 @@ class CostTotals:
     def to_dict(self) -> dict:
         return {
             "gbitops": self.bitops / 1e9,
+            "rotation_gbitops": self.rotation_bitops / 1e9,
             "static_gbitops": self.static_bitops / 1e9,
             "fp32_gbitops": self.fp32_bitops / 1e9,
             "cost_vs_static": self.bitops / self.static_bitops if self.static_bitops else None,
@@ -86,6 +99,7 @@ class CostMeter:
         self.totals = CostTotals()
         self._quantized_macs = 0
         self._float_macs = 0
+        self._rotation_bitops = 0
         self._handles = [
             module.register_forward_hook(self._count)
             for module in model.modules()
@@ -98,6 +112,10 @@ class CostMeter:
         macs = layer_macs(module, output)
         if isinstance(module, QuantLayerMixin):
             self._quantized_macs += macs
+            rotation = module.rotation
+            if rotation is not None and inputs:  # priced in end_step only for steps that quantize
+                values = inputs[0].numel() + module.weight.numel()
+                self._rotation_bitops += values * rotation_bitops_per_value(rotation)
         else:
             self._float_macs += macs
 
@@ -106,12 +124,17 @@ class CostMeter:
         quantized, float_ = self._quantized_macs * self.scale, self._float_macs * self.scale
         full = bitops_per_mac(None, None)
         totals = self.totals
-        totals.bitops += quantized * bitops_per_mac(bits, grad_bits) + float_ * full
-        totals.static_bitops += quantized * bitops_per_mac(self.static_bits, self.static_grad_bits) + float_ * full
+        rotation = self._rotation_bitops * self.scale if bits is not None else 0.0  # FP32 steps do not rotate
+        totals.bitops += quantized * bitops_per_mac(bits, grad_bits) + float_ * full + rotation
+        totals.rotation_bitops += rotation
+        static_rotation = self._rotation_bitops * self.scale if self.static_bits is not None else 0.0
+        totals.static_bitops += (
+            quantized * bitops_per_mac(self.static_bits, self.static_grad_bits) + float_ * full + static_rotation
+        )
         totals.fp32_bitops += (quantized + float_) * full
         totals.steps += 1
         totals.steps_at_bits[bits] += 1
-        self._quantized_macs = self._float_macs = 0
+        self._quantized_macs = self._float_macs = self._rotation_bitops = 0
 
     def remove(self) -> None:
         for handle in self._handles:

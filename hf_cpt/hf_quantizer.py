@@ -49,7 +49,7 @@ from .checkpoint import (
     weight_channel_dim,
 )
 from .config import EMA_INITS, CPTConfig
-from .layers import QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer
+from .layers import ACTIVATION_GRANULARITIES, QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         fused_error_quantizer: bool = True,
         cpt_config: dict[str, Any] | None = None,
         hf_cpt_version: str | None = None,
+        layer_schemes: dict[str, list] | None = None,
         quant_method: str = QUANT_METHOD,
         **kwargs: Any,
     ) -> None:
@@ -107,6 +108,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         self.fused_error_quantizer = fused_error_quantizer
         self.cpt_config = cpt_config
         self.hf_cpt_version = hf_cpt_version
+        # {layer: [activation granularity, rotation seed or None]}; absent (format 1): per tensor, no rotation
+        self.layer_schemes = dict(layer_schemes or {})
         if kwargs:
             logger.info("hf_cpt: ignoring unknown quantization_config fields %s", sorted(kwargs))
         self.post_init()
@@ -167,6 +170,14 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
             raise ValueError(
                 f"quantization_config.activation_momentum must be in [0, 1), got {self.activation_momentum!r}."
             )
+        for name, scheme in self.layer_schemes.items():
+            ok = isinstance(scheme, (list, tuple)) and len(scheme) == 2 and scheme[0] in ACTIVATION_GRANULARITIES
+            ok = ok and (scheme[1] is None or (isinstance(scheme[1], int) and not isinstance(scheme[1], bool)))
+            if not ok or name not in self.quantized_modules:
+                raise ValueError(
+                    f"quantization_config.layer_schemes[{name!r}] must be [granularity in "
+                    f"{list(ACTIVATION_GRANULARITIES)}, rotation seed or null] for a quantized module, got {scheme!r}."
+                )
         if self.activation_ema_init not in EMA_INITS:
             raise ValueError(
                 f"quantization_config.activation_ema_init must be one of {list(EMA_INITS)}, "
@@ -188,6 +199,11 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
 
     def guard_module(self) -> str | None:
         return self.guard_tensor.rsplit(".", 1)[0] if self.packed and self.guard_tensor else None
+
+    def layer_scheme(self, name: str) -> tuple[str, int | None]:
+        """(activation granularity, rotation seed or None) of a quantized module."""
+        granularity, seed = self.layer_schemes.get(name, ("tensor", None))
+        return granularity, seed
 
     def run_config(self) -> CPTConfig | None:
         """The `CPTConfig` of the run that produced the checkpoint, when it was recorded."""
@@ -383,7 +399,7 @@ class CPTHfQuantizer(HfQuantizer):
                     f"quantization_config.quantized_modules names {name!r}, a {type(module).__name__}: not a layer "
                     f"hf_cpt can quantize ({sorted(c.__name__ for c in QUANT_LAYER_CLASSES)})."
                 )
-            convert_layer(module, precision)
+            convert_layer(module, precision, *config.layer_scheme(name))
         if not config.packed:
             return model
         ignore_missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
@@ -435,6 +451,7 @@ class CPTHfQuantizer(HfQuantizer):
         layers = {name: model.get_submodule(name) for name in config.quantized_modules}
         for layer in layers.values():
             layer.__dict__["cpt_precision"] = precision
+            layer.build_rotation()  # transformers leaves buffers absent from the file uninitialized
         if config.packed:
             self._unpack(model, config)
         else:
@@ -468,6 +485,9 @@ class CPTHfQuantizer(HfQuantizer):
                     f"allow: quantization_config.{field} does not match the file."
                 )
             weight = dequantize_rows(codes, tensors[SCALE], tensors[ZERO_POINT], torch.Size(shape), channel_dim)
+            if isinstance(module, QuantLayerMixin):
+                # codes hold Q(W R) in the rotated basis; the FP32 master is that weight rotated back
+                weight = module.rotate_weight(weight, inverse=True)
             current = module._parameters.get("weight")
             if name == guard or current is None or current.device.type == "meta" or tuple(current.shape) != shape:
                 module._buffers.pop("weight", None)

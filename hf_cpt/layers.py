@@ -19,7 +19,9 @@ from .quantizer import (
     quantize_ste,
     quantize_weight,
     tensor_range,
+    token_range,
 )
+from .rotation import Rotation, get_rotation
 
 try:  # GPT-2 style layer (a Linear with a transposed weight)
     from transformers.pytorch_utils import Conv1D
@@ -47,6 +49,9 @@ class PrecisionState:
         self.backward_enabled = False
         self.eval_enabled = False
         self.eval_follows_training = False
+        # Eval-mode forwards that quantize per-tensor inputs over the batch's own range (without updating
+        # the running range): used to measure fidelity before training, when no running range exists yet.
+        self.batch_ranges_in_eval = False
         self.fused_error_quantizer = fused_error_quantizer
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
@@ -88,25 +93,85 @@ class PrecisionState:
         return f"PrecisionState(bits={bits}, grad_bits={grad_bits})"
 
 
+ACTIVATION_GRANULARITIES = ("tensor", "token")
+
+
 class QuantLayerMixin:
-    """Shared forward of the quantized layers: quantize input and weight, compute, mark the error."""
+    """Shared forward of the quantized layers: rotate, quantize input and weight, compute, mark the error.
+
+    Per layer: activations are quantized per tensor (a running min/max, the CPT paper's scheme) or per
+    token (each row's own min/max, in training and eval); an optional fixed `Rotation` of the input
+    features is applied to input and weight first (docs/method.md).
+    """
 
     weight_channel_dim = 0  # dimension of the weight that indexes output channels
+    weight_feature_dim = -1  # dimension of the weight that indexes input features
+    input_feature_dim = -1  # dimension of the input that indexes features
     cpt_precision: PrecisionState
+    cpt_granularity: str = "tensor"
 
-    def _attach_precision(self, precision: PrecisionState) -> None:
+    def _attach_precision(
+        self, precision: PrecisionState, granularity: str = "tensor", rotation_seed: int | None = None
+    ) -> None:
+        if granularity not in ACTIVATION_GRANULARITIES:
+            raise ValueError(f"activation granularity must be one of {ACTIVATION_GRANULARITIES}, got {granularity!r}")
         # A plain attribute, not a submodule: one state object is shared by all layers of a model.
         self.__dict__["cpt_precision"] = precision
+        self.__dict__["cpt_granularity"] = granularity
         device = self.weight.device
         self.register_buffer("act_min", torch.zeros((), device=device), persistent=False)
         self.register_buffer("act_max", torch.zeros((), device=device), persistent=False)
         self.__dict__["_act_range_initialized"] = False
+        self.__dict__["cpt_rotation_seed"] = rotation_seed
+        self.__dict__["_rotation_kinds"] = ()
+        self.build_rotation()
+
+    def build_rotation(self) -> None:
+        """(Re)build the rotation buffers from ``cpt_rotation_seed``; they are not stored in checkpoints.
+
+        Buffers (not persistent) follow ``.to(device)`` and are seen by torch.compile as tensors.
+        """
+        seed = self.__dict__.get("cpt_rotation_seed")
+        if seed is None:
+            return
+        device = self.weight.device
+        device = torch.device("cpu") if device.type == "meta" else device  # transformers' meta-device loading
+        rotation = get_rotation(self.in_features_for_rotation(), seed, device=device)
+        self.register_buffer("rotation_signs", rotation.signs.clone(), persistent=False)
+        for index, factor in enumerate(rotation.factors):
+            self.register_buffer(f"rotation_factor_{index}", factor.clone(), persistent=False)
+        self.__dict__["_rotation_kinds"] = rotation.kinds
 
     def _detach_precision(self) -> None:
-        self.__dict__.pop("cpt_precision", None)
-        self.__dict__.pop("_act_range_initialized", None)
-        for name in ("act_min", "act_max"):
+        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed"):
+            self.__dict__.pop(key, None)
+        for index in range(len(self.__dict__.pop("_rotation_kinds", ()))):
+            self._buffers.pop(f"rotation_factor_{index}", None)
+        for name in ("act_min", "act_max", "rotation_signs"):
             self._buffers.pop(name, None)
+
+    def in_features_for_rotation(self) -> int:
+        """Input features (from the layer's own size attributes: a loading layer's weight may be a stand-in)."""
+        for attribute in ("in_features", "in_channels", "nx"):
+            if isinstance(getattr(self, attribute, None), int):
+                return getattr(self, attribute)
+        return self.weight.shape[self.weight_feature_dim]
+
+    @property
+    def rotation(self) -> Rotation | None:
+        """The fixed rotation of this layer's input features, None when not rotated."""
+        kinds = self.__dict__.get("_rotation_kinds", ())
+        if not kinds:
+            return None
+        factors = tuple(self._buffers[f"rotation_factor_{i}"] for i in range(len(kinds)))
+        return Rotation(self._buffers["rotation_signs"].numel(), self._buffers["rotation_signs"], factors, kinds)
+
+    def rotate_weight(self, weight: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """The weight in the rotated basis (``W R``), or back (``inverse=True``); unchanged when not rotated."""
+        rotation = self.rotation
+        if rotation is None:
+            return weight
+        return rotation.apply(weight, self.weight_feature_dim, transpose=inverse)
 
     def forward_bits(self) -> torch.Tensor | None:
         """The forward bit-width now in force for this layer, None for full precision."""
@@ -116,10 +181,16 @@ class QuantLayerMixin:
         return precision.eval_bits if precision.eval_enabled else None
 
     def quantize_input(self, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        """Per-tensor input quantization: batch range in training (tracked by EMA), EMA in eval."""
+        """Per token: each row's own range. Per tensor: batch range in training (tracked by EMA), EMA in eval."""
+        if self.cpt_granularity == "token":
+            minimum, maximum = token_range(x, self.input_feature_dim)
+            return quantize_ste(x, minimum, maximum, bits)
         if self.training:
             minimum, maximum = tensor_range(x)
             self._update_activation_range(minimum, maximum)
+            return quantize_ste(x, minimum, maximum, bits)
+        if self.cpt_precision.batch_ranges_in_eval:
+            minimum, maximum = tensor_range(x)
             return quantize_ste(x, minimum, maximum, bits)
         return quantize_ste(x, self.act_min, self.act_max, bits)
 
@@ -143,6 +214,11 @@ class QuantLayerMixin:
             return super().forward(x)  # exactly the original layer
         weight = self.weight
         if bits is not None:
+            rotation = self.rotation
+            if rotation is not None:
+                rotation = rotation.to(x.device, x.dtype) if rotation.signs.dtype != x.dtype else rotation
+                x = rotation.apply(x, self.input_feature_dim)
+                weight = self.rotate_weight(weight)
             x = self.quantize_input(x, bits)
             weight = quantize_weight(weight, bits, self.weight_channel_dim)
         out = self.compute(x, weight)
@@ -153,8 +229,11 @@ class QuantLayerMixin:
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def quantized_weight(self, bits: int | None = None) -> torch.Tensor:
-        """The weight as the layer uses it at ``bits`` (default: the eval precision), without grad."""
+    def quantized_weight(self, bits: int | None = None, rotated: bool = False) -> torch.Tensor:
+        """The weight as the layer uses it at ``bits`` (default: the eval precision), without grad.
+
+        A rotated layer computes with ``Q(W R)``: ``rotated=True`` returns that, else it is rotated back.
+        """
         with torch.no_grad():
             if bits is None:
                 if not self.cpt_precision.eval_enabled:
@@ -162,8 +241,10 @@ class QuantLayerMixin:
                 bits_t = self.cpt_precision.eval_bits
             else:
                 bits_t = torch.tensor(float(bits))
-            minimum, maximum = channel_ranges(self.weight, self.weight_channel_dim)
-            return fake_quantize(self.weight.detach(), minimum, maximum, bits_t)
+            weight = self.rotate_weight(self.weight.detach())
+            minimum, maximum = channel_ranges(weight, self.weight_channel_dim)
+            snapped = fake_quantize(weight, minimum, maximum, bits_t)
+            return snapped if rotated else self.rotate_weight(snapped, inverse=True)
 
 
 class QuantLinear(QuantLayerMixin, nn.Linear):
@@ -174,7 +255,14 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
 
 
 class QuantConv2d(QuantLayerMixin, nn.Conv2d):
-    """``nn.Conv2d`` with CPT fake quantization; weights quantized per output filter."""
+    """``nn.Conv2d`` with CPT fake quantization; weights quantized per output filter.
+
+    Per-token granularity means per pixel (the range over channels); rotation mixes input channels
+    (``groups == 1`` only).
+    """
+
+    weight_feature_dim = 1
+    input_feature_dim = 1
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, weight, self.bias)
@@ -188,6 +276,7 @@ if Conv1D is not None:
         """transformers' ``Conv1D`` (GPT-2) with CPT fake quantization; weight is (in, out)."""
 
         weight_channel_dim = 1
+        weight_feature_dim = 0
 
         def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             size_out = x.size()[:-1] + (self.nf,)
@@ -205,12 +294,22 @@ def register_quant_layer(float_class: type, quant_class: type) -> None:
     QUANT_LAYER_CLASSES[float_class] = quant_class
 
 
-def convert_layer(module: nn.Module, precision: PrecisionState) -> nn.Module:
-    """Turn a float layer into its quantized class in place (same object, same parameters)."""
+def convert_layer(
+    module: nn.Module, precision: PrecisionState, granularity: str = "tensor", rotation_seed: int | None = None
+) -> nn.Module:
+    """Turn a float layer into its quantized class in place (same object, same parameters).
+
+    ``granularity`` is the activation range ("tensor" or "token"); ``rotation_seed`` (None: no rotation)
+    picks the fixed rotation of the input features.
+    """
     quant_class = QUANT_LAYER_CLASSES[type(module)]
     module.__dict__["_cpt_float_class"] = type(module)
     module.__class__ = quant_class
-    module._attach_precision(precision)
+    try:
+        module._attach_precision(precision, granularity, rotation_seed)
+    except Exception:
+        module.__class__ = module.__dict__.pop("_cpt_float_class")
+        raise
     return module
 
 

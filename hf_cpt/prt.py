@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import check_bits
+from .config import CPTConfig, check_bits
 from .cost import CostMeter
 from .surgery import dequantize_model, find_precision_state, is_quantized, quantize_model, set_precision
 
@@ -172,6 +172,7 @@ def precision_range_test(
     restore_weights: bool = True,
     max_grad_norm: float | None = None,
     stop_at_first: bool = True,
+    cpt_config: CPTConfig | None = None,
 ) -> PrecisionRangeResult:
     """Find ``bits_min`` by training briefly at ``start_bits``, ``start_bits + 1``, ... ``max_bits``.
 
@@ -195,6 +196,7 @@ def precision_range_test(
         restore_weights: see the module docstring; True keeps the model's weights unchanged.
         max_grad_norm: clip gradients to this norm, as the Trainer does.
         stop_at_first: stop at the chosen precision (False: measure every precision up to max_bits).
+        cpt_config: how a plain model is converted for the test (default: ``CPTConfig()``).
     """
     check_bits("precision_range_test: start_bits", start_bits)
     check_bits("precision_range_test: max_bits", max_bits)
@@ -226,11 +228,11 @@ def precision_range_test(
 
     converted_here = not is_quantized(model)
     if converted_here:
-        quantize_model(model)
+        quantize_model(model, cpt_config)
     precision = find_precision_state(model)
     previous_precision = precision.current
     was_training = model.training
-    rng = _rng_state()
+    rng = rng_state()
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("precision_range_test: the model has no trainable parameters.")
@@ -262,7 +264,7 @@ def precision_range_test(
         for bits in range(start_bits, max_bits + 1):
             if restore_weights:
                 _restore(model, optimizer, snapshot)
-                _set_rng_state(rng)
+                set_rng_state(rng)
                 batches.rewind()
             if current_optimizer is None or (restore_weights and make_optimizer is not None):
                 current_optimizer = make_optimizer(params)
@@ -291,7 +293,7 @@ def precision_range_test(
         model.zero_grad(set_to_none=True)
         if restore_weights:
             _restore(model, optimizer, snapshot)
-            _set_rng_state(rng)
+            set_rng_state(rng)
         if lrs is not None:
             for group, lr in zip(optimizer.param_groups, lrs):
                 group["lr"] = lr
@@ -396,7 +398,7 @@ class _Batches:
             if self.iterator is None:
                 self.iterator = iter(self.data)
             try:
-                return _to_device(next(self.iterator), self.device)
+                return to_device(next(self.iterator), self.device)
             except StopIteration:
                 self.iterator = None
                 if self.one_shot:
@@ -416,13 +418,13 @@ class _Batches:
         self.position = 0
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
+def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
+        return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
+        return type(batch)(to_device(v, device) for v in batch)
     return batch
 
 
@@ -543,14 +545,14 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer | None, snapshot
     model.zero_grad(set_to_none=True)
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     state = {"cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     torch.random.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])

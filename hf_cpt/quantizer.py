@@ -67,6 +67,12 @@ def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return minimum, maximum
 
 
+def token_range(x: torch.Tensor, feature_dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (per-row) min and max over the feature dimension, shaped to broadcast against ``x``."""
+    x = x.detach()
+    return x.amin(dim=feature_dim, keepdim=True), x.amax(dim=feature_dim, keepdim=True)
+
+
 class _FakeQuantizeSTE(torch.autograd.Function):
     """Forward: deterministic fake quantization. Backward: the gradient passes unchanged."""
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import CPTConfig, check_bits
 from .layers import QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer, restore_layer
+from .rotation import can_rotate
 
 # Module names that hold a model's output head in transformers and timm models.
 HEAD_MODULE_NAMES = ("lm_head", "classifier", "score", "head", "qa_outputs", "cls")
@@ -28,11 +29,47 @@ class QuantizationReport:
 
     quantized: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
+    schemes: dict[str, str] = field(default_factory=dict)  # quantized layer -> its activation scheme
+    not_rotated: dict[str, str] = field(default_factory=dict)  # layers a rotated scheme could not rotate, why
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
+        counts: dict[str, int] = {}
+        for scheme in self.schemes.values():
+            counts[scheme] = counts.get(scheme, 0) + 1
+        if counts:
+            lines.append("  activation schemes: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
         lines += [f"  kept {name}: {reason}" for name, reason in self.kept.items()]
+        lines += [f"  not rotated {name}: {reason}" for name, reason in self.not_rotated.items()]
         return "\n".join(lines)
+
+
+def resolve_scheme(quant_scheme: str, module: nn.Module) -> tuple[str, bool]:
+    """(activation granularity, rotate?) of one layer under ``CPTConfig.quant_scheme``.
+
+    "auto" is "rotated-per-token" for Linear / Conv1D layers (transformers: outlier features, measured in
+    docs/pretrained.md) and "paper" for Conv2d (the CNNs the CPT paper trains from scratch).
+    """
+    if quant_scheme == "auto":
+        quant_scheme = "paper" if isinstance(module, nn.Conv2d) else "rotated-per-token"
+    granularity = "token" if quant_scheme in ("per-token", "rotated-per-token") else "tensor"
+    return granularity, quant_scheme in ("rotated", "rotated-per-token")
+
+
+def scheme_name(granularity: str, rotated: bool) -> str:
+    """The `CPTConfig.quant_scheme` value of a resolved (granularity, rotated) pair."""
+    base = "per-token" if granularity == "token" else ("" if rotated else "paper")
+    return "rotated" + ("-" + base if base else "") if rotated else base
+
+
+def _rotation_obstacle(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        return f"grouped convolution (groups={module.groups}) cannot be rotated"
+    quant_class = QUANT_LAYER_CLASSES[type(module)]
+    features = module.weight.shape[quant_class.weight_feature_dim]
+    if not can_rotate(features):
+        return f"no fast rotation of {features} features"
+    return None
 
 
 def matches_any(name: str, patterns: list[str] | None) -> str | None:
@@ -120,8 +157,15 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
         if reason is not None:
             report.kept[name] = reason
             continue
-        convert_layer(module, precision)
+        granularity, rotate = resolve_scheme(config.quant_scheme, module)
+        if rotate:
+            obstacle = _rotation_obstacle(module)
+            if obstacle is not None:
+                rotate = False
+                report.not_rotated[name] = obstacle
+        convert_layer(module, precision, granularity, config.rotation_seed if rotate else None)
         report.quantized.append(name)
+        report.schemes[name] = scheme_name(granularity, rotate)
     if not report.quantized:
         raise ValueError(
             "hf_cpt.quantize_model found no layer to quantize in "

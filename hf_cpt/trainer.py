@@ -27,8 +27,9 @@ from .checkpoint import (
 )
 from .config import CPTConfig
 from .cost import CostMeter
+from .fidelity import output_fidelity
 from .layers import PrecisionState
-from .prt import PrecisionRangeResult, run_precision_range_test_for_trainer
+from .prt import PrecisionRangeResult, rng_state, run_precision_range_test_for_trainer, set_rng_state, to_device
 from .schedules import PrecisionSchedule, grad_schedule_from_config, schedule_from_config, training_precision
 from .surgery import (
     QuantizationReport,
@@ -65,6 +66,7 @@ class CPTCallback(TrainerCallback):
         self.bits: int | None = None
         self.grad_bits: int | None = None
         self.logs_injected_by_trainer = False  # CPTTrainer adds the values in Trainer.log itself
+        self.fidelity: dict[int, float] | None = None  # output fidelity at bits_min on the first batch
 
     # -- schedule -----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs):
@@ -84,6 +86,10 @@ class CPTCallback(TrainerCallback):
         self.schedule = schedule_from_config(self.config, state.max_steps, bits_min=bits_min)
         self.grad_schedule = grad_schedule_from_config(self.config, state.max_steps)
         self.precision.set_eval(self.config.eval_precision, follow_training=self.config.eval_bits == "current")
+        if state.global_step == 0 and self.config.fidelity_threshold is not None and self.schedule.bits_min:
+            self.fidelity = check_fidelity_at_start(
+                model, kwargs.get("train_dataloader"), self.schedule.bits_min, self.config
+            )
         static_bits = None if self.config.schedule == "fp32" else self.config.bits_max
         if self.meter is not None:
             self.meter.remove()
@@ -181,6 +187,47 @@ class CPTCallback(TrainerCallback):
         return report
 
 
+def check_fidelity_at_start(model: nn.Module, dataloader, bits_min: int, config: CPTConfig) -> dict[int, float] | None:
+    """Measure the output fidelity at ``bits_min`` on the first training batch; warn when it is low.
+
+    The data order and every random number generator are left as they were, so the run is unchanged.
+    """
+    if dataloader is None:
+        return None
+    rng = rng_state()
+    try:
+        batch = next(iter(dataloader))
+    except StopIteration:
+        return None
+    finally:
+        set_rng_state(rng)
+    device = next(model.parameters()).device
+    batch = to_device(batch, device)
+    try:
+        fidelity = output_fidelity(model, batch, bits_min)
+    except Exception as error:  # the check must never stop a run
+        logger.info("hf_cpt: output fidelity check skipped (%s: %s).", type(error).__name__, error)
+        return None
+    finally:
+        set_rng_state(rng)
+    score = fidelity[bits_min]
+    if score < config.fidelity_threshold:
+        if config.quant_scheme != "rotated-per-token" and config.quant_scheme != "auto":
+            fix = "CPTConfig(quant_scheme='rotated-per-token') (the default, 'auto', for transformers)"
+        else:
+            fix = f"a higher CPTConfig.bits_min (now {bits_min})"
+        logger.warning(
+            "hf_cpt: at bits_min=%d the model's output keeps a cosine similarity of only %.3f to full precision "
+            "on the first batch (threshold CPTConfig.fidelity_threshold=%.2f, quant_scheme=%r): training at this "
+            "precision can lose the model's representation (a pretrained model's outlier features). Use %s. "
+            "See docs/pretrained.md.",
+            bits_min, score, config.fidelity_threshold, config.quant_scheme, fix,
+        )
+    else:
+        logger.info("hf_cpt: output fidelity at bits_min=%d on the first batch: %.3f.", bits_min, score)
+    return fidelity
+
+
 def format_cost_report(report: dict[str, Any]) -> str:
     lines = [
         "CPT training cost",
@@ -212,6 +259,7 @@ class CPTTrainer(Trainer):
     def __init__(self, model=None, args=None, *trainer_args, cpt_config: CPTConfig | None = None, **kwargs):
         self.cpt_config = cpt_config if cpt_config is not None else CPTConfig()
         self.cpt_report: QuantizationReport | None = None
+        self.cpt_precision_profile: list[dict[str, Any]] | None = None  # set by evaluate_precisions
         if model is not None:
             self.cpt_report = self._quantize(model)
         model_init = kwargs.get("model_init")
@@ -237,6 +285,40 @@ class CPTTrainer(Trainer):
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         logs.update(self.cpt_callback.log_values(logs))
         super().log(logs, *args, **kwargs)
+
+    def evaluate_precisions(
+        self, bits: list[int | None] | None = None, eval_dataset=None, metric_key_prefix: str = "eval"
+    ) -> list[dict[str, Any]]:
+        """Evaluate the model at several precisions; one row ``{"bits": b or "fp32", <metrics>}`` per precision.
+
+        ``bits`` defaults to every integer from ``bits_min`` to ``bits_max`` and FP32 (None). The eval
+        precision is restored afterwards. The table is kept as ``self.cpt_precision_profile`` and written
+        into the model card by `save_model` / `push_to_hub`, to pick a deployment precision from.
+        """
+        from .surgery import set_eval_precision
+
+        if bits is None:
+            schedule = self.cpt_callback.schedule
+            low = schedule.bits_min if schedule is not None else self.cpt_config.bits_min
+            low = self.cpt_config.bits_max if not isinstance(low, int) else low
+            bits = list(range(low, self.cpt_config.bits_max + 1)) + [None]
+        model = self._cpt_unwrapped()
+        precision = find_precision_state(model)
+        saved = (precision.eval_enabled, precision.eval_bits.clone(), precision.eval_follows_training)
+        rows = []
+        try:
+            for b in bits:
+                set_eval_precision(model, b)
+                label = "fp32" if b is None else f"{b}bit"
+                metrics = self.evaluate(eval_dataset, metric_key_prefix=f"{metric_key_prefix}_{label}")
+                prefix = f"{metric_key_prefix}_{label}_"
+                rows.append({"bits": "fp32" if b is None else b,
+                             **{k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}})
+        finally:
+            precision.eval_enabled, _, precision.eval_follows_training = saved
+            precision.eval_bits.copy_(saved[1])
+        self.cpt_precision_profile = rows
+        return rows
 
     # -- saving: quantized checkpoints (hf_cpt.checkpoint) ----------------------------------------
     #: What `save_model` and `push_to_hub` write by default: "packed" (integer CPT checkpoint),

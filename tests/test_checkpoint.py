@@ -114,7 +114,7 @@ def test_codes_reproduce_the_fake_quantized_weight_bit_for_bit(bits):
     torch.manual_seed(bits)
     layers = [torch.nn.Linear(7, 5), torch.nn.Conv2d(3, 4, 3), Conv1D(6, 7)]
     model = torch.nn.Sequential(*layers)
-    quantize_model(model, CPTConfig(include_modules=["0", "1", "2"]))
+    quantize_model(model, CPTConfig(include_modules=["0", "1", "2"], quant_scheme="paper"))
     with torch.no_grad():
         layers[0].weight[2].fill_(0.25)  # a constant channel: scale clamps to 1e-8
     for layer in layers:
@@ -365,7 +365,7 @@ def test_float_weight_where_codes_are_expected_is_named(packed_dir):
 def test_unknown_format_version_is_named(packed_dir):
     path, auto_class = packed_dir
     _edit_config(path, format_version=FORMAT_VERSION + 1)
-    with pytest.raises(ValueError, match="quantization_config.format_version=2 is not supported"):
+    with pytest.raises(ValueError, match="quantization_config.format_version=3 is not supported"):
         auto_class.from_pretrained(path)
 
 

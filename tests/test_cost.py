@@ -4,7 +4,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
-from hf_cpt.cost import CostMeter, bitops_per_mac, layer_macs, relative_cost
+from hf_cpt.cost import rotation_bitops_per_value, CostMeter, bitops_per_mac, layer_macs, relative_cost
 from hf_cpt.schedules import PrecisionSchedule
 
 
@@ -39,7 +39,7 @@ def test_macs_from_real_shapes():
 
 def test_meter_prices_quantized_and_fp32_layers_per_step():
     model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 4))
-    quantize_model(model, CPTConfig(exclude_modules=["2"]))
+    quantize_model(model, CPTConfig(exclude_modules=["2"], quant_scheme="paper"))
     meter = CostMeter(model, static_bits=8, static_grad_bits=8, scale=2)
     for batch, bits in ((6, 3), (9, 8)):
         set_precision(model, bits, 8)
@@ -60,3 +60,29 @@ def test_meter_prices_quantized_and_fp32_layers_per_step():
     model(torch.randn(2, 10)).sum().backward()
     meter.end_step(8, 8)
     assert meter.totals.steps_at_bits[8] == 2 and meter.totals.fp32_bitops == totals.fp32_bitops
+
+
+def test_rotation_is_priced_forward_and_backward_and_reported_apart():
+    model = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 4))
+    quantize_model(model, CPTConfig(exclude_modules=["2"], quant_scheme="rotated-per-token"))
+    rotation = model[0].rotation
+    assert rotation is not None and rotation.features == 12
+    adds, mults = rotation.operations_per_value
+    per_value = rotation_bitops_per_value(rotation)
+    assert per_value == 2 * (adds * 32 + mults * 32 * 32) and per_value > 0
+    meter = CostMeter(model, static_bits=8, static_grad_bits=8)
+    set_precision(model, 4, 8)
+    model(torch.randn(6, 12)).sum().backward()
+    meter.end_step(4, 8)
+    rotated_values = 6 * 12 + 12 * 20  # the input and the weight
+    expected_rotation = rotated_values * per_value
+    q_macs, f_macs = 6 * 12 * 20, 6 * 20 * 4
+    totals = meter.totals
+    assert totals.rotation_bitops == expected_rotation
+    assert totals.bitops == q_macs * bitops_per_mac(4, 8) + f_macs * 3072 + expected_rotation
+    assert totals.static_bitops == q_macs * bitops_per_mac(8, 8) + f_macs * 3072 + expected_rotation
+    set_precision(model, None, None)  # a full-precision step rotates nothing
+    model(torch.randn(6, 12)).sum().backward()
+    meter.end_step(None, None)
+    assert meter.totals.rotation_bitops == expected_rotation
+    assert totals.to_dict()["rotation_gbitops"] == expected_rotation / 1e9

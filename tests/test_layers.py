@@ -10,6 +10,10 @@ from hf_cpt.layers import QuantConv1D, QuantConv2d, QuantLinear
 from hf_cpt.quantizer import quantize_error_eager
 
 
+# The CPT paper's scheme (per-tensor running ranges, no rotation): bit-exact to the published quantizer.
+PAPER = CPTConfig(quant_scheme="paper")
+
+
 def reference_quantize(x, minimum, maximum, bits):
     scale = torch.clamp((maximum - minimum) / (2**bits - 1), min=1e-8)
     return scale * torch.round(torch.clamp((x - minimum) / scale, 0, 2**bits - 1)) + minimum
@@ -59,7 +63,7 @@ def test_forward_uses_quantized_input_and_weight(make_layer, make_input, quant_c
     torch.manual_seed(1)
     model = _wrap(make_layer())
     reference_layer = copy.deepcopy(model[0])
-    quantize_model(model, CPTConfig())
+    quantize_model(model, PAPER)
     set_precision(model, 4, None)
     x = make_input()
     got = model(x)
@@ -72,7 +76,7 @@ def test_forward_uses_quantized_input_and_weight(make_layer, make_input, quant_c
 def test_backward_quantizes_the_error_once_and_uses_it_for_both_gradients():
     torch.manual_seed(2)
     model = _wrap(nn.Linear(16, 8, bias=False))
-    quantize_model(model, CPTConfig(fused_error_quantizer=False))
+    quantize_model(model, CPTConfig(quant_scheme="paper", fused_error_quantizer=False))
     set_precision(model, 5, 4)
     x = torch.randn(6, 16, requires_grad=True)
     upstream = torch.randn(6, 8)
@@ -90,7 +94,7 @@ def test_backward_quantizes_the_error_once_and_uses_it_for_both_gradients():
 def test_activation_ema_and_eval_mode_range():
     torch.manual_seed(3)
     model = _wrap(nn.Linear(4, 3))
-    quantize_model(model, CPTConfig())
+    quantize_model(model, PAPER)
     layer = model[0]
     set_precision(model, 8, 8)
     set_eval_precision(model, 6)
@@ -116,7 +120,7 @@ def test_activation_ema_and_eval_mode_range():
 
 def test_first_batch_ema_init_option():
     model = _wrap(nn.Linear(4, 3))
-    quantize_model(model, CPTConfig(activation_ema_init="first_batch"))
+    quantize_model(model, CPTConfig(quant_scheme="paper", activation_ema_init="first_batch"))
     set_precision(model, 8, None)
     x = torch.randn(10, 4)
     model(x)

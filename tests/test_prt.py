@@ -56,7 +56,7 @@ class MLP(nn.Module):
 def quantized_mlp(seed: int = 0) -> MLP:
     torch.manual_seed(seed)
     model = MLP()
-    hf_cpt.quantize_model(model, CPTConfig(fused_error_quantizer=False))
+    hf_cpt.quantize_model(model, CPTConfig(fused_error_quantizer=False, quant_scheme="paper"))
     return model
 
 
@@ -152,7 +152,8 @@ def test_prt_keeping_the_weights_as_in_the_paper():
 def test_prt_on_a_plain_model_converts_it_for_the_test_only():
     torch.manual_seed(0)
     model = MLP()
-    result = precision_range_test(model, loader(3), steps_per_precision=30, threshold=0.2, optimizer=adam)
+    result = precision_range_test(model, loader(3), steps_per_precision=30, threshold=0.2, optimizer=adam,
+                                  cpt_config=CPTConfig(quant_scheme="paper"))
     assert result.bits_min == 3
     assert not hf_cpt.surgery.is_quantized(model) and type(model.hidden) is nn.Linear
 
@@ -213,7 +214,7 @@ def test_trainer_with_bits_min_auto(tmp_path):
 
     torch.manual_seed(0)
     config = CPTConfig(
-        bits_min="auto", bits_max=8, schedule="CR", num_cycles=2, fused_error_quantizer=False,
+        bits_min="auto", bits_max=8, quant_scheme="paper", schedule="CR", num_cycles=2, fused_error_quantizer=False,
         prt_metric="accuracy", prt_threshold=0.2, prt_steps_per_precision=30,
     )
     args = TrainingArguments(

@@ -137,7 +137,7 @@ def test_bits_after_resuming_from_a_checkpoint(tmp_path):
 
     from .helpers import tiny_bert_config
 
-    config = CPTConfig(bits_min=2, bits_max=8, num_cycles=2)
+    config = CPTConfig(bits_min=2, bits_max=8, num_cycles=2, quant_scheme="paper")
     args = training_args(tmp_path, max_steps=12, save_strategy="steps", save_steps=6, per_device_train_batch_size=8)
     torch.manual_seed(0)
     first = CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args,

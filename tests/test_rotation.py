@@ -1,0 +1,167 @@
+"""Rotation (hf_cpt.rotation) and the activation schemes of the layers, against independent references."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from hf_cpt import CPTConfig, quantize_model, set_precision
+from hf_cpt import rotation as rotation_module
+from hf_cpt.rotation import factor_sizes, get_rotation, paley_hadamard, sylvester_hadamard
+
+SIZES = [8, 12, 32, 100, 384, 768, 1536, 3072, 7]
+
+
+def reference_quantize(x, minimum, maximum, bits):
+    scale = torch.clamp((maximum - minimum) / (2**bits - 1), min=1e-8)
+    return scale * torch.round(torch.clamp((x - minimum) / scale, 0, 2**bits - 1)) + minimum
+
+
+@pytest.mark.parametrize("order", [4, 8, 12, 20, 24, 32, 44, 48])
+def test_hadamard_constructions(order):
+    matrix = paley_hadamard(order) if order & (order - 1) else sylvester_hadamard(order)
+    assert set(matrix.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(matrix @ matrix.T, order * torch.eye(order, dtype=matrix.dtype))
+
+
+@pytest.mark.parametrize("features", SIZES)
+def test_rotation_is_orthogonal_and_matches_its_dense_matrix(features):
+    rotation = get_rotation(features, dtype=torch.float64)
+    dense = rotation.matrix()
+    assert torch.allclose(dense @ dense.T, torch.eye(features, dtype=torch.float64), atol=1e-12)
+    x = torch.randn(3, 5, features, dtype=torch.float64)
+    assert torch.allclose(rotation.apply(x), x @ dense, atol=1e-12)
+    assert torch.allclose(rotation.apply(x, transpose=True), x @ dense.T, atol=1e-12)
+    assert torch.allclose(rotation.apply(rotation.apply(x), transpose=True), x, atol=1e-12)
+    # along another dimension: each column vector is rotated
+    y = torch.randn(features, 4, dtype=torch.float64)
+    assert torch.allclose(rotation.apply(y, dim=0), dense.T @ y, atol=1e-12)
+
+
+def test_rotation_spreads_an_outlier_and_is_deterministic():
+    rotation = get_rotation(384, seed=3)
+    spike = torch.zeros(384)
+    spike[17] = 100.0
+    rotated = rotation.apply(spike)
+    assert torch.allclose(rotated.abs(), torch.full((384,), 100.0 / 384**0.5), atol=1e-4)  # a full Hadamard
+    assert [kind for kind, _ in factor_sizes(384)] == ["paley", "sylvester"]  # 12 x 32, not a dense factor
+    rotation_module._cache.clear()  # rebuilt from (features, seed) alone, as after a reload
+    again = get_rotation(384, seed=3)
+    assert torch.equal(again.matrix(), rotation.matrix())
+    assert not torch.equal(get_rotation(384, seed=4).matrix(), rotation.matrix())
+
+
+def _layers():
+    return [
+        (lambda: nn.Linear(384, 7), lambda: torch.randn(2, 5, 384), "linear"),
+        (lambda: nn.Linear(100, 6), lambda: torch.randn(4, 100), "linear"),
+        (lambda: Conv1D(7, 1536), lambda: torch.randn(2, 3, 1536), "conv1d"),
+        (lambda: nn.Conv2d(12, 5, 3, padding=1), lambda: torch.randn(2, 12, 6, 6), "conv2d"),
+    ]
+
+
+def _reference_forward(layer, x, bits, granularity, rotation):
+    """Independent reference: dense rotation matrix, explicit min/max, plain float layers."""
+    w = layer.weight.detach().double()
+    x = x.double()
+    if rotation is not None:
+        r = rotation.matrix().double()
+    if isinstance(layer, Conv1D):
+        if rotation is not None:
+            x, w = x @ r, r.T @ w
+        lo = x.amin(-1, keepdim=True) if granularity == "token" else x.min()
+        hi = x.amax(-1, keepdim=True) if granularity == "token" else x.max()
+        qx = reference_quantize(x, lo, hi, bits)
+        qw = reference_quantize(w, w.amin(0, keepdim=True), w.amax(0, keepdim=True), bits)
+        return qx @ qw + layer.bias.double()
+    if isinstance(layer, nn.Conv2d):
+        if rotation is not None:
+            x = torch.einsum("nchw,cd->ndhw", x, r)
+            w = torch.einsum("ochw,cd->odhw", w, r)
+        lo = x.amin(1, keepdim=True) if granularity == "token" else x.min()
+        hi = x.amax(1, keepdim=True) if granularity == "token" else x.max()
+        qx = reference_quantize(x, lo, hi, bits)
+        flat = w.reshape(w.shape[0], -1)
+        qw = reference_quantize(w, flat.min(1).values.view(-1, 1, 1, 1), flat.max(1).values.view(-1, 1, 1, 1), bits)
+        return nn.functional.conv2d(qx, qw, layer.bias.double(), padding=1)
+    if rotation is not None:
+        x, w = x @ r, w @ r
+    lo = x.amin(-1, keepdim=True) if granularity == "token" else x.min()
+    hi = x.amax(-1, keepdim=True) if granularity == "token" else x.max()
+    qx = reference_quantize(x, lo, hi, bits)
+    qw = reference_quantize(w, w.amin(1, keepdim=True), w.amax(1, keepdim=True), bits)
+    return qx @ qw.T + layer.bias.double()
+
+
+@pytest.mark.parametrize("scheme", ["per-token", "rotated", "rotated-per-token"])
+@pytest.mark.parametrize("make_layer, make_input, kind", _layers())
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_schemes_match_an_independent_reference(scheme, make_layer, make_input, kind, bits):
+    torch.manual_seed(0)
+    model = nn.Sequential(make_layer())
+    quantize_model(model, CPTConfig(quant_scheme=scheme))
+    layer = model[0]
+    assert layer.cpt_granularity == ("token" if "per-token" in scheme else "tensor")
+    assert (layer.rotation is not None) == scheme.startswith("rotated")
+    rotation = get_rotation(layer.rotation.features, dtype=torch.float64) if layer.rotation is not None else None
+    x = make_input()
+    set_precision(model, bits, None)
+    got = model(x).double()
+    expected = _reference_forward(layer, x, bits, layer.cpt_granularity, rotation)
+    scale = expected.abs().max()
+    # float32 vs float64 can move a value across a rounding boundary: compare by share of exact agreement
+    close = (got - expected).abs() <= 1e-4 * scale
+    assert close.float().mean() > 0.97
+    assert ((got - expected).abs().max() / scale) < 0.2
+    # eval mode: per-token and rotated layers quantize the same way (per-token needs no running range)
+    if "per-token" in scheme:
+        model.eval()
+        set_precision(model, bits, None)
+        from hf_cpt import set_eval_precision
+
+        set_eval_precision(model, bits)
+        assert torch.equal(model(x), got.float()) or torch.allclose(model(x), got.float(), atol=1e-6)
+
+
+@pytest.mark.parametrize("make_layer, make_input, kind", _layers())
+def test_rotation_is_exact_at_full_precision(make_layer, make_input, kind):
+    torch.manual_seed(0)
+    layer = make_layer()
+    x = make_input()
+    reference = layer(x)
+    model = nn.Sequential(copy.deepcopy(layer))
+    quantize_model(model, CPTConfig(quant_scheme="rotated"))
+    rotated = model[0]
+    # bits None: the original layer, bit for bit (no rotation applied)
+    assert torch.equal(model(x), reference)
+    # the rotated product x R (W R)^T equals x W^T within float tolerance
+    xr = rotated.rotation.apply(x, rotated.input_feature_dim)
+    wr = rotated.rotate_weight(rotated.weight)
+    assert torch.allclose(rotated.compute(xr, wr), reference, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(rotated.rotate_weight(wr, inverse=True), rotated.weight, atol=1e-5)
+
+
+def test_constant_rows_do_not_produce_nan():
+    model = nn.Sequential(nn.Linear(32, 4))
+    quantize_model(model, CPTConfig(quant_scheme="rotated-per-token"))
+    set_precision(model, 3, 8)
+    x = torch.zeros(3, 32, requires_grad=True)
+    out = model(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+
+
+def test_grouped_conv_is_not_rotated_and_the_report_says_why():
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Linear(6, 3))
+    report = quantize_model(model, CPTConfig(quant_scheme="rotated-per-token"))
+    assert model[0].rotation is None and "groups=8" in report.not_rotated["0"]
+    assert report.schemes == {"0": "per-token", "1": "rotated-per-token"}
+    assert "not rotated 0" in str(report)
+
+
+def test_auto_scheme_rotates_transformer_layers_and_keeps_the_paper_scheme_for_convolutions():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(16, 8), nn.Linear(8, 2))
+    report = quantize_model(model, CPTConfig(exclude_modules=["3"]))
+    assert report.schemes == {"0": "paper", "2": "rotated-per-token"}
