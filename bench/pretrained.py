@@ -19,7 +19,6 @@ when the command is run again. ``python bench/report.py`` turns the JSON into ``
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -167,8 +166,12 @@ def accuracy(eval_pred) -> dict:
 
 def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs: list[str], train_size: int,
                  max_steps: int, output_dir: str, profile: bool) -> None:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
-    from transformers import TrainingArguments
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        TrainingArguments,
+    )
 
     section = results.setdefault("finetune", {})
     settings = {"train_size": train_size, "max_steps": max_steps}
@@ -178,7 +181,8 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     train_rows, eval_rows = mnli_split(data_dir, train_size)
     train, evaluation = PairDataset(train_rows, tokenizer), PairDataset(eval_rows, tokenizer)
-    todo = [(run, seed) for seed in seeds for run in runs if f"{run}/seed{seed}" not in section]
+    todo = [(run, seed) for seed in seeds for run in runs
+            if f"{run}/seed{seed}" not in section]
     total_steps = max_steps if max_steps > 0 else -(-len(train) // 32)
     for run, seed in tqdm(todo, desc="fine-tuning runs"):
         key = f"{run}/seed{seed}"
@@ -187,7 +191,8 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
         config = CPTConfig(**RUNS[run])
         args = TrainingArguments(
             output_dir=os.path.join(output_dir, key.replace("/", "_")), per_device_train_batch_size=32,
-            per_device_eval_batch_size=64, learning_rate=1e-4, warmup_steps=max(1, total_steps // 10), num_train_epochs=1,
+            per_device_eval_batch_size=64, learning_rate=1e-4, warmup_steps=max(1, total_steps // 10),
+            num_train_epochs=1,
             max_steps=max_steps if max_steps > 0 else -1, seed=seed, logging_steps=5, save_strategy="no",
             report_to="none", use_cpu=True, disable_tqdm=False,
         )

@@ -1,10 +1,12 @@
 """hf_cpt: Cyclic Precision Training for the Hugging Face ecosystem."""
 
-from .checkpoint import export_portable, plot_schedule, save_quantized
+from .checkpoint import export_portable, save_quantized
 from .config import CPTConfig
 from .cost import CostMeter, bitops_per_mac, relative_cost
+from .fidelity import output_fidelity
 from .hf_quantizer import CPTHfQuantizer, CPTQuantizationConfig  # registers quant_method "cpt" with transformers
 from .layers import PrecisionState, QuantConv2d, QuantLayerMixin, QuantLinear, register_quant_layer
+from .model_card import plot_schedule
 from .prt import PrecisionRangeResult, precision_range_test
 from .quantizer import fake_quantize, quantize_error
 from .schedules import (
@@ -24,10 +26,10 @@ from .surgery import (
     set_precision,
 )
 from .trainer import CPTCallback, CPTTrainer
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "CPTCallback",
     "CPTConfig",
     "CPTHfQuantizer",
@@ -50,6 +52,7 @@ __all__ = [
     "fake_quantize",
     "find_precision_state",
     "get_schedule",
+    "output_fidelity",
     "plot_schedule",
     "precision_range_test",
     "quantize_error",

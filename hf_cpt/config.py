@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-MIN_BITS = 1
-MAX_BITS = 32
+from .bits import check_bits
+from .schedules import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
 
-ROUNDING_MODES = ("nearest", "ceil")
 EVAL_PRECISIONS = ("max", "current", "fp32")
 EMA_INITS = ("zeros", "first_batch")
-DELAY_PRECISIONS = ("max", "fp32")
 PRT_METRICS = ("loss", "accuracy")
 # How activations are quantized (docs/method.md, "Pretrained transformers"): the CPT paper's per-tensor
 # running range, per-token ranges, either after a fixed rotation of the input features, or "auto".
@@ -264,8 +261,6 @@ class CPTConfig:
         """Raise if the run is too short for the requested number of cycles."""
         if total_steps < 1:
             raise ValueError(f"A CPT run needs at least one optimizer step, got total_steps={total_steps}.")
-        from .schedules import available_schedules
-
         schedule_steps = total_steps - int(self.delay * total_steps)
         if schedule_steps < 1:
             raise ValueError(
@@ -305,13 +300,6 @@ class CPTConfig:
         return cls(**values)
 
 
-def check_bits(name: str, value: Any, low: int = MIN_BITS, high: int = MAX_BITS) -> int:
-    """Validate a bit-width, naming ``name`` in the error; the one check every module uses."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}.")
-    return int(value)
-
-
 def _check_bits(name: str, value: Any) -> None:
     check_bits(f"CPTConfig.{name}", value)
 
@@ -321,8 +309,6 @@ def _callable_name(fn: Any) -> str:
 
 
 def _check_schedule(name: str, value: Any) -> None:
-    from .schedules import available_schedules
-
     if callable(value) and not isinstance(value, str):
         return
     if not isinstance(value, str) or value not in available_schedules():
@@ -330,3 +316,14 @@ def _check_schedule(name: str, value: Any) -> None:
             f"CPTConfig.{name}={value!r} is unknown; choose one of {sorted(available_schedules())}, "
             "or pass a callable step -> bits."
         )
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with anything JSON cannot hold (a callable schedule, a tuple) made JSON-friendly."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)

@@ -30,7 +30,10 @@ from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .checkpoint import (
+from .config import EMA_INITS, CPTConfig
+from .export import packed_state_dict, portable_state_dict
+from .layers import ACTIVATION_GRANULARITIES, QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer
+from .packing import (
     ACT_MAX,
     ACT_MIN,
     CHECKPOINT_FORMATS,
@@ -43,13 +46,11 @@ from .checkpoint import (
     check_bits,
     dequantize_rows,
     packed_row_bytes,
-    packed_state_dict,
-    portable_state_dict,
     unpack_codes,
     weight_channel_dim,
 )
-from .config import EMA_INITS, CPTConfig
-from .layers import ACTIVATION_GRANULARITIES, QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer
+from .surgery import dequantize_model
+from .version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +120,6 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         if self.quant_method != QUANT_METHOD:
             raise ValueError(f"quantization_config.quant_method must be {QUANT_METHOD!r}, got {self.quant_method!r}.")
         if self.format_version not in SUPPORTED_FORMAT_VERSIONS:
-            from . import __version__
-
             raise ValueError(
                 f"quantization_config.format_version={self.format_version!r} is not supported by hf_cpt {__version__} "
                 f"(it reads format version(s) {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade hf-cpt to load this "
@@ -546,8 +545,6 @@ class CPTHfQuantizer(HfQuantizer):
         return True
 
     def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-        from .surgery import dequantize_model
-
         dequantize_model(model)
         if isinstance(dtype, str):  # transformers passes config.dtype, which may be a name
             dtype = getattr(torch, dtype, None)

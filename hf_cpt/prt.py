@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import CPTConfig, check_bits
+from .bits import check_bits
+from .config import CPTConfig
 from .cost import CostMeter
 from .surgery import dequantize_model, find_precision_state, is_quantized, quantize_model, set_precision
 

@@ -35,8 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import DELAY_PRECISIONS, MAX_BITS, MIN_BITS, ROUNDING_MODES, check_bits
+from .bits import MAX_BITS, MIN_BITS, check_bits
 from .cost import FULL_PRECISION_BITS, bitops_per_mac
+
+# How the smooth schedule becomes bits: round half to even (the CPT code) or up (the CPT paper).
+ROUNDING_MODES = ("nearest", "ceil")
+# The precision of a delayed start: bits_max or full precision.
+DELAY_PRECISIONS = ("max", "fp32")
 
 LevelFn = Callable[[float, int, float, float], float]  # (z, k, lo, hi) -> smooth bits
 CycleLengthFn = Callable[[int, int], float]

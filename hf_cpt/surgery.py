@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .config import CPTConfig, check_bits
+from .bits import check_bits
+from .config import CPTConfig
 from .layers import QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer, restore_layer
 from .rotation import can_rotate
 

@@ -16,19 +16,13 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .checkpoint import (
-    eval_metrics_from_log_history,
-    packed_state_dict,
-    plain_model,
-    portable_state_dict,
-    resolve_export_bits,
-    write_checkpoint,
-    write_model_card,
-)
+from .checkpoint import plain_model, write_checkpoint
 from .config import CPTConfig
 from .cost import CostMeter
+from .export import packed_state_dict, portable_state_dict, resolve_export_bits
 from .fidelity import output_fidelity
 from .layers import PrecisionState
+from .model_card import eval_metrics_from_log_history, write_model_card
 from .prt import PrecisionRangeResult, rng_state, run_precision_range_test_for_trainer, set_rng_state, to_device
 from .schedules import PrecisionSchedule, grad_schedule_from_config, schedule_from_config, training_precision
 from .surgery import (

@@ -4,7 +4,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
-from hf_cpt.cost import rotation_bitops_per_value, CostMeter, bitops_per_mac, layer_macs, relative_cost
+from hf_cpt.cost import CostMeter, bitops_per_mac, layer_macs, relative_cost, rotation_bitops_per_value
 from hf_cpt.schedules import PrecisionSchedule
 
 

@@ -9,7 +9,6 @@ from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
 from hf_cpt.layers import QuantConv1D, QuantConv2d, QuantLinear
 from hf_cpt.quantizer import quantize_error_eager
 
-
 # The CPT paper's scheme (per-tensor running ranges, no rotation): bit-exact to the published quantizer.
 PAPER = CPTConfig(quant_scheme="paper")
 

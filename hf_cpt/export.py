@@ -1,0 +1,233 @@
+"""What a CPT export writes: which weights become codes, the packed and portable state dicts.
+
+`packed_state_dict` / `portable_state_dict` turn a CPT model into the tensors of a checkpoint and the
+``quantization_config`` fields that describe them; `hf_cpt.checkpoint` writes them with
+``save_pretrained`` and `hf_cpt.hf_quantizer` reads them back. Weights that trained in FP32 are kept
+exact unless ``float_weight_bits`` asks to round them (then `measure_rounding` says what it changed).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import CPTConfig, json_safe
+from .layers import QuantLayerMixin
+from .packing import (
+    ACT_MAX,
+    ACT_MIN,
+    FORMAT_VERSION,
+    PACKED,
+    QUANT_METHOD,
+    SCALE,
+    ZERO_POINT,
+    Conv1D,
+    check_bits,
+    check_float_weight_bits,
+    float_storage_bits,
+    pack_codes,
+    quantize_rows,
+    weight_channel_dim,
+)
+from .surgery import quant_layers
+from .version import __version__
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_PACKABLE: tuple[type, ...] = (nn.Embedding, nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d) + (
+    (Conv1D,) if Conv1D is not None else ()
+)
+
+
+@dataclass
+class ExportPlan:
+    """Which tensors of a model an export rewrites."""
+
+    bits: int
+    quantized: dict[str, QuantLayerMixin] = field(default_factory=dict)  # CPT layers
+    float_packed: dict[str, nn.Module] = field(default_factory=dict)  # FP32-trained weights stored as codes
+    float_bits: dict[str, int] = field(default_factory=dict)  # their storage bits
+    shared: dict[str, str] = field(default_factory=dict)  # module -> module whose weight it shares
+    guard: str | None = None
+
+
+def _check_model(model: nn.Module) -> None:
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"hf_cpt checkpoints are transformers checkpoints: expected a PreTrainedModel, got {type(model).__name__}. "
+            "For a plain nn.Module, save its state_dict (FP32 masters) instead; for a peft model, merge the "
+            "adapters first (merge_and_unload) or save with save_format='fp32'."
+        )
+    if not any(True for _ in quant_layers(model)):
+        raise ValueError(
+            f"{type(model).__name__} has no CPT layers: convert it with hf_cpt.quantize_model (or train it with "
+            "CPTTrainer) before exporting a CPT checkpoint."
+        )
+
+
+def plan_export(model: nn.Module, bits: int, float_weight_bits: int | str | None = "auto") -> ExportPlan:
+    """Decide which module weights become codes (and at which bits), which are shared, and the guard tensor."""
+    float_weight_bits = check_float_weight_bits(float_weight_bits)
+    plan = ExportPlan(bits=bits)
+    owner_of: dict[int, str] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is None:
+            continue
+        owner = owner_of.setdefault(id(weight), name)
+        if isinstance(module, QuantLayerMixin):
+            if owner != name:
+                raise NotImplementedError(
+                    f"CPT layer {name!r} shares its weight with {owner!r}; packed export of tied quantized "
+                    "weights is not supported (keep the tied layer in FP32, or use save_format='fp32')."
+                )
+            plan.quantized[name] = module
+        elif isinstance(module, _FLOAT_PACKABLE) and float_weight_bits is not None:
+            if owner != name:
+                plan.shared[name] = owner
+            elif weight.dim() >= 2 and weight.is_floating_point() and weight.numel() > 0:
+                plan.float_packed[name] = module
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, module in plan.float_packed.items():
+        embedding = id(module.weight) in embedding_weights
+        plan.float_bits[name] = float_storage_bits(bits, float_weight_bits, embedding)
+    for name, owner in list(plan.shared.items()):
+        if owner in plan.quantized:
+            raise NotImplementedError(
+                f"{name!r} shares its weight with CPT layer {owner!r}; packed export of tied quantized weights "
+                "is not supported."
+            )
+        if owner not in plan.float_packed:
+            del plan.shared[name]
+    for name in plan.quantized:
+        if name not in plan.shared.values():
+            plan.guard = name
+            break
+    return plan
+
+
+def _quantization_fields(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str, Any]:
+    precision = next(layer for _, layer in quant_layers(model)).cpt_precision
+    return {
+        "layer_schemes": {
+            name: [layer.cpt_granularity, layer.cpt_rotation_seed]
+            for name, layer in quant_layers(model)
+            if layer.cpt_granularity != "tensor" or layer.cpt_rotation_seed is not None
+        },
+        "activation_momentum": precision.activation_momentum,
+        "activation_ema_init": precision.activation_ema_init,
+        "fused_error_quantizer": precision.fused_error_quantizer,
+        "cpt_config": json_safe(cpt_config.to_dict()) if cpt_config is not None else None,
+        "hf_cpt_version": __version__,
+    }
+
+
+def _warn_unset_activation_ranges(plan: ExportPlan) -> None:
+    unset = [
+        name
+        for name, layer in plan.quantized.items()
+        if layer.cpt_granularity == "tensor" and float(layer.act_min) == 0.0 and float(layer.act_max) == 0.0
+    ]
+    if unset:
+        logger.warning(
+            "hf_cpt: %d CPT layer(s) have the activation range [0, 0] (never trained in CPT mode?), e.g. %s; "
+            "the exported model quantizes their inputs over that range, as the in-memory model does in eval.",
+            len(unset),
+            unset[0],
+        )
+
+
+def packed_state_dict(
+    model: nn.Module,
+    bits: int,
+    float_weight_bits: int | str | None = "auto",
+    cpt_config: CPTConfig | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The packed state dict of a CPT model at ``bits`` and the ``quantization_config`` fields describing it."""
+    _check_model(model)
+    check_bits("bits", bits)
+    plan = plan_export(model, bits, float_weight_bits)
+    _warn_unset_activation_ranges(plan)
+    state_dict = dict(model.state_dict())
+    for name in list(plan.quantized) + list(plan.float_packed) + list(plan.shared):
+        state_dict.pop(f"{name}.weight", None)
+    for name, module in list(plan.quantized.items()) + list(plan.float_packed.items()):
+        module_bits = bits if name in plan.quantized else plan.float_bits[name]
+        # a rotated CPT layer computes with Q(W R): its codes are taken in the rotated basis
+        weight = module.rotate_weight(module.weight.detach()) if name in plan.quantized else module.weight
+        codes, scale, zero_point = quantize_rows(weight, module_bits, weight_channel_dim(module))
+        state_dict[f"{name}.{PACKED}"] = pack_codes(codes, module_bits).cpu()
+        state_dict[f"{name}.{SCALE}"] = scale.cpu()
+        state_dict[f"{name}.{ZERO_POINT}"] = zero_point.cpu()
+        if name in plan.quantized:
+            state_dict[f"{name}.{ACT_MIN}"] = module.act_min.detach().float().cpu().clone()
+            state_dict[f"{name}.{ACT_MAX}"] = module.act_max.detach().float().cpu().clone()
+    state_dict[f"{plan.guard}.weight"] = torch.zeros(0, dtype=torch.uint8)
+    fields = {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "checkpoint_format": "packed",
+        "bits": bits,
+        "float_weight_bits": float_weight_bits,
+        "quantized_modules": list(plan.quantized),
+        "float_packed_modules": dict(plan.float_bits),
+        "shared_weights": dict(plan.shared),
+        "guard_tensor": f"{plan.guard}.weight",
+        **_quantization_fields(model, cpt_config),
+    }
+    return state_dict, fields
+
+
+def portable_state_dict(
+    model: nn.Module, bits: int, cpt_config: CPTConfig | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Float state dict with every CPT layer's weight snapped to its ``bits`` grid (plain keys)."""
+    _check_model(model)
+    check_bits("bits", bits)
+    plan = plan_export(model, bits, float_weight_bits=None)
+    _warn_unset_activation_ranges(plan)
+    state_dict = dict(model.state_dict())
+    ranges = {}
+    for name, layer in plan.quantized.items():
+        snapped = layer.quantized_weight(bits)
+        state_dict[f"{name}.weight"] = snapped.to(layer.weight.dtype)
+        ranges[name] = [float(layer.act_min), float(layer.act_max)]
+    fields = {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "checkpoint_format": "portable",
+        "bits": bits,
+        "float_weight_bits": None,
+        "quantized_modules": list(plan.quantized),
+        "activation_ranges": ranges,
+        **_quantization_fields(model, cpt_config),
+    }
+    return state_dict, fields
+
+
+
+def resolve_export_bits(model: nn.Module, bits: int | None, cpt_config: CPTConfig | None) -> int:
+    """``bits`` if given, else the run's ``bits_max``, else the precision the model evaluates at."""
+    if bits is None and cpt_config is not None and cpt_config.schedule != "fp32":
+        bits = cpt_config.bits_max
+    if bits is None:
+        stored = getattr(getattr(model, "config", None), "quantization_config", None)
+        stored_bits = stored.get("bits") if isinstance(stored, dict) else getattr(stored, "bits", None)
+        if getattr(stored, "quant_method", None) == QUANT_METHOD or (
+            isinstance(stored, dict) and stored.get("quant_method") == QUANT_METHOD
+        ):
+            bits = stored_bits
+    if bits is None:
+        layers = [layer for _, layer in quant_layers(model)]
+        precision = layers[0].cpt_precision if layers else None
+        if precision is not None and precision.eval_enabled and not precision.eval_follows_training:
+            bits = int(precision.eval_bits.item())
+    if bits is None:
+        raise ValueError("Cannot tell the export precision: pass bits=... (or cpt_config=CPTConfig(...)).")
+    return check_bits("bits", bits)

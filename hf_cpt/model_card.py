@@ -1,0 +1,314 @@
+"""Model cards of CPT checkpoints: settings, schedule picture, cost, metrics, how to load."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any
+
+from torch import nn
+
+from .config import CPTConfig, json_safe
+from .schedules import schedule_from_config
+
+logger = logging.getLogger(__name__)
+
+MODEL_CARD_NAME = "README.md"
+SCHEDULE_PLOT_NAME = "cpt_schedule.png"
+
+def schedule_for_card(cpt_config: CPTConfig, total_steps: int | None = None):
+    """The run's `PrecisionSchedule` (a nominal 100 steps per cycle when the length is unknown), or None."""
+    steps = total_steps or 100 * cpt_config.num_cycles
+    try:
+        return schedule_from_config(cpt_config, steps)
+    except (ValueError, NotImplementedError, TypeError) as error:
+        logger.info("hf_cpt: no schedule picture for the model card (%s).", error)
+        return None
+
+
+def plot_schedule(schedule, path: str, grad_bits: Any = None, export_bits: int | None = None) -> str:
+    """Save a PNG of the forward bits at every step of ``schedule`` (a `PrecisionSchedule`).
+
+    ``grad_bits`` (an int, or a schedule of error bits) is drawn too, and so is ``export_bits``.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = list(range(schedule.total_steps + 1))  # the last step drawn to the end of the run
+
+    def values(fn) -> list[int]:
+        bits = [fn(min(step, schedule.total_steps - 1)) for step in steps]
+        return [32 if b is None else b for b in bits]
+
+    figure = Figure(figsize=(7, 3.2), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    forward = values(schedule)
+    axes.step(steps, forward, where="post", label="forward bits (weights, activations)")
+    plotted = list(forward)
+    if callable(grad_bits):
+        errors = values(grad_bits)
+        axes.step(steps, errors, where="post", color="tab:orange", linestyle="--", label="error bits")
+        plotted += errors
+    elif grad_bits is not None:
+        axes.axhline(grad_bits, color="tab:orange", linestyle="--", label=f"error bits ({grad_bits})")
+        plotted.append(grad_bits)
+    if export_bits is not None:
+        label = f"exported at {export_bits} bits"
+        axes.axhline(export_bits, color="tab:green", linestyle=":", linewidth=2, label=label)
+        plotted.append(export_bits)
+    axes.set_ylim(min(plotted) - 0.5, max(plotted) + 0.5)
+    axes.set_xlim(0, schedule.total_steps)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("bits")
+    axes.set_title(f"CPT precision schedule {getattr(schedule, 'name', '')!r} over {schedule.total_steps} steps")
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8, frameon=False)
+    figure.tight_layout()
+    figure.savefig(path)
+    return path
+
+
+def auto_class_name(model: nn.Module) -> str:
+    """The ``AutoModelFor...`` class that loads this model's class (``AutoModel`` if none is found)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    class_name = type(model).__name__
+    preferred = [
+        "AutoModelForCausalLM",
+        "AutoModelForSequenceClassification",
+        "AutoModelForImageClassification",
+        "AutoModelForTokenClassification",
+        "AutoModelForQuestionAnswering",
+        "AutoModelForMaskedLM",
+        "AutoModelForSeq2SeqLM",
+        "AutoModel",
+    ]
+    others = sorted(n for n in dir(modeling_auto) if n.startswith("AutoModel") and n not in preferred)
+    for name in preferred + others:
+        auto_cls = getattr(transformers, name, None) or getattr(modeling_auto, name, None)
+        names = getattr(getattr(auto_cls, "_model_mapping", None), "_model_mapping", None)
+        if isinstance(names, dict):
+            value = names.get(model_type)
+            if value == class_name or (isinstance(value, (list, tuple)) and class_name in value):
+                return name
+    return "AutoModel"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, float):
+        return str(value) if math.isnan(value) or math.isinf(value) else f"{value:.4g}"
+    if isinstance(value, (list, tuple, dict)):
+        return "`" + json.dumps(json_safe(value)) + "`"
+    return str(value).replace("|", "\\|")
+
+
+def eval_metrics_from_log_history(log_history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last value of every ``eval_*`` metric in a Trainer's ``state.log_history`` (speed figures left out)."""
+    metrics: dict[str, Any] = {}
+    for entry in log_history or []:
+        for key, value in entry.items():
+            if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")):
+                metrics[key] = value
+    return metrics
+
+
+_COST_LABELS = {
+    "gbitops": "GBitOPs spent",
+    "static_gbitops": "GBitOPs at static bits_max",
+    "fp32_gbitops": "GBitOPs in FP32",
+    "cost_vs_static": "cost vs static bits_max",
+    "cost_vs_fp32": "cost vs FP32",
+    "steps": "optimizer steps",
+    "steps_at_bits": "steps at each precision",
+    "bits_min": "bits_min trained with",
+}
+
+
+def _front_matter(tags: list[str], metadata: dict[str, Any]) -> list[str]:
+    lines = ["---", "library_name: transformers"]
+    for key, value in metadata.items():
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            lines.append(f"{key}:")
+            lines += [f"- {json.dumps(str(item))}" for item in value]
+        else:
+            lines.append(f"{key}: {json.dumps(str(value))}")
+    lines.append("tags:")
+    lines += [f"- {tag}" for tag in tags]
+    return lines + ["---", ""]
+
+
+def _table(header: tuple[str, str], rows) -> list[str]:
+    return [f"| {header[0]} | {header[1]} |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows] + [""]
+
+
+def render_model_card(
+    model: nn.Module,
+    fields: dict[str, Any] | None,
+    cpt_config: CPTConfig | None = None,
+    model_name: str | None = None,
+    total_steps: int | None = None,
+    cost_report: dict[str, Any] | None = None,
+    eval_metrics: dict[str, Any] | None = None,
+    schedule_plot: str | None = None,
+    repo_id: str | None = None,
+    training_hyperparameters: dict[str, Any] | None = None,
+    tags: list[str] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> str:
+    """The README.md of a CPT checkpoint, as text. ``fields`` is its ``quantization_config`` (None: FP32 masters)."""
+    checkpoint_format = fields["checkpoint_format"] if fields else "fp32"
+    bits = fields["bits"] if fields else None
+    auto_class = auto_class_name(model)
+    location = repo_id or "path/to/this/model"
+    all_tags = ["hf-cpt", "cyclic-precision-training"]
+    if fields:
+        all_tags += ["quantized", f"{bits}-bit"]
+    all_tags += [t for t in (tags or []) if t not in all_tags]
+    lines = _front_matter(all_tags, metadata or {})
+    lines += [f"# {model_name or type(model).__name__}", ""]
+    intro = "Trained with **Cyclic Precision Training (CPT)** using [hf-cpt](https://pypi.org/project/hf-cpt/)"
+    if checkpoint_format == "packed":
+        lines.append(
+            f"{intro} and stored as a{'n' if bits == 8 else ''} **{bits}-bit packed CPT checkpoint**: integer weights, "
+            "a per-channel scale and zero point, and the activation ranges, in safetensors."
+        )
+    elif checkpoint_format == "portable":
+        lines.append(f"{intro} and exported in the **portable** format: float weights snapped to the {bits}-bit grid.")
+    else:
+        lines.append(f"{intro}. This checkpoint holds the FP32 master weights of the run (a plain transformers model).")
+    lines += ["", "## How to load", ""]
+    if checkpoint_format == "packed":
+        lines.append(
+            "Loading needs hf-cpt: `pip install hf-cpt`, then `import hf_cpt` before `from_pretrained` "
+            "(it registers the `cpt` quantization method with transformers)."
+        )
+    elif checkpoint_format == "portable":
+        lines.append(
+            "Plain transformers loads it as a float model (weights on the quantization grid, activations not "
+            "quantized). To rebuild the CPT layers with their activation quantizers: `pip install hf-cpt`, then "
+            "`import hf_cpt` before `from_pretrained`."
+        )
+    else:
+        lines.append(
+            "Plain transformers loads it. To fine-tune it with CPT again: `pip install hf-cpt` and "
+            "`hf_cpt.CPTTrainer(model=model, cpt_config=...)`."
+        )
+    lines += ["", "```python"]
+    if fields:
+        lines.append("import hf_cpt  # noqa: F401  (registers quant_method 'cpt' with transformers)")
+    lines += [
+        f"from transformers import {auto_class}",
+        "",
+        f'model = {auto_class}.from_pretrained("{location}")',
+        "```",
+        "",
+    ]
+    if checkpoint_format == "packed":
+        lines += [
+            f"Without `import hf_cpt`, transformers stops with a size-mismatch error on `{fields['guard_tensor']}` "
+            f"instead of loading a wrong float model. The loaded model evaluates at {bits} bits with the stored "
+            "activation ranges and keeps FP32 master weights (codes x scale + zero point), so it can be trained "
+            "further with `hf_cpt.CPTTrainer`.",
+            "",
+        ]
+    if fields:
+        rows = [
+            ("quant_method", fields["quant_method"]),
+            ("format_version", fields["format_version"]),
+            ("checkpoint_format", checkpoint_format),
+            ("bits (weights and input activations)", bits),
+            ("weight quantization", "asymmetric min/max per output channel, zero point = channel minimum"),
+            (
+                "activation quantization",
+                f"asymmetric min/max per tensor, EMA range (momentum {_fmt(fields.get('activation_momentum'))})",
+            ),
+            ("CPT layers", len(fields["quantized_modules"])),
+        ]
+        if checkpoint_format == "packed":
+            rows.append(("packing", "uint8, " + ("2 codes per byte" if bits <= 4 else "1 code per byte")))
+            stored = fields.get("float_packed_modules") or {}
+            by_bits = {}
+            for name, module_bits in stored.items():
+                by_bits.setdefault(module_bits, []).append(name)
+            text = "; ".join(
+                f"{len(names)} as {b}-bit codes per row ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                for b, names in sorted(by_bits.items())
+            )
+            rows.append((
+                "weights trained in FP32 (embeddings, head)",
+                f"{text}, rounded at export" if stored else "stored exactly (float)",
+            ))
+        lines += ["## Checkpoint format", ""] + _table(("field", "value"), rows)
+    if cpt_config is not None:
+        lines += ["## CPT training settings", ""]
+        lines += _table(("setting", "value"), json_safe(cpt_config.to_dict()).items())
+        lines += ["## Precision schedule", ""]
+        grad = (
+            f"errors follow the `{json_safe(cpt_config.grad_schedule)}` schedule up to {cpt_config.grad_bits} bits"
+            if getattr(cpt_config, "grad_schedule", None) is not None
+            else f"errors are quantized at {cpt_config.grad_bits} bits with stochastic rounding"
+        )
+        lines.append(
+            f"Forward bits (weights and activations) follow the `{json_safe(cpt_config.schedule)}` schedule between "
+            f"{cost_report.get('bits_min', cpt_config.bits_min) if cost_report else cpt_config.bits_min} and "
+            f"{cpt_config.bits_max} bits over {cpt_config.num_cycles} cycles"
+            + (f" of a {total_steps}-step run" if total_steps else "")
+            + f"; {grad}."
+        )
+        if schedule_plot:
+            note = "" if total_steps else " (run length unknown: the shape over a nominal 100 steps per cycle)"
+            lines += ["", f"![CPT precision schedule]({schedule_plot}){note}"]
+        lines.append("")
+    if cost_report:
+        rows = [(_COST_LABELS.get(k, k), v) for k, v in cost_report.items() if k != "cpt_config"]
+        lines += ["## Training cost", ""] + _table(("figure", "value"), rows)
+    if eval_metrics:
+        lines += ["## Evaluation", ""] + _table(("metric", "value"), eval_metrics.items())
+    if training_hyperparameters:
+        lines += ["## Training hyperparameters", ""]
+        lines += _table(("hyperparameter", "value"), training_hyperparameters.items())
+    return "\n".join(lines)
+
+
+def write_model_card(
+    save_directory: str,
+    model: nn.Module,
+    fields: dict[str, Any] | None,
+    cpt_config: CPTConfig | None = None,
+    total_steps: int | None = None,
+    schedule: Any = None,
+    grad_schedule: Any = None,
+    **card: Any,
+) -> str:
+    """Write ``README.md`` (and ``cpt_schedule.png`` when the schedule is known) into ``save_directory``.
+
+    ``schedule`` is the run's `PrecisionSchedule` (``grad_schedule`` its error-bits schedule, if any); by
+    default it is rebuilt from ``cpt_config`` over ``total_steps`` (or a nominal 100 steps per cycle).
+    ``card`` goes to `render_model_card` (``model_name``, ``cost_report``, ``eval_metrics``, ``repo_id``,
+    ``training_hyperparameters``, ``tags``, ``metadata``).
+    """
+    schedule_plot = None
+    if schedule is None and cpt_config is not None:
+        schedule = schedule_for_card(cpt_config, total_steps)
+    if schedule is not None:
+        grad = grad_schedule
+        if grad is None and cpt_config is not None and cpt_config.schedule != "fp32":
+            grad = cpt_config.grad_bits
+        export_bits = fields["bits"] if fields else None
+        plot_schedule(schedule, os.path.join(save_directory, SCHEDULE_PLOT_NAME), grad, export_bits)
+        schedule_plot = SCHEDULE_PLOT_NAME
+    text = render_model_card(
+        model, fields, cpt_config=cpt_config, total_steps=total_steps, schedule_plot=schedule_plot, **card
+    )
+    path = os.path.join(save_directory, MODEL_CARD_NAME)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path

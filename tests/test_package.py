@@ -1,0 +1,36 @@
+"""The package's structure: public API importable, dependency arrows one way (no import cycles)."""
+
+import ast
+import os
+
+import hf_cpt
+
+PACKAGE = os.path.dirname(hf_cpt.__file__)
+
+
+def _imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name in os.listdir(PACKAGE):
+        if name.endswith(".py") and name != "__init__.py":
+            tree = ast.parse(open(os.path.join(PACKAGE, name)).read())
+            graph[name[:-3]] = {
+                node.module or "__init__" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
+            }
+    return graph
+
+
+def test_no_module_imports_the_package_or_forms_a_cycle():
+    graph = _imports()
+    assert not [m for m, deps in graph.items() if "__init__" in deps], "a module imports the package itself"
+
+    def reaches(start, target, seen=()):
+        return any(dep == target or (dep not in seen and reaches(dep, target, seen + (dep,)))
+                   for dep in graph.get(start, ()))
+
+    cycles = [m for m in graph if reaches(m, m)]
+    assert not cycles, f"import cycles through {cycles}"
+
+
+def test_public_api_is_exported():
+    missing = [name for name in hf_cpt.__all__ if not hasattr(hf_cpt, name)]
+    assert not missing and "output_fidelity" in hf_cpt.__all__
