@@ -8,12 +8,14 @@ layers, with outputs equal to the in-memory fake-quantized model at the same pre
   for 1-4 bits) plus a per-output-channel scale and zero point (the raw float channel minimum, as in
   REFERENCE §2), so that ``weight = codes * scale + zero_point`` reproduces, bit for bit, the weight
   the layer computes with at ``bits``;
-* every CPT layer's activation range (the EMA ``act_min`` / ``act_max`` used in eval mode) is stored;
-* weights that trained in FP32 (embeddings, the kept output head, excluded layers) are stored as
-  per-row codes too by default (``float_weight_bits="auto"``: embedding tables at 8 bits for 5-8-bit
-  exports and 4 bits for 1-4-bit ones, i.e. the bytes per value of the CPT layers, other weights at
-  8 bits), since embeddings alone would otherwise take a third of a BERT-base or GPT-2 file;
-  ``float_weight_bits=None`` keeps them exact in their float dtype;
+  A rotated layer's codes are those of ``Q(W R)``, the weight it computes with;
+* every CPT layer's activation range (the EMA ``act_min`` / ``act_max`` used in eval mode) and its
+  activation scheme (per-token, rotation seed) are stored;
+* weights that trained in FP32 (embeddings unless ``CPTConfig(quantize_embeddings=True)``, the kept
+  output head, excluded layers) are stored exactly in their training dtype by default, so the loaded
+  model reproduces the trained one. Rounding them at export (``float_weight_bits="auto"`` or a
+  bit-width) is an explicit, lossy option: the export then measures what it changed
+  (`hf_cpt.export.measure_rounding`) and says so in ``config.json`` and the model card;
 * biases, normalization layers and buffers are stored unchanged.
 
 ``config.json`` carries a ``quantization_config`` with ``quant_method: "cpt"`` (see
@@ -100,7 +102,8 @@ def save_quantized(
     bits: int | None = None,
     *,
     cpt_config: CPTConfig | None = None,
-    float_weight_bits: int | str | None = "auto",
+    float_weight_bits: int | str | None = None,
+    measure_inputs: dict[str, Any] | None = None,
     processing_class: Any = None,
     model_card: bool = True,
     card_info: dict[str, Any] | None = None,
@@ -108,12 +111,13 @@ def save_quantized(
 ) -> str:
     """Write a packed CPT checkpoint of ``model`` at ``bits`` (default: ``cpt_config.bits_max``).
 
-    ``float_weight_bits`` is the storage precision of the weights that trained in FP32 (embeddings, the
-    kept head, excluded layers), as per-row codes: ``"auto"`` (default) stores embedding tables at 8
-    bits when ``bits > 4`` and at 4 bits when ``bits <= 4`` (the bytes per value of the CPT layers)
-    and other weights at 8 bits; an integer picks the bits for all of them; ``None`` keeps them exact
-    in their float dtype (larger file; outputs then equal the in-memory model's up to float
-    re-association, otherwise up to that rounding). ``processing_class`` (tokenizer, image processor) is saved
+    The checkpoint reproduces the in-memory model evaluated at ``bits``. ``float_weight_bits`` is the
+    storage of the weights that trained in FP32 (embeddings, the kept head, excluded layers): ``None``
+    (default) keeps them exact; rounding them after training is a lossy opt-in: ``"auto"`` stores
+    embedding tables at 8 bits when ``bits > 4`` and at 4 bits when ``bits <= 4`` and other weights at
+    8 bits, an integer picks the bits for all of them. The effect of that rounding is measured on
+    ``measure_inputs`` (a batch of evaluation data; default: random valid inputs) and written into
+    ``config.json`` and the model card. ``processing_class`` (tokenizer, image processor) is saved
     alongside; ``model_card`` writes ``README.md`` (and the schedule picture when ``cpt_config`` is
     known); ``card_info`` goes to `write_model_card` (``total_steps``, ``schedule``, ``cost_report``,
     ``eval_metrics``, ``model_name``, ``repo_id``, ...).
@@ -122,7 +126,7 @@ def save_quantized(
     """
     save_directory = os.fspath(save_directory)
     bits = resolve_export_bits(model, bits, cpt_config)
-    state_dict, fields = packed_state_dict(model, bits, float_weight_bits, cpt_config)
+    state_dict, fields = packed_state_dict(model, bits, float_weight_bits, cpt_config, measure_inputs)
     write_checkpoint(model, save_directory, state_dict, fields, **save_kwargs)
     _finish_export(model, save_directory, fields, cpt_config, processing_class, model_card, card_info)
     return save_directory

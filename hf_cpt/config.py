@@ -122,6 +122,13 @@ class CPTConfig:
             "training through it as in the CPT paper (False)."
         },
     )
+    quantize_embeddings: bool = field(
+        default=False,
+        metadata={
+            "help": "Also quantize nn.Embedding tables (per row, at the schedule's bits; indices are not quantized) "
+            "and an output head tied to them (weights only), so that small exact checkpoints come from training."
+        },
+    )
     quant_scheme: str = field(
         default="auto",
         metadata={

@@ -2,7 +2,9 @@
 
 Each quantized GEMM or convolution with ``MACs`` forward multiply-accumulates costs, per step,
 ``MACs * (b_w * b_a + b_e * b_w + b_e * b_a)``: the forward product, the input gradient and the
-weight gradient. Layers in full precision count at 32 bits. MACs are measured from the real input
+weight gradient. Layers in full precision count at 32 bits, and so does a weight-only
+quantized head tied to quantized embeddings (its inputs and errors are full precision); an embedding
+lookup has no MACs. MACs are measured from the real input
 shapes of each layer's forward pass, so any batch size or sequence length is counted exactly.
 
 A rotated layer (docs/method.md, "Rotation") also rotates its input and weight in full precision,
@@ -85,6 +87,18 @@ class CostTotals:
         }
 
 
+    def state_dict(self) -> dict:
+        """The totals as JSON, to save with a Trainer checkpoint (`load_state_dict` restores them)."""
+        state = {k: getattr(self, k) for k in ("bitops", "rotation_bitops", "static_bitops", "fp32_bitops", "steps")}
+        state["steps_at_bits"] = {("fp32" if k is None else str(k)): v for k, v in self.steps_at_bits.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("bitops", "rotation_bitops", "static_bitops", "fp32_bitops", "steps"):
+            setattr(self, key, type(getattr(self, key))(state[key]))
+        self.steps_at_bits = Counter({(None if k == "fp32" else int(k)): v for k, v in state["steps_at_bits"].items()})
+
+
 class CostMeter:
     """Counts the MACs of every GEMM layer in training forward passes and prices them per step.
 
@@ -110,7 +124,7 @@ class CostMeter:
         if not (module.training and torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
             return
         macs = layer_macs(module, output)
-        if isinstance(module, QuantLayerMixin):
+        if isinstance(module, QuantLayerMixin) and module.quantizes_inputs:
             self._quantized_macs += macs
             rotation = module.rotation
             if rotation is not None and inputs:  # priced in end_step only for steps that quantize

@@ -28,6 +28,7 @@ from .packing import (
     Conv1D,
     check_bits,
     check_float_weight_bits,
+    dequantize_rows,
     float_storage_bits,
     pack_codes,
     quantize_rows,
@@ -71,7 +72,18 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def plan_export(model: nn.Module, bits: int, float_weight_bits: int | str | None = "auto") -> ExportPlan:
+def _same_weight_quantization(layer: QuantLayerMixin, owner: QuantLayerMixin | None) -> bool:
+    return (
+        owner is not None
+        and not layer.quantizes_inputs
+        and not owner.quantizes_inputs
+        and layer.weight_channel_dim == owner.weight_channel_dim
+        and layer.rotation is None
+        and owner.rotation is None
+    )
+
+
+def plan_export(model: nn.Module, bits: int, float_weight_bits: int | str | None = None) -> ExportPlan:
     """Decide which module weights become codes (and at which bits), which are shared, and the guard tensor."""
     float_weight_bits = check_float_weight_bits(float_weight_bits)
     plan = ExportPlan(bits=bits)
@@ -83,10 +95,13 @@ def plan_export(model: nn.Module, bits: int, float_weight_bits: int | str | None
         owner = owner_of.setdefault(id(weight), name)
         if isinstance(module, QuantLayerMixin):
             if owner != name:
-                raise NotImplementedError(
-                    f"CPT layer {name!r} shares its weight with {owner!r}; packed export of tied quantized "
-                    "weights is not supported (keep the tied layer in FP32, or use save_format='fp32')."
-                )
+                if not _same_weight_quantization(module, plan.quantized.get(owner)):
+                    raise NotImplementedError(
+                        f"CPT layer {name!r} shares its weight with {owner!r} but quantizes it differently; packed "
+                        "export of such tied weights is not supported (use save_format='fp32')."
+                    )
+                plan.shared[name] = owner  # a head tied to a quantized embedding: the same codes, stored once
+                continue
             plan.quantized[name] = module
         elif isinstance(module, _FLOAT_PACKABLE) and float_weight_bits is not None:
             if owner != name:
@@ -98,12 +113,12 @@ def plan_export(model: nn.Module, bits: int, float_weight_bits: int | str | None
         embedding = id(module.weight) in embedding_weights
         plan.float_bits[name] = float_storage_bits(bits, float_weight_bits, embedding)
     for name, owner in list(plan.shared.items()):
-        if owner in plan.quantized:
+        if owner in plan.quantized and not isinstance(model.get_submodule(name), QuantLayerMixin):
             raise NotImplementedError(
-                f"{name!r} shares its weight with CPT layer {owner!r}; packed export of tied quantized weights "
-                "is not supported."
+                f"{name!r} (full precision) shares its weight with CPT layer {owner!r}; convert both with "
+                "CPTConfig(quantize_embeddings=True), or export with save_format='fp32'."
             )
-        if owner not in plan.float_packed:
+        if owner not in plan.float_packed and owner not in plan.quantized:
             del plan.shared[name]
     for name in plan.quantized:
         if name not in plan.shared.values():
@@ -146,14 +161,21 @@ def _warn_unset_activation_ranges(plan: ExportPlan) -> None:
 def packed_state_dict(
     model: nn.Module,
     bits: int,
-    float_weight_bits: int | str | None = "auto",
+    float_weight_bits: int | str | None = None,
     cpt_config: CPTConfig | None = None,
+    measure_inputs: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The packed state dict of a CPT model at ``bits`` and the ``quantization_config`` fields describing it."""
+    """The packed state dict of a CPT model at ``bits`` and the ``quantization_config`` fields describing it.
+
+    ``float_weight_bits=None`` (default) keeps the weights that trained in FP32 exact. Otherwise they are
+    rounded, and `measure_rounding` on ``measure_inputs`` (default: the model's dummy inputs) records what
+    that changed in ``fields["rounding_effect"]``, with a warning when predictions flip.
+    """
     _check_model(model)
     check_bits("bits", bits)
     plan = plan_export(model, bits, float_weight_bits)
     _warn_unset_activation_ranges(plan)
+    rounding_effect = measure_rounding(model, plan, measure_inputs) if plan.float_packed else None
     state_dict = dict(model.state_dict())
     for name in list(plan.quantized) + list(plan.float_packed) + list(plan.shared):
         state_dict.pop(f"{name}.weight", None)
@@ -181,7 +203,85 @@ def packed_state_dict(
         "guard_tensor": f"{plan.guard}.weight",
         **_quantization_fields(model, cpt_config),
     }
+    if rounding_effect is not None:
+        fields["rounding_effect"] = rounding_effect
     return state_dict, fields
+
+
+def _default_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Valid random inputs: 8 sequences of 32 token ids, or 8 images, drawn with a fixed seed."""
+    generator = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        ids = torch.randint(0, vocab, (8, 32), generator=generator)
+        return {"input_ids": ids.to(device)}
+    channels = getattr(config, "num_channels", None) or 3
+    size = getattr(config, "image_size", None) or 224
+    size = size if isinstance(size, int) else size[0]
+    return {"pixel_values": torch.randn(8, channels, size, size, generator=generator).to(device)}
+
+
+def _main_output(outputs: Any) -> torch.Tensor:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = outputs.get("logits") if hasattr(outputs, "get") else None
+    return logits if logits is not None else outputs[0]
+
+
+@torch.no_grad()
+def measure_rounding(
+    model: nn.Module, plan: ExportPlan, inputs: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """What rounding the FP32-trained weights of ``plan`` changes in the model's output at ``plan.bits``.
+
+    Compares the in-memory model evaluated at the export bits with the same model after the rounding, on
+    ``inputs`` (a batch of evaluation data; default: fixed random valid inputs). Returns the max relative
+    output change (``max |new - old| / max |old|``), the share of predictions (argmax of the last
+    dimension) that flip, the loss change when the batch has labels, and where the inputs came from.
+    """
+    source = "evaluation batch" if inputs is not None else "random valid inputs"
+    inputs = dict(inputs) if inputs is not None else _default_inputs(model)
+    precision = next(layer for _, layer in quant_layers(model)).cpt_precision
+    saved = (precision.eval_enabled, precision.eval_bits.clone(), precision.eval_follows_training, model.training)
+    precision.set_eval(plan.bits)
+    model.eval()
+    originals = {name: module.weight.detach().clone() for name, module in plan.float_packed.items()}
+    try:
+        before = model(**inputs)
+        for name, module in plan.float_packed.items():
+            bits = plan.float_bits[name]
+            dim = weight_channel_dim(module)
+            codes, scale, zero_point = quantize_rows(module.weight, bits, dim)
+            module.weight.copy_(dequantize_rows(codes, scale, zero_point, module.weight.shape, dim))
+        after = model(**inputs)
+    finally:
+        for name, module in plan.float_packed.items():
+            module.weight.copy_(originals[name])
+        precision.eval_enabled, _, precision.eval_follows_training, was_training = saved
+        precision.eval_bits.copy_(saved[1])
+        model.train(was_training)
+    old, new = _main_output(before).float(), _main_output(after).float()
+    flips = (old.argmax(-1) != new.argmax(-1)).float()
+    effect = {
+        "inputs": source,
+        "examples": int(old.shape[0]),
+        "max_relative_output_change": float((new - old).abs().max() / old.abs().max().clamp_min(1e-12)),
+        "flipped_predictions": float(flips.mean()),
+        "rounded_modules": dict(plan.float_bits),
+    }
+    loss_before, loss_after = getattr(before, "loss", None), getattr(after, "loss", None)
+    if loss_before is not None and loss_after is not None:
+        effect["loss_change"] = float(loss_after - loss_before)
+    if effect["flipped_predictions"] > 0:
+        logger.warning(
+            "hf_cpt: rounding the weights trained in FP32 (float_weight_bits) flips %.1f%% of the predictions on "
+            "the %s (max relative output change %.3g); the checkpoint does not reproduce the trained model. Export "
+            "with float_weight_bits=None (the default) for an exact checkpoint.",
+            100 * effect["flipped_predictions"], source, effect["max_relative_output_change"],
+        )
+    return effect
 
 
 def portable_state_dict(

@@ -32,7 +32,14 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .config import EMA_INITS, CPTConfig
 from .export import packed_state_dict, portable_state_dict
-from .layers import ACTIVATION_GRANULARITIES, QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer
+from .layers import (
+    ACTIVATION_GRANULARITIES,
+    QUANT_EMBEDDING_CLASSES,
+    QUANT_LAYER_CLASSES,
+    PrecisionState,
+    QuantLayerMixin,
+    convert_layer,
+)
 from .packing import (
     ACT_MAX,
     ACT_MIN,
@@ -91,6 +98,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         cpt_config: dict[str, Any] | None = None,
         hf_cpt_version: str | None = None,
         layer_schemes: dict[str, list] | None = None,
+        rounding_effect: dict[str, Any] | None = None,
         quant_method: str = QUANT_METHOD,
         **kwargs: Any,
     ) -> None:
@@ -111,6 +119,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         self.hf_cpt_version = hf_cpt_version
         # {layer: [activation granularity, rotation seed or None]}; absent (format 1): per tensor, no rotation
         self.layer_schemes = dict(layer_schemes or {})
+        # What rounding the FP32-trained weights at export changed (float_weight_bits set): see export.measure_rounding
+        self.rounding_effect = rounding_effect
         if kwargs:
             logger.info("hf_cpt: ignoring unknown quantization_config fields %s", sorted(kwargs))
         self.post_init()
@@ -172,7 +182,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         for name, scheme in self.layer_schemes.items():
             ok = isinstance(scheme, (list, tuple)) and len(scheme) == 2 and scheme[0] in ACTIVATION_GRANULARITIES
             ok = ok and (scheme[1] is None or (isinstance(scheme[1], int) and not isinstance(scheme[1], bool)))
-            if not ok or name not in self.quantized_modules:
+            if not ok or (name not in self.quantized_modules and name not in self.shared_weights):
                 raise ValueError(
                     f"quantization_config.layer_schemes[{name!r}] must be [granularity in "
                     f"{list(ACTIVATION_GRANULARITIES)}, rotation seed or null] for a quantized module, got {scheme!r}."
@@ -198,6 +208,10 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
 
     def guard_module(self) -> str | None:
         return self.guard_tensor.rsplit(".", 1)[0] if self.packed and self.guard_tensor else None
+
+    def cpt_layer_names(self) -> list[str]:
+        """The CPT layers to rebuild: the quantized modules and the CPT layers tied to one of them."""
+        return self.quantized_modules + [n for n in self.shared_weights if n in self.layer_schemes]
 
     def layer_scheme(self, name: str) -> tuple[str, int | None]:
         """(activation granularity, rotation seed or None) of a quantized module."""
@@ -299,7 +313,7 @@ def expected_tensors(model: nn.Module, config: CPTQuantizationConfig) -> dict[st
 def weight_channel_dim_for(module: nn.Module, name: str, config: CPTQuantizationConfig) -> int:
     """Output-channel dimension of a module's weight, as the export used it (before or after conversion)."""
     if name in config.quantized_modules and not isinstance(module, QuantLayerMixin):
-        quant_class = QUANT_LAYER_CLASSES.get(type(module))
+        quant_class = QUANT_LAYER_CLASSES.get(type(module)) or QUANT_EMBEDDING_CLASSES.get(type(module))
         return quant_class.weight_channel_dim if quant_class is not None else 0
     return weight_channel_dim(module)
 
@@ -389,14 +403,15 @@ class CPTHfQuantizer(HfQuantizer):
             )
         with torch.device("cpu"):
             precision = self._new_precision()
-        for name in config.quantized_modules:
+        for name in config.cpt_layer_names():
             module = _module(model, name, "quantized_modules")
             if isinstance(module, QuantLayerMixin):
                 continue
-            if type(module) not in QUANT_LAYER_CLASSES:
+            if type(module) not in QUANT_LAYER_CLASSES and type(module) not in QUANT_EMBEDDING_CLASSES:
+                known = sorted(c.__name__ for c in list(QUANT_LAYER_CLASSES) + list(QUANT_EMBEDDING_CLASSES))
                 raise ValueError(
                     f"quantization_config.quantized_modules names {name!r}, a {type(module).__name__}: not a layer "
-                    f"hf_cpt can quantize ({sorted(c.__name__ for c in QUANT_LAYER_CLASSES)})."
+                    f"hf_cpt can quantize ({known})."
                 )
             convert_layer(module, precision, *config.layer_scheme(name))
         if not config.packed:
@@ -447,14 +462,20 @@ class CPTHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any):
         config = self.quantization_config
         precision = self._new_precision()
-        layers = {name: model.get_submodule(name) for name in config.quantized_modules}
+        layers = {name: model.get_submodule(name) for name in config.cpt_layer_names()}
         for layer in layers.values():
             layer.__dict__["cpt_precision"] = precision
             layer.build_rotation()  # transformers leaves buffers absent from the file uninitialized
+        for name, layer in layers.items():
+            if name not in config.quantized_modules:  # tied to a quantized embedding: weights only, no range
+                for key in (ACT_MIN, ACT_MAX):
+                    layer.register_buffer(key, torch.zeros((), device=layer.weight.device), persistent=False)
         if config.packed:
             self._unpack(model, config)
         else:
             for name, layer in layers.items():
+                if name not in config.quantized_modules:
+                    continue
                 low, high = config.activation_ranges[name]
                 device = layer.weight.device
                 layer.register_buffer(ACT_MIN, torch.tensor(float(low), device=device), persistent=False)

@@ -93,7 +93,8 @@ class PrecisionState:
         return f"PrecisionState(bits={bits}, grad_bits={grad_bits})"
 
 
-ACTIVATION_GRANULARITIES = ("tensor", "token")
+# "none": weights only (embeddings, an output head tied to them): inputs and errors stay full precision.
+ACTIVATION_GRANULARITIES = ("tensor", "token", "none")
 
 
 class QuantLayerMixin:
@@ -158,6 +159,11 @@ class QuantLayerMixin:
         return self.weight.shape[self.weight_feature_dim]
 
     @property
+    def quantizes_inputs(self) -> bool:
+        """False for weight-only layers (granularity "none")."""
+        return self.cpt_granularity != "none"
+
+    @property
     def rotation(self) -> Rotation | None:
         """The fixed rotation of this layer's input features, None when not rotated."""
         kinds = self.__dict__.get("_rotation_kinds", ())
@@ -209,11 +215,15 @@ class QuantLayerMixin:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         precision = self.cpt_precision
         bits = self.forward_bits()
-        quantize_backward = precision.backward_enabled and self.training and torch.is_grad_enabled()
+        quantize_backward = (
+            precision.backward_enabled and self.training and torch.is_grad_enabled() and self.quantizes_inputs
+        )
         if bits is None and not quantize_backward:
             return super().forward(x)  # exactly the original layer
         weight = self.weight
-        if bits is not None:
+        if bits is not None and not self.quantizes_inputs:
+            weight = quantize_weight(weight, bits, self.weight_channel_dim)
+        elif bits is not None:
             rotation = self.rotation
             if rotation is not None:
                 rotation = rotation.to(x.device, x.dtype) if rotation.signs.dtype != x.dtype else rotation
@@ -285,6 +295,26 @@ if Conv1D is not None:
     QUANT_LAYER_CLASSES[Conv1D] = QuantConv1D
 
 
+class QuantEmbedding(QuantLayerMixin, nn.Embedding):
+    """``nn.Embedding`` whose table is quantized per row at the forward bits (straight-through gradient).
+
+    The indices are not quantized and the lookup has no multiply (the cost meter counts no MACs); the
+    error of a lookup is not quantized. Converted only with ``CPTConfig(quantize_embeddings=True)``.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        bits = self.forward_bits()
+        if bits is None:
+            return nn.Embedding.forward(self, input)
+        weight = quantize_weight(self.weight, bits, 0)
+        return F.embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                           self.sparse)
+
+
+# Embedding conversion is opt-in, so it is kept out of QUANT_LAYER_CLASSES (the layers converted by default).
+QUANT_EMBEDDING_CLASSES: dict[type, type] = {nn.Embedding: QuantEmbedding}
+
+
 def register_quant_layer(float_class: type, quant_class: type) -> None:
     """Teach model surgery to convert ``float_class`` into ``quant_class`` (a `QuantLayerMixin` subclass)."""
     if not (isinstance(quant_class, type) and issubclass(quant_class, QuantLayerMixin)):
@@ -302,7 +332,7 @@ def convert_layer(
     ``granularity`` is the activation range ("tensor" or "token"); ``rotation_seed`` (None: no rotation)
     picks the fixed rotation of the input features.
     """
-    quant_class = QUANT_LAYER_CLASSES[type(module)]
+    quant_class = QUANT_LAYER_CLASSES.get(type(module)) or QUANT_EMBEDDING_CLASSES[type(module)]
     module.__dict__["_cpt_float_class"] = type(module)
     module.__class__ = quant_class
     try:
@@ -316,7 +346,7 @@ def convert_layer(
 def restore_layer(module: QuantLayerMixin) -> nn.Module:
     """Undo `convert_layer`: the plain float layer with its current (trained) weights."""
     float_class = module.__dict__.pop("_cpt_float_class", None) or next(
-        cls for cls in type(module).__mro__[1:] if cls in QUANT_LAYER_CLASSES
+        cls for cls in type(module).__mro__[1:] if cls in QUANT_LAYER_CLASSES or cls in QUANT_EMBEDDING_CLASSES
     )
     module._detach_precision()
     module.__class__ = float_class

@@ -12,6 +12,7 @@ from torch import nn
 
 from .config import CPTConfig, json_safe
 from .schedules import schedule_from_config
+from .version import INSTALL_COMMAND, PROJECT_URL
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,53 @@ def _table(header: tuple[str, str], rows) -> list[str]:
     return [f"| {header[0]} | {header[1]} |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows] + [""]
 
 
+def _activation_text(fields: dict[str, Any]) -> str:
+    schemes = fields.get("layer_schemes") or {}
+    per_tensor = len(fields["quantized_modules"]) - sum(1 for n in schemes if n in fields["quantized_modules"])
+    counts: dict[str, int] = {}
+    for granularity, seed in schemes.values():
+        label = {"token": "per token (each row's min/max)", "tensor": "per tensor", "none": "none (weights only)"}
+        text = label[granularity] + (f", after a Hadamard rotation (seed {seed})" if seed is not None else "")
+        counts[text] = counts.get(text, 0) + 1
+    if per_tensor:
+        momentum = _fmt(fields.get("activation_momentum"))
+        counts[f"asymmetric min/max per tensor, EMA range (momentum {momentum})"] = per_tensor
+    return "; ".join(f"{text}: {n} layers" for text, n in counts.items())
+
+
+def _exactness_section(fields: dict[str, Any]) -> list[str]:
+    """Whether the checkpoint reproduces the trained model, and what a lossy export changed (measured)."""
+    effect = fields.get("rounding_effect")
+    if not fields.get("float_packed_modules"):
+        return ["## Exactness", "", "This checkpoint is **exact**: loaded with `import hf_cpt`, it reproduces the "
+                f"trained model evaluated at {fields['bits']} bits (outputs equal up to float rounding, max relative "
+                "difference at most 1e-5).", ""]
+    lines = ["## Exactness: a lossy export", "", "Weights that trained in FP32 were **rounded after training** "
+             f"(`float_weight_bits={fields.get('float_weight_bits')!r}`), so this checkpoint does not reproduce the "
+             "trained model exactly."]
+    if effect:
+        lines += ["Measured at export on "
+                  f"{effect['examples']} examples ({effect['inputs']}):", ""]
+        rows = [("max relative output change", effect["max_relative_output_change"]),
+                ("predictions that flip", f"{100 * effect['flipped_predictions']:.1f}%")]
+        if "loss_change" in effect:
+            rows.append(("loss change", effect["loss_change"]))
+        lines += _table(("figure", "value"), rows)
+    else:
+        lines.append("")
+    return lines
+
+
+def _profile_section(profile: list[dict[str, Any]]) -> list[str]:
+    """The evaluation metrics at each precision (`CPTTrainer.evaluate_precisions`), to pick a deployment precision."""
+    metrics = [k for k in profile[0] if k != "bits" and not k.endswith(("runtime", "per_second"))]
+    lines = ["## Precision profile", "", "The trained model evaluated at each precision (`evaluate_precisions`); "
+             "a packed export at any of these bits reproduces its row.", "",
+             "| bits | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+    lines += ["| " + str(row["bits"]) + " | " + " | ".join(_fmt(row.get(m)) for m in metrics) + " |" for row in profile]
+    return lines + [""]
+
+
 def render_model_card(
     model: nn.Module,
     fields: dict[str, Any] | None,
@@ -162,6 +210,7 @@ def render_model_card(
     training_hyperparameters: dict[str, Any] | None = None,
     tags: list[str] | None = None,
     metadata: dict[str, Any] | None = None,
+    precision_profile: list[dict[str, Any]] | None = None,
 ) -> str:
     """The README.md of a CPT checkpoint, as text. ``fields`` is its ``quantization_config`` (None: FP32 masters)."""
     checkpoint_format = fields["checkpoint_format"] if fields else "fp32"
@@ -174,7 +223,7 @@ def render_model_card(
     all_tags += [t for t in (tags or []) if t not in all_tags]
     lines = _front_matter(all_tags, metadata or {})
     lines += [f"# {model_name or type(model).__name__}", ""]
-    intro = "Trained with **Cyclic Precision Training (CPT)** using [hf-cpt](https://pypi.org/project/hf-cpt/)"
+    intro = f"Trained with **Cyclic Precision Training (CPT)** using [hf-cpt]({PROJECT_URL})"
     if checkpoint_format == "packed":
         lines.append(
             f"{intro} and stored as a{'n' if bits == 8 else ''} **{bits}-bit packed CPT checkpoint**: integer weights, "
@@ -187,18 +236,18 @@ def render_model_card(
     lines += ["", "## How to load", ""]
     if checkpoint_format == "packed":
         lines.append(
-            "Loading needs hf-cpt: `pip install hf-cpt`, then `import hf_cpt` before `from_pretrained` "
+            f"Loading needs hf-cpt: `{INSTALL_COMMAND}`, then `import hf_cpt` before `from_pretrained` "
             "(it registers the `cpt` quantization method with transformers)."
         )
     elif checkpoint_format == "portable":
         lines.append(
             "Plain transformers loads it as a float model (weights on the quantization grid, activations not "
-            "quantized). To rebuild the CPT layers with their activation quantizers: `pip install hf-cpt`, then "
+            f"quantized). To rebuild the CPT layers with their activation quantizers: `{INSTALL_COMMAND}`, then "
             "`import hf_cpt` before `from_pretrained`."
         )
     else:
         lines.append(
-            "Plain transformers loads it. To fine-tune it with CPT again: `pip install hf-cpt` and "
+            f"Plain transformers loads it. To fine-tune it with CPT again: `{INSTALL_COMMAND}` and "
             "`hf_cpt.CPTTrainer(model=model, cpt_config=...)`."
         )
     lines += ["", "```python"]
@@ -226,10 +275,7 @@ def render_model_card(
             ("checkpoint_format", checkpoint_format),
             ("bits (weights and input activations)", bits),
             ("weight quantization", "asymmetric min/max per output channel, zero point = channel minimum"),
-            (
-                "activation quantization",
-                f"asymmetric min/max per tensor, EMA range (momentum {_fmt(fields.get('activation_momentum'))})",
-            ),
+            ("activation quantization", _activation_text(fields)),
             ("CPT layers", len(fields["quantized_modules"])),
         ]
         if checkpoint_format == "packed":
@@ -244,9 +290,10 @@ def render_model_card(
             )
             rows.append((
                 "weights trained in FP32 (embeddings, head)",
-                f"{text}, rounded at export" if stored else "stored exactly (float)",
+                f"{text}, rounded at export (lossy, see below)" if stored else "stored exactly (float)",
             ))
         lines += ["## Checkpoint format", ""] + _table(("field", "value"), rows)
+        lines += _exactness_section(fields)
     if cpt_config is not None:
         lines += ["## CPT training settings", ""]
         lines += _table(("setting", "value"), json_safe(cpt_config.to_dict()).items())
@@ -272,6 +319,8 @@ def render_model_card(
         lines += ["## Training cost", ""] + _table(("figure", "value"), rows)
     if eval_metrics:
         lines += ["## Evaluation", ""] + _table(("metric", "value"), eval_metrics.items())
+    if precision_profile:
+        lines += _profile_section(precision_profile)
     if training_hyperparameters:
         lines += ["## Training hyperparameters", ""]
         lines += _table(("hyperparameter", "value"), training_hyperparameters.items())

@@ -16,7 +16,14 @@ from torch import nn
 
 from .bits import check_bits
 from .config import CPTConfig
-from .layers import QUANT_LAYER_CLASSES, PrecisionState, QuantLayerMixin, convert_layer, restore_layer
+from .layers import (
+    QUANT_EMBEDDING_CLASSES,
+    QUANT_LAYER_CLASSES,
+    PrecisionState,
+    QuantLayerMixin,
+    convert_layer,
+    restore_layer,
+)
 from .rotation import can_rotate
 
 # Module names that hold a model's output head in transformers and timm models.
@@ -167,6 +174,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
         convert_layer(module, precision, granularity, config.rotation_seed if rotate else None)
         report.quantized.append(name)
         report.schemes[name] = scheme_name(granularity, rotate)
+    if config.quantize_embeddings:
+        _quantize_embeddings(model, config, precision, report)
     if not report.quantized:
         raise ValueError(
             "hf_cpt.quantize_model found no layer to quantize in "
@@ -176,6 +185,31 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
     eval_bits = config.eval_precision
     precision.set_eval(eval_bits, follow_training=config.eval_bits == "current")
     return report
+
+
+def _quantize_embeddings(model: nn.Module, config: CPTConfig, precision: PrecisionState, report) -> None:
+    """Convert embedding tables (weights only), then the layers that share their weight (a tied output head)."""
+    embedding_weights = set()
+    for name, module in list(model.named_modules()):
+        if type(module) not in QUANT_EMBEDDING_CLASSES:
+            continue
+        pattern = matches_any(name, config.exclude_modules)
+        if pattern is not None:
+            report.kept[name] = f"excluded by exclude_modules pattern {pattern!r}"
+            continue
+        convert_layer(module, precision, "none")
+        report.quantized.append(name)
+        report.schemes[name] = "weights only"
+        embedding_weights.add(id(module.weight))
+    for name, module in list(model.named_modules()):
+        if id(getattr(module, "weight", None)) in embedding_weights and not isinstance(module, QuantLayerMixin):
+            if type(module) not in QUANT_LAYER_CLASSES:
+                raise ValueError(f"{name} ({type(module).__name__}) shares an embedding's weight and cannot follow its "
+                                 "quantization; set CPTConfig(quantize_embeddings=False).")
+            convert_layer(module, precision, "none")
+            report.kept.pop(name, None)
+            report.quantized.append(name)
+            report.schemes[name] = "weights only (tied to an embedding)"
 
 
 def _reason_to_keep(name: str, module: nn.Module, config: CPTConfig, heads: set[str]) -> str | None:

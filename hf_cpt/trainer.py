@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 COST_REPORT_FILE = "cpt_cost_report.json"
 # Written into each Trainer checkpoint: the eval-mode activation ranges are buffers outside state_dict.
 ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
+# Also in each Trainer checkpoint: the cost meter's totals, so a resumed run reports the whole run's cost.
+COST_STATE_FILE = "cpt_cost_state.json"
 
 
 class CPTCallback(TrainerCallback):
@@ -91,6 +93,7 @@ class CPTCallback(TrainerCallback):
         self._set_bits(state.global_step)
         if state.global_step > 0:
             self._restore_activation_ranges(args, state, model)
+            self._restore_cost(args, state)
         if not self.logs_injected_by_trainer:
             self._log_before_reporting_integrations()
 
@@ -103,6 +106,18 @@ class CPTCallback(TrainerCallback):
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if state.is_world_process_zero and model is not None and os.path.isdir(checkpoint):
             save_file(activation_ranges(model), os.path.join(checkpoint, ACTIVATION_RANGES_FILE))
+            if self.meter is not None:
+                with open(os.path.join(checkpoint, COST_STATE_FILE), "w") as f:
+                    json.dump(self.meter.totals.state_dict(), f)
+
+    def _restore_cost(self, args, state) -> None:
+        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", COST_STATE_FILE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.meter.totals.load_state_dict(json.load(f))
+        else:
+            logger.warning("hf_cpt: no %s to resume from; the cost report covers only the steps after the resume.",
+                           path)
 
     @staticmethod
     def _restore_activation_ranges(args, state, model: nn.Module) -> None:
@@ -320,7 +335,7 @@ class CPTTrainer(Trainer):
     cpt_save_format: str = "packed"
     #: Export precision (None: ``cpt_config.bits_max``) and storage of the weights trained in FP32.
     cpt_save_bits: int | None = None
-    cpt_float_weight_bits: Any = "auto"
+    cpt_float_weight_bits: Any = None  # exact; "auto" or a bit-width rounds FP32-trained weights (measured)
     _CPT_DEFAULT = object()  # "not given" (None is a valid float_weight_bits: exact float)
 
     def save_model(
@@ -446,7 +461,8 @@ class CPTTrainer(Trainer):
         model = self._cpt_unwrapped()
         bits = resolve_export_bits(model, bits, self.cpt_config)
         if save_format == "packed":
-            state_dict, fields = packed_state_dict(model, bits, float_weight_bits, self.cpt_config)
+            inputs = self._cpt_measure_inputs(model) if float_weight_bits is not None else None
+            state_dict, fields = packed_state_dict(model, bits, float_weight_bits, self.cpt_config, inputs)
         else:
             state_dict, fields = portable_state_dict(model, bits, self.cpt_config)
         os.makedirs(output_dir, exist_ok=True)
@@ -458,6 +474,18 @@ class CPTTrainer(Trainer):
             processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         return fields
+
+    def _cpt_measure_inputs(self, model: nn.Module) -> dict | None:
+        """A batch of the evaluation data (on the model's device) to measure a lossy export on, if there is one."""
+        if self.eval_dataset is None or isinstance(self.eval_dataset, dict):
+            return None
+        try:
+            batch = next(iter(self.get_eval_dataloader()))
+        except Exception as error:  # measuring falls back to random inputs; never fail a save for it
+            logger.info("hf_cpt: no evaluation batch to measure the export on (%s).", error)
+            return None
+        device = next(model.parameters()).device
+        return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
     def _cpt_write_card(self, output_dir: str, fields: dict | None, **card) -> None:
         if not isinstance(self._cpt_unwrapped(), PreTrainedModel):
@@ -495,5 +523,6 @@ class CPTTrainer(Trainer):
             eval_metrics=eval_metrics_from_log_history(self.state.log_history),
             repo_id=getattr(self, "hub_model_id", None),
             training_hyperparameters=hyperparameters,
+            precision_profile=self.cpt_precision_profile,
             **card,
         )

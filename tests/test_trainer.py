@@ -143,11 +143,19 @@ def test_bits_after_resuming_from_a_checkpoint(tmp_path):
     first = CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args,
                        train_dataset=token_classification_data(128), cpt_config=config)
     first.train()
+    uninterrupted = first.cpt_callback.cost_report()
     probe = BitsProbe()
     torch.manual_seed(0)
     resumed = CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args,
                          train_dataset=token_classification_data(128), cpt_config=config, callbacks=[probe])
     resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-6"))
+    # The cost meter resumes too: the resumed run reports the whole run's cost, as the uninterrupted one.
+    report = resumed.cpt_callback.cost_report()
+    assert report["steps"] == 12 and report["steps_at_bits"] == uninterrupted["steps_at_bits"]
+    for key in ("gbitops", "static_gbitops", "fp32_gbitops", "cost_vs_static"):
+        assert report[key] == pytest.approx(uninterrupted[key], rel=1e-9), key
+    with open(os.path.join(args.output_dir, "cpt_cost_report.json")) as f:
+        assert json.load(f)["gbitops"] == pytest.approx(uninterrupted["gbitops"], rel=1e-9)
     schedule = PrecisionSchedule("cpt", 2, 8, 12, 2)
     assert probe.forward_bits == [(step, schedule(step)) for step in range(6, 12)]
     assert len({b for _, b in probe.forward_bits}) > 2
