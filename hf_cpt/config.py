@@ -20,7 +20,7 @@ QUANT_SCHEMES = ("auto", "paper", "per-token", "rotated", "rotated-per-token")
 
 @dataclass
 class CPTConfig:
-    """Settings of a CPT run (REFERENCE §1-§3).
+    """Settings of a CPT run (docs/method.md §1-§5).
 
     The forward bit-width of weights and input activations follows ``schedule`` between
     ``bits_min`` and ``bits_max``; errors are quantized at ``grad_bits`` with stochastic rounding.

@@ -1,4 +1,4 @@
-"""Training cost in bit operations (REFERENCE §5).
+"""Training cost in bit operations (docs/method.md §7).
 
 Each quantized GEMM or convolution with ``MACs`` forward multiply-accumulates costs, per step,
 ``MACs * (b_w * b_a + b_e * b_w + b_e * b_a)``: the forward product, the input gradient and the

@@ -1,4 +1,4 @@
-"""Precision range test (REFERENCE §4): find the lowest precision at which training makes progress.
+"""Precision range test (docs/method.md §6): find the lowest precision at which training makes progress.
 
 The CPT paper picks ``bits_min`` with a short test in the first cycle: start at a low precision (2
 bits), raise it one bit at a time after a few training iterations each, and watch the training
@@ -66,7 +66,7 @@ class PrecisionRangeResult:
     ``bits_min`` is the chosen lower bound (``max_bits`` when ``found`` is False); ``curve`` holds
     the metric of every training iteration at each precision, ``scores`` their window means and
     ``improvements`` what was compared with ``threshold``. ``steps`` is the number of training
-    iterations the test spent and ``gbitops`` their cost (REFERENCE §5).
+    iterations the test spent and ``gbitops`` their cost (docs/method.md §7).
     """
 
     bits_min: int

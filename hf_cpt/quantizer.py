@@ -1,4 +1,4 @@
-"""Quantizer numerics (REFERENCE §2): asymmetric min/max uniform quantization.
+"""Quantizer numerics (docs/method.md §2): asymmetric min/max uniform quantization.
 
 ``Q(x) = s * round(clamp((x - m) / s, 0, 2^b - 1)) + m`` with ``s = max((M - m) / (2^b - 1), 1e-8)``.
 Weights and input activations use deterministic rounding (round half to even) and are bit-exact

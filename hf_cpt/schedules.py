@@ -1,4 +1,4 @@
-"""Precision schedules: the bit-width of every optimizer step (REFERENCE §3).
+"""Precision schedules: the bit-width of every optimizer step (docs/method.md §5).
 
 A schedule is a *shape*, ``level(z, k, lo, hi) -> S`` giving the smooth precision at position ``z``
 of cycle ``k``, plus a rule for the cycle length. ``PrecisionSchedule`` rounds it into bits. This
@@ -22,7 +22,7 @@ full precision; the schedule then runs its cycles over the remaining steps), and
 any callable from step to bits, or register a new shape by name.
 
 Everything a schedule costs is computed exactly from its bits at every step with
-`hf_cpt.cost.bitops_per_mac` (REFERENCE §5).
+`hf_cpt.cost.bitops_per_mac` (docs/method.md §7).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def followup_cycle_length(total_steps: int, num_cycles: int) -> float:
     return int(total_steps / num_cycles) + 1
 
 
-# Growth and decay profiles, written as in REFERENCE §3 so that rounding ties match it exactly.
+# Growth and decay profiles, written as in docs/method.md §5 so that rounding ties match it exactly.
 def cosine_growth(z: float, lo: float, hi: float) -> float:
     return lo + (hi - lo) / 2 * (1 - math.cos(math.pi * z))
 
@@ -408,7 +408,7 @@ class PrecisionSchedule:
         return total
 
     def relative_cost(self, grad_bits: GradBits = 8) -> float:
-        """Training cost relative to FP32 training of the same steps (REFERENCE §5)."""
+        """Training cost relative to FP32 training of the same steps (docs/method.md §7)."""
         return self.bitops_per_mac(grad_bits) / (self.total_steps * bitops_per_mac(None, None))
 
     def static_grad_bits(self, grad_bits: GradBits = 8) -> int | None:

@@ -74,7 +74,7 @@ class CPTCallback(TrainerCallback):
             )
         self.precision = find_precision_state(model)
         bits_min = None
-        if self.config.bits_min == "auto":  # precision range test (REFERENCE §4), before the meter starts
+        if self.config.bits_min == "auto":  # precision range test (docs/method.md §6), before the meter starts
             self.prt_result = run_precision_range_test_for_trainer(
                 self.config, args, state, model, kwargs.get("train_dataloader"), kwargs.get("optimizer")
             )
@@ -82,14 +82,16 @@ class CPTCallback(TrainerCallback):
         self.schedule = schedule_from_config(self.config, state.max_steps, bits_min=bits_min)
         self.grad_schedule = grad_schedule_from_config(self.config, state.max_steps)
         self.precision.set_eval(self.config.eval_precision, follow_training=self.config.eval_bits == "current")
-        if state.global_step == 0 and self.config.fidelity_threshold is not None and self.schedule.bits_min:
+        quantized_run = self.config.schedule != "fp32"
+        if state.global_step == 0 and self.config.fidelity_threshold is not None and quantized_run:
             self.fidelity = check_fidelity_at_start(
                 model, kwargs.get("train_dataloader"), self.schedule.bits_min, self.config
             )
-        static_bits = None if self.config.schedule == "fp32" else self.config.bits_max
+        static_bits = self.config.bits_max if quantized_run else None
         if self.meter is not None:
             self.meter.remove()
-        self.meter = CostMeter(model, static_bits, self.config.grad_bits, scale=max(1, args.world_size))
+        static_grad_bits = self.config.grad_bits if quantized_run else None  # an FP32 run's "static" is FP32
+        self.meter = CostMeter(model, static_bits, static_grad_bits, scale=max(1, args.world_size))
         self._set_bits(state.global_step)
         if state.global_step > 0:
             self._restore_activation_ranges(args, state, model)

@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 import hf_cpt
 from hf_cpt import CPTConfig, CPTTrainer, export_portable, quantize_model, save_quantized, set_eval_precision
 from hf_cpt.checkpoint import checkpoint_size
-from hf_cpt.version import INSTALL_COMMAND
 from hf_cpt.export import plan_export
 from hf_cpt.layers import QuantLayerMixin
 from hf_cpt.packing import (
@@ -35,6 +34,7 @@ from hf_cpt.packing import (
     unpack_codes,
     weight_channel_dim,
 )
+from hf_cpt.version import INSTALL_COMMAND
 
 from .helpers import build_word_tokenizer, tiny_bert_config, tiny_gpt2_config
 

@@ -14,7 +14,7 @@ from hf_cpt.quantizer import (
 
 
 def reference_quantize(x, minimum, maximum, bits):
-    """REFERENCE §2, written literally."""
+    """docs/method.md §2, written literally."""
     scale = torch.clamp((maximum - minimum) / (2**bits - 1), min=1e-8)
     return scale * torch.round(torch.clamp((x - minimum) / scale, 0, 2**bits - 1)) + minimum
 

@@ -1,4 +1,4 @@
-"""Every schedule against REFERENCE §3's formulas, the published cost grouping, costs, delay, user schedules."""
+"""Every schedule against docs/method.md §5's formulas, the published cost grouping, costs, delay, user schedules."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hf_cpt.schedules import (
     unregister_schedule,
 )
 
-# -- REFERENCE §3, written out independently of the library ----------------------------------------
+# -- docs/method.md §5, written out independently of the library ----------------------------------------
 
 
 def _growth(profile, z, lo, hi):
@@ -41,7 +41,7 @@ def _decay(profile, flip, z, lo, hi):
 
 
 def reference_smooth(name, t, lo, hi, total, n):
-    """S(t) of REFERENCE §3 (and the CPT paper's variants as documented in hf_cpt.schedules)."""
+    """S(t) of docs/method.md §5 (and the CPT paper's variants as documented in hf_cpt.schedules)."""
     if name == "fp32":
         return None
     if name == "static":
