@@ -53,7 +53,8 @@ def finetune_section(finetune: dict, settings: dict) -> list[str]:
     fp32_time = statistics.fmean(e["seconds_per_step"] for e in runs["fp32"]) if "fp32" in runs else None
     lines = ["## (b) Fine-tuning all-MiniLM-L6-v2 on MNLI", "",
              f"{settings.get('train_size', 8000)} pairs of `mnli/dev.jsonl` to train, the other "
-             f"{settings.get('eval_size', 9815 - settings.get('train_size', 8000))} to evaluate (split by `random.Random(0)`), one epoch, "
+             f"{settings.get('eval_size', 9815 - settings.get('train_size', 8000))} to evaluate "
+             "(split by `random.Random(0)`), one epoch, "
              "batch 32, lr 1e-4 with 10% warm-up, default `CPTConfig` settings (`quant_scheme=\"auto\"`: rotated "
              "per-token activations in every Linear), evaluated at 8 bits (FP32 for the FP32 run). Accuracy is the "
              "mean ± half the range over the seeds; cost figures come from the library's cost meter.", "",
