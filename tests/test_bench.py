@@ -27,7 +27,7 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     output = tmp_path / "results.json"
     command = [sys.executable, os.path.join(ROOT, "bench", "pretrained.py"), "--model_path", str(model_dir),
                "--data_dir", shared_data_dir, "--output", str(output), "--no_gpt2", "--train_size", "64",
-               "--eval_size", "64",               "--max_steps", "2", "--seeds", "0", "--runs", "static-8/8", "cpt-4-8/8",
+               "--eval_size", "64", "--max_steps", "2", "--seeds", "0", "--runs", "static-8/8", "cpt-4-8/8",
                "--work_dir", str(tmp_path / "work")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
