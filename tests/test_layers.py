@@ -161,3 +161,39 @@ def test_changing_bits_does_not_retrace_a_compiled_model():
         set_precision(model, 8, 8)
         high = compiled(x)
     assert not torch.equal(low, high)
+
+
+def test_quantized_embeddings_per_row_with_a_tied_head_and_no_macs():
+    from transformers import GPT2LMHeadModel
+
+    from hf_cpt.cost import CostMeter
+    from hf_cpt.layers import QuantEmbedding
+
+    from .helpers import tiny_gpt2_config
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    report = quantize_model(model, CPTConfig(quantize_embeddings=True))
+    wte, head = model.transformer.wte, model.lm_head
+    assert isinstance(wte, QuantEmbedding) and isinstance(head, QuantLinear) and head.weight is wte.weight
+    assert report.schemes["lm_head"].startswith("weights only") and "lm_head" not in report.kept
+    ids = torch.randint(0, 128, (2, 6))
+    set_precision(model, 4, 8)
+    model.train()
+    expected_rows = per_channel_reference(wte.weight.detach(), 4, 0)
+    assert torch.equal(wte(ids), expected_rows[ids])  # the table quantized per row; the indices untouched
+    x = torch.randn(2, 6, 32)
+    assert torch.equal(head(x), x @ expected_rows.T)  # the tied head: same rows, full-precision input
+    meter = CostMeter(model, static_bits=8, static_grad_bits=8)
+    model(ids).logits.sum().backward()
+    assert wte.weight.grad is not None and torch.isfinite(wte.weight.grad).all()  # straight-through
+    meter.end_step(4, 8)
+    blocks = sum(6 * 2 * layer.weight.numel() for name, layer in model.named_modules()
+                 if isinstance(layer, QuantConv1D))
+    head_macs = 2 * 6 * head.weight.numel()
+    full = 3 * 32 * 32
+    from hf_cpt.cost import bitops_per_mac
+
+    assert meter.totals.bitops == blocks * bitops_per_mac(4, 8) + head_macs * full + meter.totals.rotation_bitops
+    set_precision(model, None, None)
+    assert torch.equal(wte(ids), torch.nn.functional.embedding(ids, wte.weight))  # bits None: the original

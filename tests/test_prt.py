@@ -272,3 +272,16 @@ def test_trainer_with_a_callable_schedule_delay_and_grad_schedule(tmp_path):
         report = json.load(f)
     assert report["steps_at_bits"] == {"4": 3, "6": 3, "fp32": 2}
     assert report["cpt_config"]["schedule"].startswith("<callable")
+
+
+def test_prt_with_the_default_rotated_per_token_scheme():
+    torch.manual_seed(0)
+    model = MLP()
+    hf_cpt.quantize_model(model, CPTConfig(fused_error_quantizer=False))
+    assert model.hidden.rotation is not None and model.hidden.cpt_granularity == "token"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = precision_range_test(model, loader(3), start_bits=2, max_bits=4, steps_per_precision=10,
+                                  threshold=0.2, optimizer=adam, stop_at_first=False)
+    assert set(result.scores) == {2, 3, 4} and all(v == v for v in result.scores.values())
+    assert 2 <= result.bits_min <= 4 and result.gbitops > 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # weights restored
