@@ -27,3 +27,10 @@ def test_every_config_field_is_documented():
     text = open(README).read()
     missing = [f.name for f in dataclasses.fields(CPTConfig) if f"| `{f.name}` |" not in text]
     assert not missing, f"CPTConfig fields missing from the README table: {missing}"
+
+
+def test_install_line_names_the_project_repository():
+    from hf_cpt.version import INSTALL_COMMAND
+
+    text = open(README).read()
+    assert INSTALL_COMMAND in text and "\npip install hf-cpt\n" not in text
