@@ -243,6 +243,7 @@ def format_cost_report(report: dict[str, Any]) -> str:
     lines = [
         "CPT training cost",
         f"  GBitOPs spent            {report['gbitops']:.4g}",
+        f"    of which rotation      {report.get('rotation_gbitops', 0.0):.4g}",
         f"  at static {report['cpt_config']['bits_max']}-bit           {report['static_gbitops']:.4g}"
         f"  (ratio {report['cost_vs_static'] or float('nan'):.3f})",
         f"  in FP32                  {report['fp32_gbitops']:.4g}"
