@@ -71,14 +71,17 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
     ``from_pretrained`` by hand (a CPT checkpoint needs trained activation ranges, so there is no
     quantize-on-load). Every field is validated on construction, and an error names the field.
 
-    Fields: ``format_version`` (1), ``checkpoint_format`` ("packed" or "portable"), ``bits`` (1..8,
+    Fields: ``format_version`` (1 or 2), ``checkpoint_format`` ("packed" or "portable"), ``bits`` (1..8,
     the precision of weights and activations), ``quantized_modules`` (the CPT layers),
     ``float_weight_bits`` (the export option) / ``float_packed_modules`` (``{module: bits}`` of the
     FP32-trained weights stored as codes),
     ``shared_weights`` (tied weights, ``{module: module_it_shares_with}``), ``guard_tensor``,
     ``activation_ranges`` (portable only), the activation-quantizer settings
     (``activation_momentum``, ``activation_ema_init``, ``fused_error_quantizer``) and, for the record,
-    the run's ``cpt_config`` and ``hf_cpt_version``.
+    the run's ``cpt_config`` and ``hf_cpt_version``. Format 2 adds ``layer_schemes``
+    (``{layer: [granularity, rotation seed or null]}`` for per-token, rotated and weight-only layers;
+    absent layers are per tensor without rotation, as in format 1) and, for a lossy export,
+    ``rounding_effect`` (what rounding the FP32-trained weights changed, measured at export).
     """
 
     def __init__(
