@@ -54,6 +54,9 @@ def layer_macs(module: nn.Module, output: torch.Tensor) -> int:
     return output.numel() * module.weight.shape[0]  # Conv1D: weight is (in, out)
 
 
+_TOTALS = ("bitops", "rotation_bitops", "static_bitops", "fp32_bitops", "steps", "quantized_macs", "float_macs")
+
+
 @dataclass
 class CostTotals:
     """Cumulative cost of a run, in bit operations."""
@@ -64,6 +67,8 @@ class CostTotals:
     fp32_bitops: float = 0.0  # the same steps in full precision
     steps: int = 0
     steps_at_bits: Counter = field(default_factory=Counter)
+    quantized_macs: float = 0.0  # forward MACs of quantized layers over the run (quantized steps)
+    float_macs: float = 0.0  # forward MACs that ran in full precision (FP32 layers, FP32 steps)
 
     def as_logs(self, prefix: str = "cpt/") -> dict[str, float]:
         logs = {f"{prefix}gbitops": self.bitops / 1e9}
@@ -82,6 +87,10 @@ class CostTotals:
             "cost_vs_static": self.bitops / self.static_bitops if self.static_bitops else None,
             "cost_vs_fp32": self.bitops / self.fp32_bitops if self.fp32_bitops else None,
             "steps": self.steps,
+            "full_precision_mac_share": (
+                self.float_macs / (self.quantized_macs + self.float_macs) if self.quantized_macs + self.float_macs
+                else None
+            ),
             "steps_at_bits": {("fp32" if k is None else str(k)): v for k, v in sorted(
                 self.steps_at_bits.items(), key=lambda kv: 99 if kv[0] is None else kv[0])},
         }
@@ -89,13 +98,13 @@ class CostTotals:
 
     def state_dict(self) -> dict:
         """The totals as JSON, to save with a Trainer checkpoint (`load_state_dict` restores them)."""
-        state = {k: getattr(self, k) for k in ("bitops", "rotation_bitops", "static_bitops", "fp32_bitops", "steps")}
+        state = {k: getattr(self, k) for k in _TOTALS}
         state["steps_at_bits"] = {("fp32" if k is None else str(k)): v for k, v in self.steps_at_bits.items()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("bitops", "rotation_bitops", "static_bitops", "fp32_bitops", "steps"):
-            setattr(self, key, type(getattr(self, key))(state[key]))
+        for key in _TOTALS:
+            setattr(self, key, type(getattr(self, key))(state.get(key, 0)))
         self.steps_at_bits = Counter({(None if k == "fp32" else int(k)): v for k, v in state["steps_at_bits"].items()})
 
 
@@ -148,6 +157,11 @@ class CostMeter:
         totals.fp32_bitops += (quantized + float_) * full
         totals.steps += 1
         totals.steps_at_bits[bits] += 1
+        if bits is None:  # a full-precision step: every MAC ran in full precision
+            totals.float_macs += quantized + float_
+        else:
+            totals.quantized_macs += quantized
+            totals.float_macs += float_
         self._quantized_macs = self._float_macs = self._rotation_bitops = 0
 
     def remove(self) -> None:

@@ -248,6 +248,7 @@ def format_cost_report(report: dict[str, Any]) -> str:
         f"  (ratio {report['cost_vs_static'] or float('nan'):.3f})",
         f"  in FP32                  {report['fp32_gbitops']:.4g}"
         f"  (ratio {report['cost_vs_fp32'] or float('nan'):.4f})",
+        f"  MACs in full precision   {100 * (report.get('full_precision_mac_share') or 0.0):.1f}%",
         "  steps at each precision  "
         + ", ".join(f"{bits}: {count}" for bits, count in report["steps_at_bits"].items()),
     ]

@@ -86,3 +86,6 @@ def test_rotation_is_priced_forward_and_backward_and_reported_apart():
     meter.end_step(None, None)
     assert meter.totals.rotation_bitops == expected_rotation
     assert totals.to_dict()["rotation_gbitops"] == expected_rotation / 1e9
+    # the share of MACs that ran in full precision: the FP32 head, then the whole FP32 step
+    share = (f_macs * 2 + q_macs) / (2 * (q_macs + f_macs))
+    assert totals.to_dict()["full_precision_mac_share"] == pytest.approx(share)
