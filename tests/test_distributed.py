@@ -1,0 +1,108 @@
+"""FSDP2 (`fully_shard`) over 2 CPU processes (gloo) trains a CPT model like DDP does, and exports."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STEPS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from transformers import BertForSequenceClassification
+
+        from hf_cpt import CPTConfig, find_precision_state, quantize_model, set_precision
+        from hf_cpt.schedules import PrecisionSchedule
+        from tests.helpers import tiny_bert_config
+
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(tiny_bert_config())
+        model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.0
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        quantize_model(model, CPTConfig(bits_min=3, bits_max=8, fused_error_quantizer=False))
+        if mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.bert.encoder.layer:
+                fully_shard(layer)
+            wrapped = fully_shard(model)
+        else:
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        schedule = PrecisionSchedule("cpt", 3, 8, STEPS, 2)
+        generator = torch.Generator().manual_seed(100 + rank)  # each rank its own micro-batch
+        losses, bits_seen = [], []
+        for step in range(STEPS):
+            set_precision(model, schedule(step), 8)
+            bits_seen.append(find_precision_state(model).current[0])
+            ids = torch.randint(5, 128, (4, 10), generator=generator)
+            torch.manual_seed(1000 * step + rank)  # the error quantizer's noise, the same in both modes
+            loss = wrapped(input_ids=ids, labels=ids[:, 0] % 3).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(float(mean) / world)
+        if mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            full = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        if rank == 0:
+            torch.save({"losses": losses, "bits": bits_seen, "state": full}, os.path.join(out_dir, f"{mode}.pt"))
+        gathered = [None] * world
+        dist.all_gather_object(gathered, bits_seen)
+        if rank == 0:
+            torch.save(gathered, os.path.join(out_dir, f"{mode}-bits.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_matches_ddp_and_exports(tmp_path):
+    for mode in ("ddp", "fsdp"):
+        mp.spawn(_worker, args=(2, _free_port(), mode, str(tmp_path)), nprocs=2, join=True)
+    ddp, fsdp = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fsdp.pt")
+    bits = torch.load(tmp_path / "fsdp-bits.pt")
+    assert bits[0] == bits[1] == ddp["bits"] and len(set(bits[0])) > 1  # identical bits on both ranks each step
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4, abs=1e-5)
+    for key, value in ddp["state"].items():
+        torch.testing.assert_close(fsdp["state"][key], value, rtol=1e-4, atol=1e-5)
+
+    # the gathered full state dict exports a quantized checkpoint that loads back exactly
+    from transformers import AutoModelForSequenceClassification, BertForSequenceClassification
+
+    from hf_cpt import CPTConfig, quantize_model, save_quantized, set_eval_precision
+
+    from .helpers import tiny_bert_config
+
+    model = BertForSequenceClassification(tiny_bert_config())
+    quantize_model(model, CPTConfig(bits_min=3, bits_max=8))
+    model.load_state_dict(fsdp["state"])
+    model.eval()
+    set_eval_precision(model, 8)
+    ids = torch.randint(5, 128, (3, 10))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    save_quantized(model, tmp_path / "export", bits=8, model_card=False)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export")
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
