@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench results lint clean
 
 install: $(STAMP)
 
@@ -22,6 +22,12 @@ demo: install
 
 bench: install
 	$(OFFLINE) $(PY) bench/overhead.py
+
+# Results on real data and a real pretrained model (long; resumable: a finished run is skipped).
+results: install
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(OFFLINE) $(PY) bench/pretrained.py
+	$(PY) bench/report.py
 
 lint: install
 	$(PY) -m ruff check hf_cpt tests bench recipes
