@@ -81,23 +81,33 @@ def finetune_section(finetune: dict, settings: dict) -> list[str]:
                 verdict = "within 1 point of" if gap >= -1.0 else "more than 1 point below"
                 lines.append(f"- {name}: {gap:+.2f} points against static 8/8 ({verdict} it), "
                              f"{len(runs[name])} seed(s).")
+        if "fp32" in runs:
+            fp32 = statistics.fmean(e["accuracy"] for e in runs["fp32"])
+            for name in runs:
+                if name != "fp32":
+                    gap = 100 * (statistics.fmean(e["accuracy"] for e in runs[name]) - fp32)
+                    lines.append(f"- {name}: {gap:+.2f} points against FP32 fine-tuning.")
         lines.append("")
     fidelity = [(name, e["seed"], e["fidelity_at_start"]) for name, entries in runs.items() for e in entries
-                if e.get("fidelity_at_start") and name != "fp32"]
+                if e.get("fidelity_at_start") and e["cpt_config"]["schedule"] == "cpt"]
     if fidelity:
         lines += ["Output fidelity at `bits_min` measured by `CPTTrainer` on the first batch: " + ", ".join(
             f"{name} seed {seed}: {list(f.values())[0]:.3f}" for name, seed, f in fidelity) + ".", ""]
-    profile_runs = {name: entries for name, entries in runs.items() if all("profile" in e for e in entries)}
+    lines += ["Step times were measured on a 2-core machine that other jobs (tests) shared during some runs: "
+              "they are indicative only; `bench/overhead.py` measures overhead ratios side by side.", ""]
+    profile_runs = {name: [e for e in entries if "profile" in e] for name, entries in runs.items()}
+    profile_runs = {name: entries for name, entries in profile_runs.items() if entries}
     if profile_runs:
         bits = list(next(iter(profile_runs.values()))[0]["profile"])
         lines += ["### Precision profile", "",
-                  "Accuracy (%, mean over seeds) of each trained model evaluated at each precision "
-                  "(`CPTTrainer.evaluate_precisions`):", "",
-                  "| trained as | " + " | ".join(f"{b}" + ("" if b == "fp32" else " bits") for b in bits) + " |",
-                  "|---|" + "---|" * len(bits)]
+                  "Accuracy (%) of trained models evaluated at each precision (`CPTTrainer.evaluate_precisions`), "
+                  "for the runs that measured it (mean over the seeds listed):", "",
+                  "| trained as | seeds | " + " | ".join(f"{b}" + ("" if b == "fp32" else " bits") for b in bits)
+                  + " |", "|---|---|" + "---|" * len(bits)]
         for name, entries in profile_runs.items():
             cells = [f"{100 * statistics.fmean(e['profile'][b] for e in entries):.2f}" for b in bits]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            seeds = ", ".join(str(e["seed"]) for e in entries)
+            lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
 

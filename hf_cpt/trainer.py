@@ -84,9 +84,10 @@ class CPTCallback(TrainerCallback):
         self.precision.set_eval(self.config.eval_precision, follow_training=self.config.eval_bits == "current")
         quantized_run = self.config.schedule != "fp32"
         if state.global_step == 0 and self.config.fidelity_threshold is not None and quantized_run:
-            self.fidelity = check_fidelity_at_start(
-                model, kwargs.get("train_dataloader"), self.schedule.bits_min, self.config
-            )
+            visited = [b for b in self.schedule.steps_at_bits() if b is not None]
+            if visited:  # the lowest precision the run will actually train at
+                self.fidelity = check_fidelity_at_start(model, kwargs.get("train_dataloader"), min(visited),
+                                                        self.config)
         static_bits = self.config.bits_max if quantized_run else None
         if self.meter is not None:
             self.meter.remove()
@@ -199,7 +200,8 @@ class CPTCallback(TrainerCallback):
 
 
 def check_fidelity_at_start(model: nn.Module, dataloader, bits_min: int, config: CPTConfig) -> dict[int, float] | None:
-    """Measure the output fidelity at ``bits_min`` on the first training batch; warn when it is low.
+    """Measure the output fidelity at ``bits_min`` (the run's lowest precision) on the first training batch;
+    warn when it is low.
 
     The data order and every random number generator are left as they were, so the run is unchanged.
     """
