@@ -32,6 +32,7 @@ from .surgery import (
     is_quantized,
     load_activation_ranges,
     quantize_model,
+    set_eval_precision,
 )
 
 logger = logging.getLogger(__name__)
@@ -310,8 +311,6 @@ class CPTTrainer(Trainer):
         precision is restored afterwards. The table is kept as ``self.cpt_precision_profile`` and written
         into the model card by `save_model` / `push_to_hub`, to pick a deployment precision from.
         """
-        from .surgery import set_eval_precision
-
         if bits is None:
             schedule = self.cpt_callback.schedule
             low = schedule.bits_min if schedule is not None else self.cpt_config.bits_min
