@@ -123,11 +123,14 @@ class CostMeter:
         self._quantized_macs = 0
         self._float_macs = 0
         self._rotation_bitops = 0
-        self._handles = [
-            module.register_forward_hook(self._count)
-            for module in model.modules()
-            if isinstance(module, tuple(QUANT_LAYER_CLASSES))
-        ]
+        layers = [module for module in model.modules() if isinstance(module, tuple(QUANT_LAYER_CLASSES))]
+        # Bit operations per rotated value of each rotated layer (fixed for the run), looked up by the hook.
+        self._rotation_price = {
+            id(module): rotation_bitops_per_value(module.rotation)
+            for module in layers
+            if isinstance(module, QuantLayerMixin) and module.rotation is not None
+        }
+        self._handles = [module.register_forward_hook(self._count) for module in layers]
 
     def _count(self, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
@@ -135,10 +138,9 @@ class CostMeter:
         macs = layer_macs(module, output)
         if isinstance(module, QuantLayerMixin) and module.quantizes_inputs:
             self._quantized_macs += macs
-            rotation = module.rotation
-            if rotation is not None and inputs:  # priced in end_step only for steps that quantize
-                values = inputs[0].numel() + module.weight.numel()
-                self._rotation_bitops += values * rotation_bitops_per_value(rotation)
+            price = self._rotation_price.get(id(module))
+            if price is not None and inputs:  # counted in end_step only for steps that quantize
+                self._rotation_bitops += (inputs[0].numel() + module.weight.numel()) * price
         else:
             self._float_macs += macs
 

@@ -244,23 +244,21 @@ def measure_rounding(
     source = "evaluation batch" if inputs is not None else "random valid inputs"
     inputs = dict(inputs) if inputs is not None else _default_inputs(model)
     precision = next(layer for _, layer in quant_layers(model)).cpt_precision
-    saved = (precision.eval_enabled, precision.eval_bits.clone(), precision.eval_follows_training, model.training)
-    precision.set_eval(plan.bits)
+    was_training = model.training
     model.eval()
     originals = {name: module.weight.detach().clone() for name, module in plan.float_packed.items()}
     try:
-        before = model(**inputs)
-        for name, module in plan.float_packed.items():
-            bits = plan.float_bits[name]
-            dim = weight_channel_dim(module)
-            codes, scale, zero_point = quantize_rows(module.weight, bits, dim)
-            module.weight.copy_(dequantize_rows(codes, scale, zero_point, module.weight.shape, dim))
-        after = model(**inputs)
+        with precision.evaluating_at(plan.bits):
+            before = model(**inputs)
+            for name, module in plan.float_packed.items():
+                bits = plan.float_bits[name]
+                dim = weight_channel_dim(module)
+                codes, scale, zero_point = quantize_rows(module.weight, bits, dim)
+                module.weight.copy_(dequantize_rows(codes, scale, zero_point, module.weight.shape, dim))
+            after = model(**inputs)
     finally:
         for name, module in plan.float_packed.items():
             module.weight.copy_(originals[name])
-        precision.eval_enabled, _, precision.eval_follows_training, was_training = saved
-        precision.eval_bits.copy_(saved[1])
         model.train(was_training)
     old, new = _main_output(before).float(), _main_output(after).float()
     flips = (old.argmax(-1) != new.argmax(-1)).float()

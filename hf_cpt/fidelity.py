@@ -8,9 +8,8 @@ A pretrained transformer quantized per tensor at 4 bits scores near 0 (docs/pret
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,23 +52,6 @@ def cosine_fidelity(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(reference, candidate, dim=-1, eps=1e-12).mean())
 
 
-@contextlib.contextmanager
-def _eval_at(model: nn.Module, bits: int | None) -> Iterator[None]:
-    precision = find_precision_state(model)
-    saved = (precision.eval_enabled, precision.eval_bits.clone(), precision.eval_follows_training,
-             precision.batch_ranges_in_eval)
-    was_training = model.training
-    model.eval()
-    precision.set_eval(bits)
-    precision.batch_ranges_in_eval = True
-    try:
-        yield
-    finally:
-        precision.eval_enabled, _, precision.eval_follows_training, precision.batch_ranges_in_eval = saved
-        precision.eval_bits.copy_(saved[1])
-        model.train(was_training)
-
-
 @torch.no_grad()
 def output_fidelity(model: nn.Module, batch: Any, bits: list[int] | int) -> dict[int, float]:
     """``{bits: cosine similarity to full precision}`` of a CPT-quantized model's output on ``batch``.
@@ -78,10 +60,16 @@ def output_fidelity(model: nn.Module, batch: Any, bits: list[int] | int) -> dict
     is the input, or a tensor. The model's training mode and precision settings are left as they were.
     """
     bit_list = [bits] if isinstance(bits, int) else list(bits)
-    with _eval_at(model, None):
-        reference = _output_tensor(model, batch)
-    result = {}
-    for b in bit_list:
-        with _eval_at(model, b):
-            result[b] = cosine_fidelity(reference, _output_tensor(model, batch))
+    precision = find_precision_state(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with precision.evaluating_at(None):
+            reference = _output_tensor(model, batch)
+        result = {}
+        for b in bit_list:
+            with precision.evaluating_at(b, batch_ranges=True):
+                result[b] = cosine_fidelity(reference, _output_tensor(model, batch))
+    finally:
+        model.train(was_training)
     return result

@@ -8,6 +8,9 @@ a model reads them from one shared `PrecisionState`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,6 +84,19 @@ class PrecisionState:
         if bits is not None:
             self.eval_bits.fill_(float(bits))
 
+    @contextlib.contextmanager
+    def evaluating_at(self, bits: int | None, batch_ranges: bool = False) -> Iterator[None]:
+        """Temporarily evaluate at ``bits`` (None: full precision), optionally with per-tensor inputs
+        quantized over each batch's own range; the eval settings are restored afterwards."""
+        saved = (self.eval_enabled, self.eval_bits.clone(), self.eval_follows_training, self.batch_ranges_in_eval)
+        self.set_eval(bits)
+        self.batch_ranges_in_eval = batch_ranges
+        try:
+            yield
+        finally:
+            self.eval_enabled, _, self.eval_follows_training, self.batch_ranges_in_eval = saved
+            self.eval_bits.copy_(saved[1])
+
     @property
     def current(self) -> tuple[int | None, int | None]:
         """(forward bits, grad bits) in training, as Python numbers."""
@@ -91,6 +107,15 @@ class PrecisionState:
     def __repr__(self) -> str:
         bits, grad_bits = self.current
         return f"PrecisionState(bits={bits}, grad_bits={grad_bits})"
+
+
+def input_features(layer: nn.Module) -> int:
+    """Input features of a Linear / Conv2d / Conv1D, from its size attributes (while transformers loads a
+    checkpoint, a layer's weight may be a stand-in of another shape)."""
+    for attribute in ("in_features", "in_channels", "nx"):
+        if isinstance(getattr(layer, attribute, None), int):
+            return getattr(layer, attribute)
+    raise TypeError(f"{type(layer).__name__} has no in_features / in_channels / nx attribute")
 
 
 # "none": weights only (embeddings, an output head tied to them): inputs and errors stay full precision.
@@ -137,7 +162,7 @@ class QuantLayerMixin:
             return
         device = self.weight.device
         device = torch.device("cpu") if device.type == "meta" else device  # transformers' meta-device loading
-        rotation = get_rotation(self.in_features_for_rotation(), seed, device=device)
+        rotation = get_rotation(input_features(self), seed, device=device)
         self.register_buffer("rotation_signs", rotation.signs.clone(), persistent=False)
         for index, factor in enumerate(rotation.factors):
             self.register_buffer(f"rotation_factor_{index}", factor.clone(), persistent=False)
@@ -151,12 +176,6 @@ class QuantLayerMixin:
         for name in ("act_min", "act_max", "rotation_signs"):
             self._buffers.pop(name, None)
 
-    def in_features_for_rotation(self) -> int:
-        """Input features (from the layer's own size attributes: a loading layer's weight may be a stand-in)."""
-        for attribute in ("in_features", "in_channels", "nx"):
-            if isinstance(getattr(self, attribute, None), int):
-                return getattr(self, attribute)
-        return self.weight.shape[self.weight_feature_dim]
 
     @property
     def quantizes_inputs(self) -> bool:
@@ -226,9 +245,10 @@ class QuantLayerMixin:
         elif bits is not None:
             rotation = self.rotation
             if rotation is not None:
-                rotation = rotation.to(x.device, x.dtype) if rotation.signs.dtype != x.dtype else rotation
+                weight = rotation.apply(weight, self.weight_feature_dim)
+                if rotation.signs.dtype != x.dtype:  # e.g. bf16 activations under autocast
+                    rotation = rotation.to(x.device, x.dtype)
                 x = rotation.apply(x, self.input_feature_dim)
-                weight = self.rotate_weight(weight)
             x = self.quantize_input(x, bits)
             weight = quantize_weight(weight, bits, self.weight_channel_dim)
         out = self.compute(x, weight)

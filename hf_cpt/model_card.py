@@ -153,9 +153,9 @@ def _table(header: tuple[str, str], rows) -> list[str]:
 def _activation_text(fields: dict[str, Any]) -> str:
     schemes = fields.get("layer_schemes") or {}
     per_tensor = len(fields["quantized_modules"]) - sum(1 for n in schemes if n in fields["quantized_modules"])
+    label = {"token": "per token (each row's min/max)", "tensor": "per tensor", "none": "none (weights only)"}
     counts: dict[str, int] = {}
     for granularity, seed in schemes.values():
-        label = {"token": "per token (each row's min/max)", "tensor": "per tensor", "none": "none (weights only)"}
         text = label[granularity] + (f", after a Hadamard rotation (seed {seed})" if seed is not None else "")
         counts[text] = counts.get(text, 0) + 1
     if per_tensor:

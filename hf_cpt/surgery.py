@@ -8,6 +8,7 @@ returns a `QuantizationReport` saying what was converted and what was kept, and 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from .layers import (
     PrecisionState,
     QuantLayerMixin,
     convert_layer,
+    input_features,
     restore_layer,
 )
 from .rotation import can_rotate
@@ -42,9 +44,7 @@ class QuantizationReport:
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
-        counts: dict[str, int] = {}
-        for scheme in self.schemes.values():
-            counts[scheme] = counts.get(scheme, 0) + 1
+        counts = Counter(self.schemes.values())
         if counts:
             lines.append("  activation schemes: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
         lines += [f"  kept {name}: {reason}" for name, reason in self.kept.items()]
@@ -66,15 +66,15 @@ def resolve_scheme(quant_scheme: str, module: nn.Module) -> tuple[str, bool]:
 
 def scheme_name(granularity: str, rotated: bool) -> str:
     """The `CPTConfig.quant_scheme` value of a resolved (granularity, rotated) pair."""
-    base = "per-token" if granularity == "token" else ("" if rotated else "paper")
-    return "rotated" + ("-" + base if base else "") if rotated else base
+    if granularity == "token":
+        return "rotated-per-token" if rotated else "per-token"
+    return "rotated" if rotated else "paper"
 
 
 def _rotation_obstacle(module: nn.Module) -> str | None:
     if isinstance(module, nn.Conv2d) and module.groups != 1:
         return f"grouped convolution (groups={module.groups}) cannot be rotated"
-    quant_class = QUANT_LAYER_CLASSES[type(module)]
-    features = module.weight.shape[quant_class.weight_feature_dim]
+    features = input_features(module)
     if not can_rotate(features):
         return f"no fast rotation of {features} features"
     return None

@@ -16,6 +16,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .bits import check_bits
 from .checkpoint import plain_model, write_checkpoint
 from .config import CPTConfig
 from .cost import CostMeter
@@ -32,7 +33,6 @@ from .surgery import (
     is_quantized,
     load_activation_ranges,
     quantize_model,
-    set_eval_precision,
 )
 
 logger = logging.getLogger(__name__)
@@ -210,23 +210,16 @@ def check_fidelity_at_start(model: nn.Module, dataloader, bits_min: int, config:
         return None
     rng = rng_state()
     try:
-        batch = next(iter(dataloader))
-    except StopIteration:
-        return None
-    finally:
-        set_rng_state(rng)
-    device = next(model.parameters()).device
-    batch = to_device(batch, device)
-    try:
+        batch = to_device(next(iter(dataloader)), next(model.parameters()).device)
         fidelity = output_fidelity(model, batch, bits_min)
-    except Exception as error:  # the check must never stop a run
+    except Exception as error:  # the check must never stop a run (an empty loader, an unusual batch)
         logger.info("hf_cpt: output fidelity check skipped (%s: %s).", type(error).__name__, error)
         return None
     finally:
         set_rng_state(rng)
     score = fidelity[bits_min]
     if score < config.fidelity_threshold:
-        if config.quant_scheme != "rotated-per-token" and config.quant_scheme != "auto":
+        if config.quant_scheme not in ("rotated-per-token", "auto"):
             fix = "CPTConfig(quant_scheme='rotated-per-token') (the default, 'auto', for transformers)"
         else:
             fix = f"a higher CPTConfig.bits_min (now {bits_min})"
@@ -316,21 +309,17 @@ class CPTTrainer(Trainer):
             low = schedule.bits_min if schedule is not None else self.cpt_config.bits_min
             low = self.cpt_config.bits_max if not isinstance(low, int) else low
             bits = list(range(low, self.cpt_config.bits_max + 1)) + [None]
-        model = self._cpt_unwrapped()
-        precision = find_precision_state(model)
-        saved = (precision.eval_enabled, precision.eval_bits.clone(), precision.eval_follows_training)
+        precision = find_precision_state(self._cpt_unwrapped())
         rows = []
-        try:
-            for b in bits:
-                set_eval_precision(model, b)
-                label = "fp32" if b is None else f"{b}bit"
+        for b in bits:
+            if b is not None:
+                check_bits("evaluate_precisions: bits (or None)", b)
+            label = "fp32" if b is None else f"{b}bit"
+            with precision.evaluating_at(b):
                 metrics = self.evaluate(eval_dataset, metric_key_prefix=f"{metric_key_prefix}_{label}")
-                prefix = f"{metric_key_prefix}_{label}_"
-                rows.append({"bits": "fp32" if b is None else b,
-                             **{k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}})
-        finally:
-            precision.eval_enabled, _, precision.eval_follows_training = saved
-            precision.eval_bits.copy_(saved[1])
+            prefix = f"{metric_key_prefix}_{label}_"
+            rows.append({"bits": "fp32" if b is None else b,
+                         **{k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}})
         self.cpt_precision_profile = rows
         return rows
 
