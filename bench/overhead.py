@@ -41,10 +41,13 @@ class Case:
     target: float
 
 
+QUANT_SCHEME = "auto"  # --quant-scheme
+
+
 def layer_steps(layer: nn.Module, x: torch.Tensor, fused: bool) -> tuple[Step, Step]:
     """Forward + backward (input and weight gradients) of a layer and of its quantized copy."""
     quantized = nn.Sequential(copy.deepcopy(layer))
-    quantize_model(quantized, CPTConfig(fused_error_quantizer=fused))
+    quantize_model(quantized, CPTConfig(fused_error_quantizer=fused, quant_scheme=QUANT_SCHEME))
     set_precision(quantized, 8, 8)
     x = x.clone().requires_grad_(True)
     with torch.no_grad():
@@ -73,7 +76,7 @@ def bert_steps(batch_size: int, seq_len: int, fused: bool) -> tuple[Step, Step]:
     torch.manual_seed(0)
     plain = BertForSequenceClassification(config)
     quantized = copy.deepcopy(plain)
-    quantize_model(quantized, CPTConfig(fused_error_quantizer=fused))
+    quantize_model(quantized, CPTConfig(fused_error_quantizer=fused, quant_scheme=QUANT_SCHEME))
     set_precision(quantized, 8, 8)
     batch = {
         "input_ids": torch.randint(0, config.vocab_size, (batch_size, seq_len)),
@@ -129,10 +132,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed samples per side (median reported)")
     parser.add_argument("--no-fused", action="store_true", help="use the eager error quantizer")
+    parser.add_argument("--quant-scheme", default="auto", help="CPTConfig.quant_scheme (default: the library's)")
     parser.add_argument("--bert-batch", type=int, default=8, help="batch size of the BERT training step")
     parser.add_argument("--only", choices=("linear", "conv", "bert"), nargs="*", help="run only these cases")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    global QUANT_SCHEME
+    QUANT_SCHEME = args.quant_scheme
     if args.threads:
         torch.set_num_threads(args.threads)
     fused = not args.no_fused
