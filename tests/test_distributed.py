@@ -1,5 +1,6 @@
 """FSDP2 (`fully_shard`) over 2 CPU processes (gloo) trains a CPT model like DDP does, and exports."""
 
+import gc
 import os
 import socket
 
@@ -21,6 +22,7 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    wrapped = None
     try:
         from transformers import BertForSequenceClassification
 
@@ -72,6 +74,10 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
         if rank == 0:
             torch.save(gathered, os.path.join(out_dir, f"{mode}-bits.pt"))
     finally:
+        # torch 2.14 aborts the process at exit ("terminate called without an active exception") when a
+        # DDP reducer outlives its process group: release the wrapper first.
+        del wrapped
+        gc.collect()
         dist.destroy_process_group()
 
 
