@@ -21,31 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
-import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
+import harness  # noqa: E402  (sets the offline environment and the import path first)
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-import hf_cpt  # noqa: E402
 from hf_cpt import CPTConfig, CPTTrainer, quantize_model  # noqa: E402
 from hf_cpt.fidelity import output_fidelity  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_DATA = os.path.join(HERE, "..", "..", "shared", "data")
-DEFAULT_OUTPUT = os.path.join(HERE, "results", "pretrained.json")
+DEFAULT_OUTPUT = os.path.join(harness.RESULTS_DIR, "pretrained.json")
 LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}
 SCHEMES = ("paper", "per-token", "rotated", "rotated-per-token")
 FIDELITY_BITS = (3, 4, 5, 6, 7, 8)
-PROFILE_BITS = (3, 4, 5, 6, 7, 8, None)
 
 # The fine-tuning runs: name -> CPTConfig fields (everything else is the default a user gets).
 RUNS = {
@@ -78,10 +69,7 @@ def minilm_path() -> str:
 
 def mnli_split(data_dir: str, train_size: int = 8000, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """The fixed split of ``mnli/dev.jsonl``: ``train_size`` pairs to train, the rest to evaluate."""
-    path = os.path.join(data_dir, "mnli", "dev.jsonl")
-    if not os.path.isfile(path):
-        sys.exit(f"MNLI data not found at {path} (pass --data_dir).")
-    with open(path) as f:
+    with open(harness.data_file(data_dir, "mnli", "dev.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     random.Random(seed).shuffle(rows)
     return rows[:train_size], rows[train_size:]
@@ -99,29 +87,6 @@ class PairDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict:
         return self.items[index]
-
-
-def load_results(path: str) -> dict:
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)
-    return {}
-
-
-def save_results(path: str, results: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, path)
-
-
-def environment() -> dict:
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_cpt": hf_cpt.__version__,
-            "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads()}
 
 
 # ----------------------------------------------------------------------------- (a) fidelity
@@ -166,16 +131,11 @@ def run_fidelity(results: dict, data_dir: str, path: str, gpt2: bool = True) -> 
         quantize_model(model, CPTConfig(quant_scheme=scheme))
         scores = output_fidelity(model, inputs, list(FIDELITY_BITS))
         section.setdefault(model_name, {})[scheme] = {str(b): round(v, 4) for b, v in scores.items()}
-        save_results(path, results)
+        harness.save_results(path, results)
         tqdm.write(f"{model_name:48s} {scheme:18s} " + " ".join(f"{b}:{v:.3f}" for b, v in scores.items()))
 
 
 # ----------------------------------------------------------------------------- (b) fine-tuning
-
-
-def accuracy(eval_pred) -> dict:
-    logits, labels = eval_pred
-    return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
 
 
 def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs: list[str], train_size: int,
@@ -191,9 +151,7 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
     settings = {"train_size": train_size, "max_steps": max_steps}
     if eval_size is not None:
         settings["eval_size"] = eval_size
-    if results.get("finetune_settings", settings) != settings:
-        sys.exit(f"{path} holds runs made with {results['finetune_settings']}; use another --output.")
-    results["finetune_settings"] = settings
+    harness.check_settings(results, "finetune_settings", settings, path)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     train_rows, eval_rows = mnli_split(data_dir, train_size)
     eval_rows = eval_rows[:eval_size] if eval_size is not None else eval_rows
@@ -214,32 +172,16 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
             report_to="none", use_cpu=True, disable_tqdm=False,
         )
         trainer = CPTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                             data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy,
+                             data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=harness.accuracy,
                              processing_class=tokenizer, cpt_config=config)
-        start = time.perf_counter()
-        output = trainer.train()
-        train_seconds = time.perf_counter() - start
-        metrics = trainer.evaluate()
-        entry = {
-            "run": run, "seed": seed, "cpt_config": config.to_dict(),
-            "accuracy": metrics["eval_accuracy"], "eval_bits": config.eval_precision,
-            "steps": output.global_step, "train_seconds": train_seconds,
-            "seconds_per_step": train_seconds / max(output.global_step, 1),
-            "training_loss": output.training_loss,
-            "cost": trainer.cpt_callback.cost_report(),
-            "fidelity_at_start": trainer.cpt_callback.fidelity,
-            "curve": [{"step": h["step"], "loss": h["loss"], "bits": h.get("cpt/bits")}
-                      for h in trainer.state.log_history if "loss" in h],
-            "quantization_report": {"quantized": len(trainer.cpt_report.quantized),
-                                    "schemes": sorted(set(trainer.cpt_report.schemes.values()))},
-        }
-        if profile and config.schedule != "fp32":
-            entry["profile"] = {str(row["bits"]): row["accuracy"]
-                                for row in trainer.evaluate_precisions(list(PROFILE_BITS))}
+        entry = harness.train_and_record(trainer, "accuracy", profile and config.schedule != "fp32", run=run,
+                                         seed=seed)
+        entry["quantization_report"] = {"quantized": len(trainer.cpt_report.quantized),
+                                        "schemes": sorted(set(trainer.cpt_report.schemes.values()))}
         section[key] = entry
-        results["environment"] = environment()
-        save_results(path, results)
-        tqdm.write(f"{key}: accuracy {entry['accuracy']:.4f}, {entry['seconds_per_step']:.2f} s/step, "
+        results["environment"] = harness.environment()
+        harness.save_results(path, results)
+        tqdm.write(f"{key}: accuracy {entry['metric']:.4f}, {entry['seconds_per_step']:.2f} s/step, "
                    f"cost vs static {entry['cost']['cost_vs_static']}")
         del trainer, model
 
@@ -247,7 +189,7 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("fidelity", "finetune", "all"), default="all")
-    parser.add_argument("--data_dir", default=DEFAULT_DATA)
+    parser.add_argument("--data_dir", default=harness.DEFAULT_DATA)
     parser.add_argument("--output", default=DEFAULT_OUTPUT)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
@@ -261,7 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     global MODEL_PATH
     MODEL_PATH = args.model_path
-    results = load_results(args.output)
+    results = harness.load_results(args.output)
     if args.part in ("fidelity", "all"):
         run_fidelity(results, args.data_dir, args.output, gpt2=not args.no_gpt2)
     if args.part in ("finetune", "all"):

@@ -1,30 +1,32 @@
 """Turn the benchmarks' JSON into docs pages (no figure typed by hand).
 
-    python bench/report.py            # bench/results/pretrained.json -> docs/pretrained.md
+    python bench/report.py     # bench/results/*.json -> docs/RESULTS.md, docs/pretrained.md, docs/results/*.png
 
-Every number on the generated page comes from the JSON that `bench/pretrained.py` writes.
+Every number on the generated pages comes from the JSON that the scripts under ``bench/`` write
+(`vision.py`, `pretrained.py`, `language_model.py`, `schedule_sweep.py`); only the papers' published
+figures, quoted for comparison, are constants here (`PAPERS`). Missing JSON files leave their
+section out. The README's summary block is rewritten from the same data.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, ROOT]  # results_page, hf_cpt from a checkout
+
+import results_page  # noqa: E402
+from results_page import by_run, mean, spread  # noqa: E402
+
 RUN_ORDER = ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-paper")
 
 
-def _mean_spread(values: list[float]) -> tuple[float, float]:
-    """Mean and spread (half the range: with two seeds, the distance of each from the mean)."""
-    return statistics.fmean(values), (max(values) - min(values)) / 2
-
-
 def _fmt_pct(values: list[float]) -> str:
-    mean, spread = _mean_spread(values)
-    return f"{100 * mean:.2f} ± {100 * spread:.2f}"
+    """Mean ± half the range over the seeds, in percent."""
+    return f"{100 * mean(values):.2f} ± {100 * spread(values):.2f}"
 
 
 def fidelity_section(fidelity: dict) -> list[str]:
@@ -42,15 +44,12 @@ def fidelity_section(fidelity: dict) -> list[str]:
 
 
 def _by_run(finetune: dict) -> dict[str, list[dict]]:
-    runs: dict[str, list[dict]] = {}
-    for entry in finetune.values():
-        runs.setdefault(entry["run"], []).append(entry)
-    return {name: sorted(runs[name], key=lambda e: e["seed"]) for name in RUN_ORDER if name in runs}
+    return by_run(finetune, RUN_ORDER)
 
 
 def finetune_section(finetune: dict, settings: dict) -> list[str]:
     runs = _by_run(finetune)
-    fp32_time = statistics.fmean(e["seconds_per_step"] for e in runs["fp32"]) if "fp32" in runs else None
+    fp32_time = mean(e["seconds_per_step"] for e in runs["fp32"]) if "fp32" in runs else None
     lines = ["## (b) Fine-tuning all-MiniLM-L6-v2 on MNLI", "",
              f"{settings.get('train_size', 8000)} pairs of `mnli/dev.jsonl` to train, the other "
              f"{settings.get('eval_size', 9815 - settings.get('train_size', 8000))} to evaluate "
@@ -62,30 +61,30 @@ def finetune_section(finetune: dict, settings: dict) -> list[str]:
              "| time per step vs FP32 |", "|---|---|---|---|---|---|---|---|"]
     for name, entries in runs.items():
         cost = [e["cost"] for e in entries]
-        gbitops = statistics.fmean(c["gbitops"] for c in cost)
-        vs_static = statistics.fmean(c["cost_vs_static"] for c in cost) if name != "fp32" else None
-        vs_fp32 = statistics.fmean(c["cost_vs_fp32"] for c in cost)
-        rotation = statistics.fmean(c.get("rotation_gbitops", 0.0) / c["gbitops"] for c in cost)
-        step = statistics.fmean(e["seconds_per_step"] for e in entries)
+        gbitops = mean(c["gbitops"] for c in cost)
+        vs_static = mean(c["cost_vs_static"] for c in cost) if name != "fp32" else None
+        vs_fp32 = mean(c["cost_vs_fp32"] for c in cost)
+        rotation = mean(c.get("rotation_gbitops", 0.0) / c["gbitops"] for c in cost)
+        step = mean(e["seconds_per_step"] for e in entries)
         relative = f"{step / fp32_time:.2f}" if fp32_time else "-"
         seeds = ", ".join(str(e["seed"]) for e in entries)
         static_text = "-" if vs_static is None else f"{vs_static:.3f}"
-        lines.append(f"| {name} | {seeds} | {_fmt_pct([e['accuracy'] for e in entries])} | {gbitops:,.0f} | "
+        lines.append(f"| {name} | {seeds} | {_fmt_pct([e['metric'] for e in entries])} | {gbitops:,.0f} | "
                      f"{static_text} | {vs_fp32:.4f} | {100 * rotation:.1f}% | {relative} |")
     lines.append("")
     if "static-8/8" in runs:
-        static = statistics.fmean(e["accuracy"] for e in runs["static-8/8"])
+        static = mean(e["metric"] for e in runs["static-8/8"])
         for name in ("cpt-4-8/8", "cpt-5-8/8"):
             if name in runs:
-                gap = 100 * (statistics.fmean(e["accuracy"] for e in runs[name]) - static)
+                gap = 100 * (mean(e["metric"] for e in runs[name]) - static)
                 verdict = "within 1 point of" if gap >= -1.0 else "more than 1 point below"
                 lines.append(f"- {name}: {gap:+.2f} points against static 8/8 ({verdict} it), "
                              f"{len(runs[name])} seed(s).")
         if "fp32" in runs:
-            fp32 = statistics.fmean(e["accuracy"] for e in runs["fp32"])
+            fp32 = mean(e["metric"] for e in runs["fp32"])
             for name in runs:
                 if name != "fp32":
-                    gap = 100 * (statistics.fmean(e["accuracy"] for e in runs[name]) - fp32)
+                    gap = 100 * (mean(e["metric"] for e in runs[name]) - fp32)
                     lines.append(f"- {name}: {gap:+.2f} points against FP32 fine-tuning.")
         lines.append("")
     fidelity = [(name, e["seed"], e["fidelity_at_start"]) for name, entries in runs.items() for e in entries
@@ -105,7 +104,7 @@ def finetune_section(finetune: dict, settings: dict) -> list[str]:
                   "| trained as | seeds | " + " | ".join(f"{b}" + ("" if b == "fp32" else " bits") for b in bits)
                   + " |", "|---|---|" + "---|" * len(bits)]
         for name, entries in profile_runs.items():
-            cells = [f"{100 * statistics.fmean(e['profile'][b] for e in entries):.2f}" for b in bits]
+            cells = [f"{100 * mean(e['profile'][b] for e in entries):.2f}" for b in bits]
             seeds = ", ".join(str(e["seed"]) for e in entries)
             lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -126,10 +125,10 @@ def readme_summary(results: dict) -> list[str]:
         header = "| MNLI fine-tuning (default settings unless named) | " + " | ".join(runs) + " |"
         lines += [header, "|---|" + "---|" * len(runs),
                   "| accuracy %, mean ± half range over seeds | "
-                  + " | ".join(_fmt_pct([e["accuracy"] for e in entries]) for entries in runs.values()) + " |",
+                  + " | ".join(_fmt_pct([e["metric"] for e in entries]) for entries in runs.values()) + " |",
                   "| seeds | " + " | ".join(str(len(entries)) for entries in runs.values()) + " |",
                   "| training cost vs static 8/8 (cost meter) | " + " | ".join(
-                      "-" if name == "fp32" else f"{statistics.fmean(e['cost']['cost_vs_static'] for e in entries):.3f}"
+                      "-" if name == "fp32" else f"{mean(e['cost']['cost_vs_static'] for e in entries):.3f}"
                       for name, entries in runs.items()) + " |"]
     return lines
 
@@ -164,21 +163,27 @@ def pretrained_page(results: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pretrained", default=os.path.join(HERE, "results", "pretrained.json"))
+    parser.add_argument("--results", default=os.path.join(HERE, "results"), help="the folder of the JSON files")
     parser.add_argument("--docs", default=os.path.join(ROOT, "docs"))
+    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
     args = parser.parse_args()
-    if os.path.isfile(args.pretrained):
-        with open(args.pretrained) as f:
-            page = pretrained_page(json.load(f))
+    os.makedirs(args.docs, exist_ok=True)
+    pretrained = results_page.load(args.results, "pretrained.json")
+    if pretrained:
         path = os.path.join(args.docs, "pretrained.md")
         with open(path, "w") as f:
-            f.write(page)
+            f.write(pretrained_page(pretrained))
         print(f"wrote {path}")
-        with open(args.pretrained) as f:
-            replace_block(os.path.join(ROOT, "README.md"), "pretrained-summary", readme_summary(json.load(f)))
-        print("updated README.md (pretrained-summary)")
+        replace_block(args.readme, "pretrained-summary", readme_summary(pretrained))
+    path = os.path.join(args.docs, "RESULTS.md")
+    with open(path, "w") as f:
+        f.write(results_page.results_page(args.results, os.path.join(args.docs, "results")))
+    print(f"wrote {path}")
+    replace_block(args.readme, "results-summary", results_page.readme_summary(args.results))
+    print(f"updated {args.readme}")
 
 
 if __name__ == "__main__":

@@ -217,7 +217,12 @@ class QuantLayerMixin:
         if self.cpt_precision.batch_ranges_in_eval:
             minimum, maximum = tensor_range(x)
             return quantize_ste(x, minimum, maximum, bits)
-        return quantize_ste(x, self.act_min, self.act_max, bits)
+        # A layer never trained at low precision (an FP32 run, a model just converted) has no tracked
+        # range (min == max == 0): it would quantize everything to one value. Use the batch's range there.
+        batch_min, batch_max = tensor_range(x)
+        tracked = self.act_max > self.act_min
+        return quantize_ste(x, torch.where(tracked, self.act_min, batch_min),
+                            torch.where(tracked, self.act_max, batch_max), bits)
 
     @torch.no_grad()
     def _update_activation_range(self, minimum: torch.Tensor, maximum: torch.Tensor) -> None:

@@ -117,6 +117,28 @@ def test_activation_ema_and_eval_mode_range():
     assert torch.equal(layer.act_min, before)  # eval never updates the running range
 
 
+def test_eval_without_a_tracked_range_uses_the_batch_range():
+    """An FP32-trained (or just converted) model evaluated at low bits must not collapse to one value."""
+    torch.manual_seed(4)
+    model = _wrap(nn.Conv2d(3, 8, 3))
+    quantize_model(model, PAPER)
+    layer = model[0]
+    model.train()
+    set_precision(model, None, None)  # an FP32 run: the range is never tracked
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert float(layer.act_min) == float(layer.act_max) == 0.0
+    model.eval()
+    set_eval_precision(model, 8)
+    x = torch.randn(4, 3, 8, 8) * 2
+    with torch.no_grad():
+        got = model(x)
+        qx = reference_quantize(x, x.min(), x.max(), 8)
+        expected = nn.functional.conv2d(qx, per_channel_reference(layer.weight, 8), layer.bias)
+        assert torch.equal(got, expected)
+        full = nn.functional.conv2d(x, layer.weight, layer.bias)
+        assert float((got - full).abs().max() / full.abs().max()) < 0.02
+
+
 def test_first_batch_ema_init_option():
     model = _wrap(nn.Linear(4, 3))
     quantize_model(model, CPTConfig(quant_scheme="paper", activation_ema_init="first_batch"))

@@ -25,6 +25,7 @@ if RECIPES not in sys.path:
     sys.path.insert(0, RECIPES)
 
 import common  # noqa: E402
+import tokenizer as tokenizer_recipe  # noqa: E402
 
 WORDS = (
     "the a cat dog man woman child sits runs eats sleeps plays on in under park house garden red blue big small"
@@ -79,7 +80,7 @@ def assets(tmp_path_factory):
     config.save_pretrained(paths["bert_config"])
 
     paths["bpe_tokenizer"] = str(root / "bpe_tokenizer")
-    common.train_tokenizer([paths["text_train"]], paths["bpe_tokenizer"], vocab_size=300, kind="bpe")
+    tokenizer_recipe.train_tokenizer([paths["text_train"]], paths["bpe_tokenizer"], vocab_size=300, kind="bpe")
 
     from PIL import Image
 
@@ -470,7 +471,7 @@ def test_mnli_offline_command_on_shared_data(tmp_path):
     if not os.path.isfile(data):
         pytest.skip("../shared/data is not present on this machine")
     tokenizer = str(tmp_path / "tokenizer")
-    common.train_tokenizer([data], tokenizer, vocab_size=2000, columns=["premise", "hypothesis"])
+    tokenizer_recipe.train_tokenizer([data], tokenizer, vocab_size=2000, columns=["premise", "hypothesis"])
     out = tmp_path / "mnli_shared"
     run_recipe(
         "mnli.py",

@@ -1,0 +1,114 @@
+"""What every results script shares: the JSON store (resumable), the environment record, and one
+`CPTTrainer` run turned into a JSON entry (metric, cost meter, timing, curve, precision profile).
+
+The scripts (`pretrained.py`, `vision.py`, `language_model.py`, `schedule_sweep.py`) write JSON under
+``bench/results/``; ``bench/report.py`` turns it into the docs. No figure is typed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import hf_cpt  # noqa: E402
+
+DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data")
+RESULTS_DIR = os.path.join(HERE, "results")
+#: The inference precisions of every precision profile (None: full precision).
+PROFILE_BITS = (3, 4, 5, 6, 7, 8, None)
+
+
+def data_file(data_dir: str, *parts: str) -> str:
+    """A file of ``../shared/data`` (or ``--data_dir``); a clear exit when it is missing."""
+    path = os.path.join(data_dir, *parts)
+    if not os.path.exists(path):
+        sys.exit(f"data not found: {path} (pass --data_dir; see ../shared/data/README.md).")
+    return path
+
+
+def load_results(path: str) -> dict:
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def save_results(path: str, results: dict) -> None:
+    """Write atomically, so that an interrupted run never leaves a broken file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
+def check_settings(results: dict, key: str, settings: dict, path: str) -> None:
+    """Refuse to mix runs made with other settings into one file (they would not be comparable)."""
+    if results.get(key, settings) != settings:
+        sys.exit(f"{path} holds runs made with {results[key]}, not {settings}; use another --output.")
+    results[key] = settings
+
+
+def environment() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_cpt": hf_cpt.__version__,
+            "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads()}
+
+
+def accuracy(eval_pred) -> dict:
+    logits, labels = eval_pred
+    return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
+
+
+def train_and_record(trainer, metric: str, profile: bool, transform: Callable[[float], float] | None = None,
+                     profile_dataset=None, **extra: Any) -> dict:
+    """Train, evaluate at the config's eval precision and (optionally) at every `PROFILE_BITS` precision.
+
+    ``metric`` names the eval metric recorded ("accuracy", "loss"); ``transform`` maps it (perplexity
+    from loss). The entry holds the cost meter's report, the training curve with the bits of each
+    logged step, seconds per step and the fidelity measured at the start. ``profile_dataset``
+    (default: the eval dataset) is what the profile evaluates at each precision.
+    """
+    transform = transform or (lambda v: v)
+    config = trainer.cpt_config
+    start = time.perf_counter()
+    output = trainer.train()
+    seconds = time.perf_counter() - start
+    metrics = trainer.evaluate()
+    entry = {
+        **extra,
+        "cpt_config": config.to_dict(),
+        "metric": transform(metrics[f"eval_{metric}"]),
+        "eval_bits": config.eval_precision,
+        "steps": output.global_step,
+        "train_seconds": seconds,
+        "seconds_per_step": seconds / max(output.global_step, 1),
+        "training_loss": output.training_loss,
+        "cost": trainer.cpt_callback.cost_report(),
+        "fidelity_at_start": trainer.cpt_callback.fidelity,
+        "curve": [{"step": h["step"], "loss": h["loss"], "bits": h.get("cpt/bits")}
+                  for h in trainer.state.log_history if "loss" in h],
+    }
+    if profile:
+        rows = trainer.evaluate_precisions(list(PROFILE_BITS), eval_dataset=profile_dataset)
+        entry["profile"] = {str(row["bits"]): transform(row[metric]) for row in rows}
+    return entry

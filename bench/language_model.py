@@ -1,0 +1,135 @@
+"""CPT for language modelling at CPU scale: a small GPT-2 (from a config) on WikiText-2.
+
+Trained on ``wikitext-2/valid.txt`` and evaluated on ``test.txt`` (``../shared/data``; WikiText-2 has
+no train split there), with a byte-level BPE tokenizer (8,000 tokens) trained on the training text
+only, blocks of 128 tokens, batch 16, AdamW lr 1e-3 with cosine decay, default `CPTConfig` settings.
+Runs: FP32, static 8/8, CPT 4-8/8, two seeds. Each run records test perplexity, the cost meter's
+report, time per step, the training curve and the precision profile (perplexity at 3-8 bits and FP32,
+on the first quarter of the test text).
+
+Resumable: results go to ``--output`` after every run; a finished run is skipped when the command is
+run again. ``python bench/report.py`` turns the JSON into ``docs/RESULTS.md``.
+
+    nohup python bench/language_model.py > outputs/language_model.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402  (sets the offline environment and the import path first)
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from hf_cpt import CPTConfig, CPTTrainer  # noqa: E402
+
+DEFAULT_OUTPUT = os.path.join(harness.RESULTS_DIR, "language_model.json")
+BLOCK = 128
+RUNS = {
+    "fp32": dict(schedule="fp32"),
+    "static-8/8": dict(schedule="static", bits_max=8, grad_bits=8),
+    "cpt-4-8/8": dict(schedule="cpt", bits_min=4, bits_max=8, grad_bits=8),
+}
+MODEL_SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_positions=BLOCK)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """A text file as consecutive blocks of ``BLOCK`` token ids (labels = inputs; the model shifts)."""
+
+    def __init__(self, path: str, tokenizer, limit: int | None = None) -> None:
+        with open(path, encoding="utf-8") as f:
+            ids = tokenizer(f.read())["input_ids"]
+        n = len(ids) // BLOCK
+        self.blocks = torch.tensor(ids[: n * BLOCK]).view(n, BLOCK)[:limit]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.blocks[index], "labels": self.blocks[index]}
+
+
+def build_tokenizer(train_file: str, work_dir: str):
+    """A byte-level BPE tokenizer trained on the training text (cached in ``work_dir``)."""
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, os.path.join(harness.ROOT, "recipes"))
+    from tokenizer import train_tokenizer
+
+    folder = os.path.join(work_dir, "tokenizer")
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(folder)
+    return train_tokenizer([train_file], folder, vocab_size=8000, kind="bpe", model_max_length=10**7)
+
+
+def main() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data_dir", default=harness.DEFAULT_DATA)
+    parser.add_argument("--output", default=DEFAULT_OUTPUT)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--epochs", type=float, default=2)
+    parser.add_argument("--cycles", type=int, default=8, help="CPT cycles over the run")
+    parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests)")
+    parser.add_argument("--train_blocks", type=int, default=None, help="cap the training blocks (smoke tests)")
+    parser.add_argument("--test_blocks", type=int, default=None, help="cap the test blocks (smoke tests)")
+    parser.add_argument("--no_profile", action="store_true", help="skip the precision profile")
+    parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_language_model"))
+    args = parser.parse_args()
+
+    results = harness.load_results(args.output)
+    harness.check_settings(results, "settings", {
+        "epochs": args.epochs, "cycles": args.cycles, "max_steps": args.max_steps, "block": BLOCK,
+        "train_blocks": args.train_blocks, "test_blocks": args.test_blocks, "model": MODEL_SHAPE,
+        "batch_size": 16}, args.output)
+    train_file = harness.data_file(args.data_dir, "wikitext-2", "valid.txt")
+    tokenizer = build_tokenizer(train_file, args.work_dir)
+    train = BlockDataset(train_file, tokenizer, args.train_blocks)
+    test = BlockDataset(harness.data_file(args.data_dir, "wikitext-2", "test.txt"), tokenizer, args.test_blocks)
+    # The precision profile (7 evaluations a run) reads the first quarter of the test text.
+    profile_set = torch.utils.data.Subset(test, range(max(1, len(test) // 4)))
+    results["data"] = {"profile_tokens": len(profile_set) * BLOCK, "train_tokens": train.blocks.numel(),
+                       "test_tokens": test.blocks.numel(),
+                       "vocab": len(tokenizer)}
+
+    done = results.setdefault("runs", {})
+    todo = [(name, seed) for seed in args.seeds for name in args.runs if f"{name}/seed{seed}" not in done]
+    for name, seed in tqdm(todo, desc="language-model runs"):
+        key = f"{name}/seed{seed}"
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                                           eos_token_id=tokenizer.eos_token_id, **MODEL_SHAPE))
+        fields = RUNS[name] if RUNS[name]["schedule"] != "cpt" else {**RUNS[name], "num_cycles": args.cycles}
+        config = CPTConfig(**fields)
+        training = TrainingArguments(
+            output_dir=os.path.join(args.work_dir, key.replace("/", "_")), per_device_train_batch_size=16,
+            per_device_eval_batch_size=32, learning_rate=1e-3, weight_decay=0.01, lr_scheduler_type="cosine",
+            warmup_steps=20, num_train_epochs=args.epochs, max_steps=args.max_steps, seed=seed, logging_steps=10,
+            save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+        )
+        trainer = CPTTrainer(model=model, args=training, train_dataset=train, eval_dataset=test, cpt_config=config)
+        entry = harness.train_and_record(trainer, "loss", not args.no_profile, transform=perplexity,
+                                         profile_dataset=profile_set, run=name, seed=seed)
+        entry["quantized_layers"] = len(trainer.cpt_report.quantized)
+        done[key] = entry
+        results["environment"] = harness.environment()
+        harness.save_results(args.output, results)
+        tqdm.write(f"{key}: perplexity {entry['metric']:.2f}, {entry['seconds_per_step']:.2f} s/step, "
+                   f"cost vs FP32 {entry['cost']['cost_vs_fp32']:.4f}")
+        del trainer, model
+    print(f"results: {args.output}")
+
+
+if __name__ == "__main__":
+    main()

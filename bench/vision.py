@@ -1,0 +1,217 @@
+"""CPT on CIFAR-10 at CPU scale: a CIFAR ResNet-20 trained from scratch with `CPTTrainer`.
+
+The 10,000-image train folder and the 10,000-image test folder of ``cifar10/`` (``../shared/data``),
+standard augmentation (4-pixel padded random crop, horizontal flip), SGD with momentum 0.9, lr 0.1
+with cosine decay, weight decay 5e-4, batch 128. Runs: FP32, static 8/8, CPT 3-8/8, static 6/6 and
+CPT 3-6/6 (the CPT paper's CIFAR settings, cycles scaled to the run), two seeds. Every conv is
+quantized (the paper's scheme: ``quant_scheme="auto"`` picks it for Conv2d); the classifier and
+BatchNorm stay FP32. Each run records accuracy, the cost meter's report, time per step, the training
+curve and the precision profile (accuracy at 3-8 bits and FP32).
+
+Resumable: results go to ``--output`` after every run; a finished run is skipped when the command is
+run again. ``python bench/report.py`` turns the JSON into ``docs/RESULTS.md``.
+
+    nohup python bench/vision.py > outputs/vision.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402  (sets the offline environment and the import path first)
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from hf_cpt import CPTConfig, CPTTrainer  # noqa: E402
+
+DEFAULT_OUTPUT = os.path.join(harness.RESULTS_DIR, "vision.json")
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+# name -> CPTConfig fields; cycles are set per run from --cycles. The classifier stays FP32, as in the
+# CPT paper's CIFAR code.
+KEEP_FP32 = dict(exclude_modules=["fc"])
+RUNS = {
+    "fp32": dict(schedule="fp32"),
+    "static-8/8": dict(schedule="static", bits_max=8, grad_bits=8, **KEEP_FP32),
+    "cpt-3-8/8": dict(schedule="cpt", bits_min=3, bits_max=8, grad_bits=8, **KEEP_FP32),
+    "static-6/6": dict(schedule="static", bits_max=6, grad_bits=6, **KEEP_FP32),
+    "cpt-3-6/6": dict(schedule="cpt", bits_min=3, bits_max=6, grad_bits=6, **KEEP_FP32),
+}
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class CifarResNet(nn.Module):
+    """The CIFAR ResNet of He et al. (depth 6n+2: 16/32/64 channels); returns ``{"loss", "logits"}``
+    so that the `transformers` Trainer drives it."""
+
+    def __init__(self, depth: int = 20, num_classes: int = 10) -> None:
+        super().__init__()
+        if (depth - 2) % 6:
+            raise ValueError(f"CifarResNet depth must be 6n+2 (20, 32, 44, ...), got {depth}.")
+        n = (depth - 2) // 6
+        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        layers, cin = [], 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(n):
+                layers.append(BasicBlock(cin, cout, stride if i == 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        x = self.layers(torch.relu(self.bn1(self.conv1(pixel_values))))
+        logits = self.fc(x.mean(dim=(2, 3)))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_folder(folder: str, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image folder ``<class>/<file>.jpg`` decoded once into uint8 images (N, 3, 32, 32) and labels."""
+    import numpy as np
+    from PIL import Image
+
+    images, labels = [], []
+    for label, name in enumerate(CLASSES):
+        files = sorted(os.listdir(harness.data_file(folder, name)))
+        for file in files[: None if limit is None else max(1, limit // len(CLASSES))]:
+            with Image.open(os.path.join(folder, name, file)) as image:
+                images.append(np.asarray(image.convert("RGB")))
+            labels.append(label)
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous(), torch.tensor(labels)
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """Normalised images; with ``augment``, a padded random crop and a horizontal flip per sample."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool) -> None:
+        mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
+        self.images = (images.float() / 255 - mean) / std
+        self.labels, self.augment = labels, augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict:
+        image = self.images[index]
+        if self.augment:
+            padded = nn.functional.pad(image, (4, 4, 4, 4))
+            top, left = torch.randint(0, 9, (2,)).tolist()
+            image = padded[:, top:top + 32, left:left + 32]
+            if torch.rand(()) < 0.5:
+                image = image.flip(-1)
+        return {"pixel_values": image, "labels": self.labels[index]}
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def make_trainer(model: nn.Module, config: CPTConfig, train, evaluation, epochs: float, seed: int, work_dir: str,
+                 max_steps: int = -1, batch_size: int = 128, lr: float = 0.1) -> CPTTrainer:
+    from transformers import TrainingArguments, get_cosine_schedule_with_warmup
+
+    args = TrainingArguments(
+        output_dir=work_dir, per_device_train_batch_size=batch_size, per_device_eval_batch_size=500,
+        num_train_epochs=epochs, max_steps=max_steps, seed=seed, logging_steps=10, save_strategy="no",
+        report_to="none", use_cpu=True, disable_tqdm=True,
+    )
+    steps = max_steps if max_steps > 0 else math.ceil(epochs * math.ceil(len(train) / batch_size))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 50), steps)
+    return CPTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                      compute_metrics=harness.accuracy, optimizers=(optimizer, scheduler), cpt_config=config)
+
+
+def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int], train, evaluation, epochs: float,
+            max_steps: int, work_dir: str, profile: bool, section: str = "runs", desc: str = "vision runs") -> None:
+    done = results.setdefault(section, {})
+    todo = [(name, seed) for seed in seeds for name in runs if f"{name}/seed{seed}" not in done]
+    for name, seed in tqdm(todo, desc=desc):
+        key = f"{name}/seed{seed}"
+        torch.manual_seed(seed)
+        model = CifarResNet(20)
+        config = CPTConfig(**runs[name])
+        trainer = make_trainer(model, config, train, evaluation, epochs, seed,
+                               os.path.join(work_dir, key.replace("/", "_")), max_steps)
+        entry = harness.train_and_record(trainer, "accuracy", profile, run=name, seed=seed)
+        entry["quantized_layers"] = len(trainer.cpt_report.quantized)
+        done[key] = entry
+        results["environment"] = harness.environment()
+        harness.save_results(path, results)
+        tqdm.write(f"{key}: accuracy {entry['metric']:.4f}, {entry['seconds_per_step']:.2f} s/step, "
+                   f"cost vs FP32 {entry['cost']['cost_vs_fp32']:.4f}")
+        del trainer, model
+
+
+def load_cifar(data_dir: str, train_size: int | None, test_size: int | None):
+    root = harness.data_file(data_dir, "cifar10")
+    train = ImageDataset(*load_folder(os.path.join(root, "train"), train_size), augment=True)
+    test = ImageDataset(*load_folder(os.path.join(root, "test"), test_size), augment=False)
+    return train, test
+
+
+def with_cycles(runs: dict[str, dict], cycles: int) -> dict[str, dict]:
+    """The runs with ``num_cycles=cycles`` for every cyclic schedule."""
+    static = ("fp32", "static")
+    return {name: fields if fields["schedule"] in static else {**fields, "num_cycles": cycles}
+            for name, fields in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data_dir", default=harness.DEFAULT_DATA)
+    parser.add_argument("--output", default=DEFAULT_OUTPUT)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--epochs", type=float, default=4)
+    parser.add_argument("--cycles", type=int, default=8, help="CPT cycles over the run (the paper: 32 in 160 epochs)")
+    parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests)")
+    parser.add_argument("--train_size", type=int, default=None, help="cap the training images (smoke tests)")
+    parser.add_argument("--test_size", type=int, default=None, help="cap the test images (smoke tests)")
+    parser.add_argument("--no_profile", action="store_true", help="skip the precision profile")
+    parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_vision"))
+    args = parser.parse_args()
+
+    results = harness.load_results(args.output)
+    harness.check_settings(results, "settings", {
+        "epochs": args.epochs, "cycles": args.cycles, "max_steps": args.max_steps, "train_size": args.train_size,
+        "test_size": args.test_size, "model": "CIFAR ResNet-20", "batch_size": 128}, args.output)
+    train, test = load_cifar(args.data_dir, args.train_size, args.test_size)
+    results["data"] = {"train": len(train), "test": len(test)}
+    run_all(results, args.output, with_cycles({n: RUNS[n] for n in args.runs}, args.cycles), args.seeds, train,
+            test, args.epochs, args.max_steps, args.work_dir, not args.no_profile)
+    print(f"results: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
