@@ -23,10 +23,14 @@ demo: install
 bench: install
 	$(OFFLINE) $(PY) bench/overhead.py
 
-# Results on real data and a real pretrained model (long; resumable: a finished run is skipped).
+# Results on real data and a real pretrained model (../shared/data; each script about 40 minutes on
+# 2 cores; resumable: a finished run is skipped), then docs/RESULTS.md, docs/pretrained.md, README summary.
 results: install
 	$(PY) -m pip install --quiet -e ".[bench]"
+	$(OFFLINE) $(PY) bench/vision.py
 	$(OFFLINE) $(PY) bench/pretrained.py
+	$(OFFLINE) $(PY) bench/language_model.py
+	$(OFFLINE) $(PY) bench/schedule_sweep.py
 	$(PY) bench/report.py
 
 lint: install

@@ -1,8 +1,8 @@
 """CPT on a pretrained transformer: output fidelity per activation scheme, then MNLI fine-tuning.
 
 (a) ``--part fidelity``: the pretrained all-MiniLM-L6-v2 and a GPT-2-shaped model (``GPT2Config()``,
-random weights, as is and with outlier features injected) quantized with each ``quant_scheme`` at 3-8
-bits: the mean cosine similarity of the last hidden states to full precision on 32 MNLI pairs.
+random weights, as is and with outlier features injected) quantized with each ``quant_scheme`` (and
+with the attention products quantized too) at 3-8 bits: the mean cosine similarity of the last hidden states to full precision on 32 MNLI pairs.
 (b) ``--part finetune``: all-MiniLM-L6-v2 fine-tuned with `CPTTrainer` on 8,000 pairs of
 ``mnli/dev.jsonl`` and evaluated on the other 1,815 (split by ``random.Random(0)``), one epoch, batch
 32, lr 1e-4, default `CPTConfig` settings (what the README recommends): FP32, static 8/8, CPT 4-8/8 and
@@ -36,6 +36,12 @@ from hf_cpt.fidelity import output_fidelity  # noqa: E402
 DEFAULT_OUTPUT = os.path.join(harness.RESULTS_DIR, "pretrained.json")
 LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}
 SCHEMES = ("paper", "per-token", "rotated", "rotated-per-token")
+# Fidelity variants: each activation scheme, and the attention products quantized too (quantize_attention).
+FIDELITY_VARIANTS = {
+    **{scheme: dict(quant_scheme=scheme) for scheme in SCHEMES},
+    "paper + attention": dict(quant_scheme="paper", quantize_attention=True),
+    "rotated-per-token + attention": dict(quant_scheme="rotated-per-token", quantize_attention=True),
+}
 FIDELITY_BITS = (3, 4, 5, 6, 7, 8)
 
 # The fine-tuning runs: name -> CPTConfig fields (everything else is the default a user gets).
@@ -46,6 +52,8 @@ RUNS = {
     "cpt-5-8/8": dict(bits_min=5, bits_max=8, grad_bits=8, num_cycles=2),
     # The CPT paper's activation scheme, to show what the default fixes (not in the default set of runs).
     "cpt-4-8/8-paper": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2, quant_scheme="paper"),
+    # The attention products quantized too (CPTConfig(quantize_attention=True)), as the follow-up's BERT code.
+    "cpt-4-8/8-attention": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2, quantize_attention=True),
 }
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]
 
@@ -124,11 +132,11 @@ def run_fidelity(results: dict, data_dir: str, path: str, gpt2: bool = True) -> 
     }
     if not gpt2:
         models = {k: v for k, v in models.items() if "GPT-2" not in k}
-    todo = [(m, s) for m in models for s in SCHEMES if s not in section.get(m, {})]
+    todo = [(m, s) for m in models for s in FIDELITY_VARIANTS if s not in section.get(m, {})]
     for model_name, scheme in tqdm(todo, desc="fidelity"):
         build, inputs = models[model_name]
         model = build().eval()
-        quantize_model(model, CPTConfig(quant_scheme=scheme))
+        quantize_model(model, CPTConfig(**FIDELITY_VARIANTS[scheme]))
         scores = output_fidelity(model, inputs, list(FIDELITY_BITS))
         section.setdefault(model_name, {})[scheme] = {str(b): round(v, 4) for b, v in scores.items()}
         harness.save_results(path, results)

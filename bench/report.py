@@ -21,7 +21,7 @@ sys.path[:0] = [HERE, ROOT]  # results_page, hf_cpt from a checkout
 import results_page  # noqa: E402
 from results_page import by_run, mean, spread  # noqa: E402
 
-RUN_ORDER = ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-paper")
+RUN_ORDER = ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-paper", "cpt-4-8/8-attention")
 
 
 def _fmt_pct(values: list[float]) -> str:

@@ -41,7 +41,7 @@ TASKS = (
     Task("vision", "Vision: CIFAR-10, ResNet-20 from scratch", "vision.json", "runs", "accuracy", True,
          ("fp32", "static-8/8", "cpt-3-8/8", "static-6/6", "cpt-3-6/6"), "python bench/vision.py"),
     Task("entailment", "Entailment: pretrained all-MiniLM-L6-v2 fine-tuned on MNLI", "pretrained.json", "finetune",
-         "accuracy", True, ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-paper"),
+         "accuracy", True, ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-paper", "cpt-4-8/8-attention"),
          "python bench/pretrained.py", settings_key="finetune_settings"),
     Task("language_model", "Language modelling: small GPT-2 on WikiText-2", "language_model.json", "runs",
          "perplexity", False, ("fp32", "static-8/8", "cpt-4-8/8"), "python bench/language_model.py"),

@@ -129,6 +129,14 @@ class CPTConfig:
             "and an output head tied to them (weights only), so that small exact checkpoints come from training."
         },
     )
+    quantize_attention: bool = field(
+        default=False,
+        metadata={
+            "help": "Also quantize the two attention products (Q and K before Q·Kᵀ, probabilities and V before P·V, "
+            "their errors on the backward pass), through transformers' attention interface; per token when the "
+            "scheme is per-token. Needs a model that dispatches attention through AttentionInterface."
+        },
+    )
     quant_scheme: str = field(
         default="auto",
         metadata={

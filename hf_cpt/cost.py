@@ -7,6 +7,11 @@ quantized head tied to quantized embeddings (its inputs and errors are full prec
 lookup has no MACs. MACs are measured from the real input
 shapes of each layer's forward pass, so any batch size or sequence length is counted exactly.
 
+The two attention products (``Q Kᵀ`` and ``P V``) of a model that runs the ``"cpt"`` attention
+function (`hf_cpt.attention`) are counted the same way: at the step's bits when
+``quantize_attention`` is on, else at 32 bits. Models whose attention the library cannot see (the
+`QuantizationReport` says so) leave it out of every total.
+
 A rotated layer (docs/method.md, "Rotation") also rotates its input and weight in full precision,
 forward and backward: each rotated value costs the transform's additions at 32 bit operations and
 its multiplications (dense factors only) at 32 x 32; this is counted apart as ``rotation_bitops`` and
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .attention import find_attention_quantizer
 from .layers import QUANT_LAYER_CLASSES, QuantLayerMixin
 
 FULL_PRECISION_BITS = 32
@@ -131,6 +137,9 @@ class CostMeter:
             if isinstance(module, QuantLayerMixin) and module.rotation is not None
         }
         self._handles = [module.register_forward_hook(self._count) for module in layers]
+        self._attention = next((a for m in model.modules() if (a := find_attention_quantizer(m)) is not None), None)
+        if self._attention is not None:
+            self._attention.drain_macs()  # what ran before the meter (a precision range test) is not this run's
 
     def _count(self, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
@@ -146,6 +155,10 @@ class CostMeter:
 
     def end_step(self, bits: int | None, grad_bits: int | None) -> None:
         """Close one optimizer step trained at (bits, grad_bits)."""
+        if self._attention is not None:
+            attention_quantized, attention_float = self._attention.drain_macs()
+            self._quantized_macs += attention_quantized
+            self._float_macs += attention_float
         quantized, float_ = self._quantized_macs * self.scale, self._float_macs * self.scale
         full = bitops_per_mac(None, None)
         totals = self.totals

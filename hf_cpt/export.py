@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import find_attention_quantizer
 from .config import CPTConfig, json_safe
 from .layers import QuantLayerMixin
 from .packing import (
@@ -129,7 +130,9 @@ def plan_export(model: nn.Module, bits: int, float_weight_bits: int | str | None
 
 def _quantization_fields(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str, Any]:
     precision = next(layer for _, layer in quant_layers(model)).cpt_precision
+    attention = find_attention_quantizer(model)
     return {
+        "quantized_attention": attention.granularity if attention is not None and attention.quantize else None,
         "layer_schemes": {
             name: [layer.cpt_granularity, layer.cpt_rotation_seed]
             for name, layer in quant_layers(model)

@@ -10,7 +10,8 @@ any ``AutoModelFor....from_pretrained(path)``:
    ``ValueError`` naming it;
 2. after loading, ``codes * scale + zero_point`` becomes each layer's FP32 ``weight`` (the master
    weight, trainable), the packed buffers are dropped, and the model evaluates at the exported bits
-   with the stored activation ranges; its state dict then has the plain keys again.
+   with the stored activation ranges (and quantized attention products, when the run had them); its
+   state dict then has the plain keys again.
 
 Written for transformers 5.x (tested with 5.23) and 4.57+: ``is_serializable`` takes an optional
 argument, ``is_trainable`` / ``is_qat_trainable`` are properties, and both weight-loading hooks are
@@ -30,6 +31,7 @@ from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .attention import install_attention
 from .config import EMA_INITS, CPTConfig
 from .export import packed_state_dict, portable_state_dict
 from .layers import (
@@ -81,7 +83,9 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
     the run's ``cpt_config`` and ``hf_cpt_version``. Format 2 adds ``layer_schemes``
     (``{layer: [granularity, rotation seed or null]}`` for per-token, rotated and weight-only layers;
     absent layers are per tensor without rotation, as in format 1) and, for a lossy export,
-    ``rounding_effect`` (what rounding the FP32-trained weights changed, measured at export).
+    ``rounding_effect`` (what rounding the FP32-trained weights changed, measured at export), and
+    ``quantized_attention`` (the granularity of the attention products when the run quantized them:
+    the loaded model computes them the same way; null: full-precision attention).
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         hf_cpt_version: str | None = None,
         layer_schemes: dict[str, list] | None = None,
         rounding_effect: dict[str, Any] | None = None,
+        quantized_attention: str | None = None,
         quant_method: str = QUANT_METHOD,
         **kwargs: Any,
     ) -> None:
@@ -124,6 +129,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         self.layer_schemes = dict(layer_schemes or {})
         # What rounding the FP32-trained weights at export changed (float_weight_bits set): see export.measure_rounding
         self.rounding_effect = rounding_effect
+        # Granularity of the quantized attention products ("tensor" / "token"), None: full-precision attention
+        self.quantized_attention = quantized_attention
         if kwargs:
             logger.info("hf_cpt: ignoring unknown quantization_config fields %s", sorted(kwargs))
         self.post_init()
@@ -190,6 +197,11 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
                     f"quantization_config.layer_schemes[{name!r}] must be [granularity in "
                     f"{list(ACTIVATION_GRANULARITIES)}, rotation seed or null] for a quantized module, got {scheme!r}."
                 )
+        if self.quantized_attention is not None and self.quantized_attention not in ACTIVATION_GRANULARITIES:
+            raise ValueError(
+                f"quantization_config.quantized_attention must be null or one of {list(ACTIVATION_GRANULARITIES)}, "
+                f"got {self.quantized_attention!r}."
+            )
         if self.activation_ema_init not in EMA_INITS:
             raise ValueError(
                 f"quantization_config.activation_ema_init must be one of {list(EMA_INITS)}, "
@@ -487,6 +499,8 @@ class CPTHfQuantizer(HfQuantizer):
             layer.__dict__["_act_range_initialized"] = True
         precision.set(None, None)
         precision.set_eval(config.bits)
+        if config.quantized_attention is not None:  # trained with quantized attention: compute it the same way
+            install_attention(model, precision, True, config.quantized_attention)
         return model
 
     def _unpack(self, model: nn.Module, config: CPTQuantizationConfig) -> None:

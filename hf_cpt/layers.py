@@ -84,6 +84,12 @@ class PrecisionState:
         if bits is not None:
             self.eval_bits.fill_(float(bits))
 
+    def forward_bits(self, training: bool) -> torch.Tensor | None:
+        """The forward bit-width in force for a module in training (or eval) mode; None: full precision."""
+        if training or self.eval_follows_training:
+            return self.bits if self.forward_enabled else None
+        return self.eval_bits if self.eval_enabled else None
+
     @contextlib.contextmanager
     def evaluating_at(self, bits: int | None, batch_ranges: bool = False) -> Iterator[None]:
         """Temporarily evaluate at ``bits`` (None: full precision), optionally with per-tensor inputs
@@ -200,10 +206,7 @@ class QuantLayerMixin:
 
     def forward_bits(self) -> torch.Tensor | None:
         """The forward bit-width now in force for this layer, None for full precision."""
-        precision = self.cpt_precision
-        if self.training or precision.eval_follows_training:
-            return precision.bits if precision.forward_enabled else None
-        return precision.eval_bits if precision.eval_enabled else None
+        return self.cpt_precision.forward_bits(self.training)
 
     def quantize_input(self, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         """Per token: each row's own range. Per tensor: batch range in training (tracked by EMA), EMA in eval."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .attention import attention_support, install_attention, uninstall_attention
 from .bits import check_bits
 from .config import CPTConfig
 from .layers import (
@@ -41,6 +42,7 @@ class QuantizationReport:
     kept: dict[str, str] = field(default_factory=dict)
     schemes: dict[str, str] = field(default_factory=dict)  # quantized layer -> its activation scheme
     not_rotated: dict[str, str] = field(default_factory=dict)  # layers a rotated scheme could not rotate, why
+    attention: str = "not counted"  # the attention products: quantized / counted in full precision / why not
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
@@ -49,6 +51,7 @@ class QuantizationReport:
             lines.append("  activation schemes: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
         lines += [f"  kept {name}: {reason}" for name, reason in self.kept.items()]
         lines += [f"  not rotated {name}: {reason}" for name, reason in self.not_rotated.items()]
+        lines.append(f"  attention products: {self.attention}")
         return "\n".join(lines)
 
 
@@ -181,10 +184,34 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             "hf_cpt.quantize_model found no layer to quantize in "
             f"{type(model).__name__}:\n{report}\nCheck CPTConfig.target_modules / exclude_modules."
         )
+    report.attention = _prepare_attention(model, config, precision)
     precision.set(None, None)
     eval_bits = config.eval_precision
     precision.set_eval(eval_bits, follow_training=config.eval_bits == "current")
     return report
+
+
+def attention_granularity(config: CPTConfig) -> str:
+    """The attention inputs' ranges: per token when the scheme gives Linear layers per-token activations."""
+    return resolve_scheme(config.quant_scheme, nn.Linear(1, 1))[0]
+
+
+def _prepare_attention(model: nn.Module, config: CPTConfig, precision: PrecisionState) -> str:
+    """Route attention through the ``"cpt"`` function: quantized when asked, else only counted for the cost
+    meter (eager and SDPA models; other kernels keep theirs). Returns the report's line."""
+    reason = attention_support(model)
+    if reason is not None:
+        if config.quantize_attention:
+            raise ValueError(f"CPTConfig.quantize_attention=True cannot be applied: {reason}.")
+        return f"not counted ({reason})"
+    granularity = attention_granularity(config)
+    current = model.config._attn_implementation or "eager"
+    if not config.quantize_attention and current not in ("eager", "sdpa"):
+        return f"not counted (attn_implementation={current!r} is kept)"
+    install_attention(model, precision, config.quantize_attention, granularity)
+    if config.quantize_attention:
+        return f"quantized ({'per token' if granularity == 'token' else 'per tensor'}), counted at the forward bits"
+    return f"full precision ({current}), counted at 32 bits"
 
 
 def _quantize_embeddings(model: nn.Module, config: CPTConfig, precision: PrecisionState, report) -> None:
@@ -233,6 +260,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     """Restore plain float layers, keeping the trained weights (in place; returns the model)."""
     for _, layer in list(quant_layers(model)):
         restore_layer(layer)
+    uninstall_attention(model)
     return model
 
 

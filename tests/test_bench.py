@@ -34,7 +34,8 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.load(open(output))
     assert set(results["fidelity"]) == {"model (local)"}
-    assert set(results["fidelity"]["model (local)"]) == {"paper", "per-token", "rotated", "rotated-per-token"}
+    assert set(results["fidelity"]["model (local)"]) == {"paper", "per-token", "rotated", "rotated-per-token",
+                                                         "paper + attention", "rotated-per-token + attention"}
     assert set(results["finetune"]) == {"static-8/8/seed0", "cpt-4-8/8/seed0"}
     entry = results["finetune"]["cpt-4-8/8/seed0"]
     assert entry["steps"] == 2 and entry["cost"]["steps"] == 2 and set(entry["profile"]) >= {"3", "8", "fp32"}
@@ -42,9 +43,66 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0 and "accuracy" not in again.stdout
     # and the generator turns the JSON into a page and the README's summary
-    spec = importlib.util.spec_from_file_location("bench_report", os.path.join(ROOT, "bench", "report.py"))
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = _load_report()
     page = report.pretrained_page(results)
     assert "| `rotated-per-token` |" in page and "| cpt-4-8/8 | 0 |" in page
     assert any("cpt-4-8/8" in line for line in report.readme_summary(results))
+
+
+def _run_script(name: str, args: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, os.path.join(ROOT, "bench", name), *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def _load_report():
+    spec = importlib.util.spec_from_file_location("bench_report", os.path.join(ROOT, "bench", "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    return report
+
+
+@pytest.mark.slow
+def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
+    """vision.py, schedule_sweep.py and language_model.py on a tiny slice; resumable; report.py makes the page."""
+    results, work = tmp_path / "results", tmp_path / "work"
+    common = ["--data_dir", shared_data_dir, "--max_steps", "2", "--cycles", "2"]
+    vision_args = [*common, "--output", str(results / "vision.json"), "--train_size", "40", "--test_size", "20",
+                   "--seeds", "0", "1", "--runs", "fp32", "static-8/8", "cpt-3-8/8", "--work_dir", str(work / "v")]
+    first = _run_script("vision.py", vision_args)
+    assert "cpt-3-8/8/seed1: accuracy" in first.stderr + first.stdout
+    vision = json.load(open(results / "vision.json"))
+    assert set(vision["runs"]) == {f"{r}/seed{s}" for r in ("fp32", "static-8/8", "cpt-3-8/8") for s in (0, 1)}
+    entry = vision["runs"]["cpt-3-8/8/seed0"]
+    assert entry["steps"] == 2 and entry["cost"]["steps"] == 2 and entry["cost"]["cost_vs_static"] < 1
+    assert set(entry["profile"]) == {"3", "4", "5", "6", "7", "8", "fp32"}
+    assert entry["quantized_layers"] == 21  # every conv; the classifier stays FP32
+    again = _run_script("vision.py", vision_args)  # resumable: nothing left to run
+    assert "accuracy" not in again.stderr + again.stdout
+
+    _run_script("schedule_sweep.py", [*common, "--output", str(results / "schedule_sweep.json"), "--train_size",
+                                      "40", "--test_size", "20", "--runs", "static-8/8", "RR", "CT",
+                                      "--work_dir", str(work / "s")])
+    sweep = json.load(open(results / "schedule_sweep.json"))
+    assert sweep["runs"]["RR/seed0"]["cpt_config"]["schedule"] == "RR"
+
+    _run_script("language_model.py", [*common, "--output", str(results / "language_model.json"), "--train_blocks",
+                                      "8", "--test_blocks", "8", "--seeds", "0", "--runs", "static-8/8", "cpt-4-8/8",
+                                      "--work_dir", str(work / "lm")])
+    lm = json.load(open(results / "language_model.json"))
+    assert lm["runs"]["cpt-4-8/8/seed0"]["metric"] > 1  # a perplexity
+    assert 0 < lm["runs"]["cpt-4-8/8/seed0"]["cost"]["full_precision_mac_share"] < 1  # the FP32 head
+
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- results-summary:start -->\n<!-- results-summary:end -->\ny\n")
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), "--results", str(results), "--docs",
+                    str(tmp_path / "docs"), "--readme", str(readme)], check=True, capture_output=True, timeout=300)
+    page = (tmp_path / "docs" / "RESULTS.md").read_text()
+    for heading in ("## Vision", "## Language modelling", "## Schedule sweep", "## Precision profile"):
+        assert heading in page
+    assert "| cpt-3-8/8 | 0, 1 |" in page and "**cpt-3-8/8**" in page
+    for figure in ("vision_curves.png", "language_model_curves.png", "schedule_sweep.png", "precision_profile.png"):
+        assert (tmp_path / "docs" / "results" / figure).stat().st_size > 1000
+    assert "| vision (accuracy %) |" in readme.read_text()

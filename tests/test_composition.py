@@ -114,3 +114,26 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
     assert a.bitops - a.rotation_bitops == pytest.approx(b.bitops - b.rotation_bitops, rel=1e-9)
     assert a.fp32_bitops == pytest.approx(b.fp32_bitops, rel=1e-9) and a.rotation_bitops > b.rotation_bitops
     assert hf_cpt.find_precision_state(accumulated.model).current[0] is not None
+
+
+@pytest.mark.slow
+def test_torch_compile_visits_every_bit_width_without_recompiling_for_them(tmp_path):
+    """`torch_compile=True` under the Trainer: a run through bits 3..8 compiles no more graphs than a static one."""
+    from torch._dynamo.utils import counters
+
+    graphs = {}
+    for schedule in ("static", "cpt"):
+        torch._dynamo.reset()
+        counters.clear()
+        config = CPTConfig(schedule=schedule, bits_min=3, num_cycles=1, fidelity_threshold=None,
+                           quantize_attention=True)
+        trainer = CPTTrainer(model=_model(), args=_args(tmp_path / schedule, max_steps=12, torch_compile=True,
+                                                        torch_compile_backend="eager"),
+                             train_dataset=_data(96), cpt_config=config)
+        trainer.train()
+        bits = {h["cpt/bits"] for h in trainer.state.log_history if "cpt/bits" in h}
+        assert bits == ({8} if schedule == "static" else set(range(3, 9))), bits
+        assert all(torch.isfinite(torch.tensor(_losses(trainer))))
+        graphs[schedule] = counters["stats"]["unique_graphs"]
+    assert 0 < graphs["cpt"] <= graphs["static"], graphs  # bits are data, not guards: no graph per bit-width
+    torch._dynamo.reset()

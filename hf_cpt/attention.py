@@ -1,0 +1,169 @@
+"""The attention products in low precision, through transformers' attention interface (docs/method.md §8).
+
+A model that dispatches attention through ``AttentionInterface`` (BERT, GPT-2, Llama-style models,
+ViT in current transformers) computes ``softmax(Q Kᵀ · scale + mask) V`` in a function chosen by
+``config._attn_implementation``. `install_attention` registers ``"cpt"`` there (with the eager
+additive mask) and switches the model to it; no module is rewritten. The function:
+
+* with quantization on (``CPTConfig(quantize_attention=True)``), fake-quantizes Q and K before
+  ``Q Kᵀ`` and the probabilities P and V before ``P V`` at the forward bits, and quantizes the
+  error of both products at the error bits on the backward pass (the follow-up study's BERT code).
+  Ranges are each batch's own: per tensor (the paper's scheme) or, with per-token activations, per
+  row of Q, K and P and per channel of V (scales never vary along a product's reduced dimension);
+* always counts the forward MACs of both products while training, so that the cost meter prices
+  them (at the forward bits when quantized, else at 32 bits).
+
+Dropout on the probabilities and grouped key/value heads behave as in the eager implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .layers import PrecisionState
+from .quantizer import quantize_error_on_backward, quantize_ste, tensor_range, token_range
+
+ATTENTION_NAME = "cpt"
+
+
+@dataclass
+class AttentionQuantizer:
+    """What the ``"cpt"`` attention function needs, shared by every attention module of one model."""
+
+    precision: PrecisionState
+    quantize: bool  # False: full-precision products, only counted
+    granularity: str = "tensor"  # "tensor" or "token"
+    replaced_implementation: str = "eager"  # restored by `uninstall_attention`
+    quantized_macs: int = 0  # training-forward MACs since the cost meter last drained them
+    float_macs: int = 0
+    _modules: list = field(default_factory=list, repr=False)
+
+    def drain_macs(self) -> tuple[int, int]:
+        """(quantized, full-precision) attention MACs counted since the last call; resets both."""
+        counts = (self.quantized_macs, self.float_macs)
+        self.quantized_macs = self.float_macs = 0
+        return counts
+
+
+def _quantize(x: torch.Tensor, bits: torch.Tensor, granularity: str, reduced_dim: int) -> torch.Tensor:
+    """Fake-quantize an input of a product whose reduced dimension is ``reduced_dim`` (STE backward)."""
+    if granularity == "token":
+        minimum, maximum = token_range(x, reduced_dim)  # scales along the kept dimensions only
+    else:
+        minimum, maximum = tensor_range(x)
+    return quantize_ste(x, minimum, maximum, bits)
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def cpt_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``"cpt"`` attention function: ``(b, h, s, d)`` inputs, ``(b, s, h, d)`` output and the weights."""
+    state: AttentionQuantizer | None = getattr(module, "cpt_attention", None)
+    if state is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs attn_implementation='{ATTENTION_NAME}' but was not prepared by "
+            "hf_cpt.quantize_model; call quantize_model on the whole model, or set another attn_implementation."
+        )
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    original_key, original_value = key, value
+    key, value = _repeat_kv(key, query.shape[1]), _repeat_kv(value, query.shape[1])
+    precision = state.precision
+    bits = precision.forward_bits(module.training) if state.quantize else None
+    training = module.training and torch.is_grad_enabled()
+    quantize_backward = state.quantize and training and precision.backward_enabled
+    if training:
+        macs = 2 * query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] * query.shape[3]
+        if bits is not None:
+            state.quantized_macs += macs
+        else:
+            state.float_macs += macs
+    if bits is None and state.replaced_implementation == "sdpa":  # full precision: the model's own kernel
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, original_key, original_value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    if bits is not None:
+        query = _quantize(query, bits, state.granularity, -1)
+        key = _quantize(key, bits, state.granularity, -1)
+    scores = torch.matmul(query, key.transpose(2, 3))
+    if quantize_backward:
+        scores = quantize_error_on_backward(scores, precision.grad_bits, precision.fused_error_quantizer)
+    scores = scores * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    probabilities = weights
+    if bits is not None:
+        probabilities = _quantize(weights, bits, state.granularity, -1)
+        value = _quantize(value, bits, state.granularity, -2)
+    output = torch.matmul(probabilities, value)
+    if quantize_backward:
+        output = quantize_error_on_backward(output, precision.grad_bits, precision.fused_error_quantizer)
+    return output.transpose(1, 2).contiguous(), weights
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION_NAME, cpt_attention_forward)
+    if ATTENTION_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)  # the additive float mask eager uses
+
+
+def attention_support(model: nn.Module) -> str | None:
+    """None when ``model`` dispatches attention through the attention interface, else why not."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return f"{type(model).__name__} is not a transformers PreTrainedModel"
+    if not model._can_set_attn_implementation():
+        return (f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface "
+                "(its attention is model-specific code)")
+    return None
+
+
+def install_attention(model: nn.Module, precision: PrecisionState, quantize: bool,
+                      granularity: str = "tensor") -> AttentionQuantizer:
+    """Switch ``model`` to the ``"cpt"`` attention function; raises ValueError naming why it cannot."""
+    reason = attention_support(model)
+    if reason is not None:
+        raise ValueError(reason)
+    _register()
+    state = AttentionQuantizer(precision, quantize, granularity, model.config._attn_implementation or "eager")
+    for module in model.modules():
+        if getattr(module, "config", None) is not None and not isinstance(module, type(model)):
+            object.__setattr__(module, "cpt_attention", state)  # a plain attribute: not a submodule
+            state._modules.append(module)
+    object.__setattr__(model, "cpt_attention", state)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return state
+
+
+def find_attention_quantizer(model: nn.Module) -> AttentionQuantizer | None:
+    return getattr(model, "cpt_attention", None)
+
+
+def uninstall_attention(model: nn.Module) -> None:
+    """Give the model back the attention implementation it had before `install_attention`."""
+    state = find_attention_quantizer(model)
+    if state is None:
+        return
+    for module in state._modules + [model]:
+        module.__dict__.pop("cpt_attention", None)
+    model.set_attn_implementation(state.replaced_implementation)

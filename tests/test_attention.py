@@ -1,0 +1,150 @@
+"""The attention products through transformers' attention interface: routed, quantized, counted."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertForSequenceClassification, GPT2LMHeadModel
+
+from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_eval_precision, set_precision
+from hf_cpt.attention import AttentionQuantizer, cpt_attention_forward
+from hf_cpt.cost import CostMeter
+from hf_cpt.layers import PrecisionState
+
+from .helpers import tiny_bert_config, tiny_gpt2_config
+
+
+def reference_quantize(x, minimum, maximum, bits):
+    scale = torch.clamp((maximum - minimum) / (2**bits - 1), min=1e-8)
+    return scale * torch.round(torch.clamp((x - minimum) / scale, 0, 2**bits - 1)) + minimum
+
+
+def reference_attention(q, k, v, mask, bits, per_token):
+    """Quantized attention written out: Q, K, P per row (or tensor), V per channel (or tensor)."""
+    def quantize(x, dim):
+        if per_token:
+            return reference_quantize(x, x.amin(dim, keepdim=True), x.amax(dim, keepdim=True), bits)
+        return reference_quantize(x, x.min(), x.max(), bits)
+
+    scores = quantize(q, -1) @ quantize(k, -1).transpose(-1, -2) / q.shape[-1] ** 0.5 + mask
+    probabilities = torch.softmax(scores, dim=-1)
+    return (quantize(probabilities, -1) @ quantize(v, -2)).transpose(1, 2)
+
+
+def _models(attn_implementation):
+    torch.manual_seed(0)
+    bert_config, gpt2_config = tiny_bert_config(), tiny_gpt2_config()
+    bert_config._attn_implementation = gpt2_config._attn_implementation = attn_implementation
+    return {"bert": BertForSequenceClassification(bert_config).eval(), "gpt2": GPT2LMHeadModel(gpt2_config).eval()}
+
+
+def _logits(model):
+    ids = torch.randint(5, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0  # padding: the mask must reach the attention function
+    with torch.no_grad():  # the last hidden states (a random BERT's logits are too flat to compare)
+        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_quantized_attention_matches_an_independent_reference(per_token):
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[1, :, :, 3:] = torch.finfo(torch.float32).min
+    precision = PrecisionState()
+    precision.set_eval(4)
+    module = nn.Module().eval()
+    module.cpt_attention = AttentionQuantizer(precision, True, "token" if per_token else "tensor")
+    got, _ = cpt_attention_forward(module, q, k, v, mask)
+    torch.testing.assert_close(got, reference_attention(q, k, v, mask, 4, per_token), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_full_precision_routing_keeps_the_model_and_dequantize_restores_it(attn_implementation):
+    for name, model in _models(attn_implementation).items():
+        expected = _logits(model)
+        report = quantize_model(model, CPTConfig())
+        assert model.config._attn_implementation == "cpt", name
+        assert report.attention.startswith(f"full precision ({attn_implementation})"), report.attention
+        set_eval_precision(model, None)
+        torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+        dequantize_model(model)
+        assert model.config._attn_implementation == attn_implementation
+        torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_attention_is_the_same_from_eager_and_sdpa_models_and_changes_the_output():
+    outputs = {}
+    for attn_implementation in ("eager", "sdpa"):
+        for name, model in _models(attn_implementation).items():
+            plain = _logits(model)
+            quantize_model(model, CPTConfig(quantize_attention=True, bits_min=3))
+            set_eval_precision(model, 3)
+            outputs[attn_implementation, name] = _logits(model)
+            model.cpt_attention.quantize = False  # the same layers, attention in full precision
+            assert not torch.allclose(_logits(model), outputs[attn_implementation, name], atol=1e-4)
+            model.cpt_attention.quantize = True
+            assert torch.isfinite(outputs[attn_implementation, name]).all() and not torch.equal(
+                plain, outputs[attn_implementation, name])
+    for name in ("bert", "gpt2"):
+        torch.testing.assert_close(outputs["eager", name], outputs["sdpa", name], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_training_step_quantizes_the_errors_and_counts_the_macs():
+    torch.manual_seed(3)
+    config = tiny_gpt2_config()
+    heads, width = config.n_head, config.n_embd
+    ids = torch.randint(5, 100, (2, 7))
+    counted = {}
+    for quantize in (False, True):
+        torch.manual_seed(3)
+        model = GPT2LMHeadModel(config).train()
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        quantize_model(model, CPTConfig(quantize_attention=quantize))
+        meter = CostMeter(model, 8, 8)
+        set_precision(model, 4, 8)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        attention = model.cpt_attention
+        counted[quantize] = (attention.quantized_macs, attention.float_macs)
+        meter.end_step(4, 8)
+        counted[quantize, "totals"] = meter.totals.to_dict()
+    per_layer = 2 * 2 * heads * 7 * 7 * (width // heads)  # Q·Kᵀ and P·V, batch 2, 7 tokens
+    assert counted[False] == (0, config.n_layer * per_layer)
+    assert counted[True] == (config.n_layer * per_layer, 0)
+    # FP32 attention shows in the share of MACs that ran in full precision; quantized, it does not
+    assert counted[False, "totals"]["full_precision_mac_share"] > counted[True, "totals"]["full_precision_mac_share"]
+    assert counted[True, "totals"]["gbitops"] < counted[False, "totals"]["gbitops"]
+
+
+def test_models_without_the_attention_interface_are_named():
+    model = nn.Sequential(nn.Linear(4, 4))
+    report = quantize_model(model, CPTConfig())
+    assert report.attention.startswith("not counted (Sequential is not a transformers PreTrainedModel")
+    with pytest.raises(ValueError, match="quantize_attention=True cannot be applied: Sequential"):
+        quantize_model(nn.Sequential(nn.Linear(4, 4)), CPTConfig(quantize_attention=True))
+
+
+@pytest.mark.parametrize("quantize_attention", [False, True])
+def test_a_saved_model_reloads_with_the_same_attention(tmp_path, quantize_attention):
+    from transformers import AutoModelForCausalLM
+
+    from hf_cpt import save_quantized
+
+    model = _models("sdpa")["gpt2"]
+    quantize_model(model, CPTConfig(quantize_attention=quantize_attention))
+    model.train()
+    set_precision(model, 4, 8)
+    ids = torch.randint(5, 100, (2, 9))
+    model(input_ids=ids, labels=ids).loss.backward()  # ranges and a trained state
+    model.eval()
+    set_eval_precision(model, 6)
+    expected = _logits(model)
+    save_quantized(model, tmp_path, bits=6, model_card=False)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    loaded_attention = getattr(loaded, "cpt_attention", None)
+    assert (loaded_attention is not None and loaded_attention.quantize) == quantize_attention
+    torch.testing.assert_close(_logits(loaded), expected, rtol=1e-5, atol=1e-5)
