@@ -276,14 +276,16 @@ def _several_processes_without_accelerator() -> bool:
     There, `TrainingArguments` only joins the processes into one run (gloo) with ``use_cpu``; without
     it each process would train alone, so the recipes turn ``use_cpu`` on unless it is given.
     """
-    if _launched_processes() <= 1:
-        return False
+    return _launched_processes() > 1 and not _accelerator_available()
+
+
+def _accelerator_available() -> bool:
     import torch
 
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and hasattr(accelerator, "is_available"):
-        return not accelerator.is_available()
-    return not torch.cuda.is_available()
+        return accelerator.is_available()
+    return torch.cuda.is_available()
 
 
 def setup(training_args: TrainingArguments) -> None:
@@ -307,6 +309,12 @@ def setup(training_args: TrainingArguments) -> None:
         training_args.world_size,
         training_args.parallel_mode.value,
     )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not _accelerator_available():
+        raise RuntimeError(
+            "Accelerate's FSDP plugin does not run on a machine without GPU (fsdp_version 1 finds no device; "
+            "fsdp_version 2 ran each process on its own). On CPU, launch with `accelerate launch --multi_gpu "
+            "--num_processes N` (DDP over gloo), or shard with torch's fully_shard in your own loop."
+        )
     if _launched_processes() > 1 and training_args.world_size == 1:
         raise RuntimeError(
             f"Launched as {_launched_processes()} processes, but the training arguments see a world size of "

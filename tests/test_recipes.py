@@ -485,3 +485,27 @@ def test_mnli_offline_command_on_shared_data(tmp_path):
     )
     results = check_outputs(out)
     assert results["eval_samples"] == 32
+
+
+def test_a_launch_whose_processes_do_not_join_one_run_is_refused(tmp_path, monkeypatch):
+    """Accelerate's FSDP plugin on a CPU-only machine starts 2 processes with WORLD_SIZE=2 in their
+    environment whose training arguments each see world size 1 (measured with `accelerate launch`);
+    the recipes refuse to run them as independent single processes."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert args.world_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what the launcher exported to each process
+    with pytest.raises(RuntimeError, match="Launched as 2 processes, but the training arguments see a world size of 1"):
+        common.setup(args)
+
+
+def test_accelerate_fsdp_plugin_on_a_cpu_machine_is_refused(tmp_path, monkeypatch):
+    from transformers import TrainingArguments
+
+    if common._accelerator_available():
+        pytest.skip("this machine has an accelerator: the FSDP plugin can run")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RuntimeError, match="FSDP plugin does not run on a machine without GPU"):
+        common.setup(args)
