@@ -27,7 +27,7 @@ bench: install
 # 2 cores; resumable: a finished run is skipped), then docs/RESULTS.md, docs/pretrained.md, README summary.
 results: install
 	$(PY) -m pip install --quiet -e ".[bench]"
-	$(OFFLINE) $(PY) bench/vision.py
+	$(OFFLINE) $(PY) bench/cifar10.py
 	$(OFFLINE) $(PY) bench/pretrained.py
 	$(OFFLINE) $(PY) bench/language_model.py
 	$(OFFLINE) $(PY) bench/schedule_sweep.py

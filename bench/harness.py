@@ -1,7 +1,7 @@
 """What every results script shares: the JSON store (resumable), the environment record, and one
 `CPTTrainer` run turned into a JSON entry (metric, cost meter, timing, curve, precision profile).
 
-The scripts (`pretrained.py`, `vision.py`, `language_model.py`, `schedule_sweep.py`) write JSON under
+The scripts (`pretrained.py`, `cifar10.py`, `language_model.py`, `schedule_sweep.py`) write JSON under
 ``bench/results/``; ``bench/report.py`` turns it into the docs. No figure is typed by hand.
 """
 

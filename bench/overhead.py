@@ -5,7 +5,10 @@ Run: ``python bench/overhead.py [--repeats N] [--no-fused]``.
 Each case times a quantized and a plain version of the same work, alternating between them within
 one run, and reports median times and their ratio. Cases: (a) forward + backward of a 768->3072
 Linear on 2048 tokens, (b) forward + backward of a 16->16 3x3 conv on a 128x16x32x32 batch, (c) one
-training step (forward, backward, AdamW) of a BERT-small-shaped classifier. The quantized versions
+training step (forward, backward, AdamW) of a BERT-small-shaped classifier, (d) training steps at
+realistic sizes: GPT-2 small (124M, ``GPT2Config()``), BERT-base and ViT-S/16 (timm), each with its
+peak resident memory measured in a fresh process per side (CPU: no allocator statistics; on a GPU
+``torch.cuda.max_memory_allocated`` is the figure to use). The quantized versions
 run at 8-bit weights/activations and 8-bit errors. A one-off warm-up step of each quantized case,
 which includes the ``torch.compile`` time of the fused error quantizer, is timed separately.
 """
@@ -98,6 +101,77 @@ def bert_steps(batch_size: int, seq_len: int, fused: bool) -> tuple[Step, Step]:
     return make(plain), make(quantized)
 
 
+def model_steps(build: Callable[[], nn.Module], batch: dict, fused: bool) -> tuple[Step, Step]:
+    """A training step (forward, backward, AdamW) of a model and of its CPT 8/8 copy."""
+    torch.manual_seed(0)
+    plain = build()
+    quantized = copy.deepcopy(plain)
+    quantize_model(quantized, CPTConfig(fused_error_quantizer=fused, quant_scheme=QUANT_SCHEME))
+    set_precision(quantized, 8, 8)
+
+    def make(model: nn.Module) -> Step:
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+        def step() -> None:
+            out = model(**batch)
+            loss = out["loss"] if isinstance(out, dict) or hasattr(out, "loss") else out.float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    return make(plain), make(quantized)
+
+
+def gpt2_small() -> tuple[Callable[[], nn.Module], dict]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ids = torch.randint(0, 50257, (2, 128))
+    return lambda: GPT2LMHeadModel(GPT2Config()), {"input_ids": ids, "labels": ids}
+
+
+def bert_base() -> tuple[Callable[[], nn.Module], dict]:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    batch = {"input_ids": torch.randint(0, 30522, (4, 128)), "labels": torch.randint(0, 2, (4,))}
+    return lambda: BertForSequenceClassification(BertConfig(num_labels=2)), batch
+
+
+class _TimmClassifier(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        import timm
+
+        self.model = timm.create_model(name, pretrained=False, num_classes=10)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict:
+        return {"loss": nn.functional.cross_entropy(self.model(pixel_values), labels)}
+
+
+def vit_small() -> tuple[Callable[[], nn.Module], dict]:
+    batch = {"pixel_values": torch.randn(4, 3, 224, 224), "labels": torch.randint(0, 10, (4,))}
+    return lambda: _TimmClassifier("vit_small_patch16_224"), batch
+
+
+def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2) -> float:
+    """Peak resident memory of a fresh process that builds one side of a model case and trains ``steps``."""
+    import json
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import json, resource, sys; sys.path.insert(0, {here!r}); import overhead as o; "
+        f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; build, batch = o.{kind}(); "
+        f"plain, quant = o.model_steps(build, batch, {fused}); step = quant if {quantized} else plain; "
+        f"[step() for _ in range({steps})]; "
+        "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def time_per_step(step: Step, iters: int) -> float:
     start = time.perf_counter()
     for _ in range(iters):
@@ -134,7 +208,9 @@ def main() -> None:
     parser.add_argument("--no-fused", action="store_true", help="use the eager error quantizer")
     parser.add_argument("--quant-scheme", default="auto", help="CPTConfig.quant_scheme (default: the library's)")
     parser.add_argument("--bert-batch", type=int, default=8, help="batch size of the BERT training step")
-    parser.add_argument("--only", choices=("linear", "conv", "bert"), nargs="*", help="run only these cases")
+    parser.add_argument("--only", choices=("linear", "conv", "bert", "gpt2", "bert-base", "vit-s"), nargs="*",
+                        help="run only these cases")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes of model cases")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
     global QUANT_SCHEME
@@ -163,7 +239,15 @@ def main() -> None:
             iters=1,
             target=1.2,
         ),
+        # Realistic sizes: a full training step each, CPT 8/8 against the same model in FP32.
+        "gpt2": lambda: Case("GPT-2 small (124M) train step, batch 2x128", *model_steps(*gpt2_small(), fused),
+                             iters=1, target=1.2),
+        "bert-base": lambda: Case("BERT-base train step, batch 4x128", *model_steps(*bert_base(), fused),
+                                  iters=1, target=1.2),
+        "vit-s": lambda: Case("ViT-S/16 (timm) train step, batch 4x224^2", *model_steps(*vit_small(), fused),
+                              iters=1, target=1.2),
     }
+    memory_kinds = {"gpt2": "gpt2_small", "bert-base": "bert_base", "vit-s": "vit_small"}
     selected = args.only or list(cases)
 
     print(f"command: python {' '.join(sys.argv)}")
@@ -184,6 +268,10 @@ def main() -> None:
         ok = "yes" if result["ratio"] <= case.target else "NO"
         print(f"{case.name:<44}{result['plain_ms']:>10.1f}{result['quant_ms']:>10.1f}{result['ratio']:>8.3f}"
               f"{result['paired']:>8.3f}{case.target:>8.2f}  {ok:<4}{result['warmup_s']:>10.2f}", flush=True)
+        if key in memory_kinds and not args.no_memory:
+            plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused) for q in (False, True))
+            print(f"{'  peak memory (MiB, fresh process)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
+                  f"{quant_mib / plain_mib:>8.3f}", flush=True)
     print("ratio = median quantized / median plain; paired = median of per-repeat ratios;")
     print("warm-up = first quantized step, including any torch.compile of the fused error kernel")
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))

@@ -2,7 +2,8 @@
 
 (a) ``--part fidelity``: the pretrained all-MiniLM-L6-v2 and a GPT-2-shaped model (``GPT2Config()``,
 random weights, as is and with outlier features injected) quantized with each ``quant_scheme`` (and
-with the attention products quantized too) at 3-8 bits: the mean cosine similarity of the last hidden states to full precision on 32 MNLI pairs.
+with the attention products quantized too) at 3-8 bits: the mean cosine similarity of the last hidden
+states to full precision on 32 MNLI pairs.
 (b) ``--part finetune``: all-MiniLM-L6-v2 fine-tuned with `CPTTrainer` on 8,000 pairs of
 ``mnli/dev.jsonl`` and evaluated on the other 1,815 (split by ``random.Random(0)``), one epoch, batch
 32, lr 1e-4, default `CPTConfig` settings (what the README recommends): FP32, static 8/8, CPT 4-8/8 and

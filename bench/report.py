@@ -3,7 +3,7 @@
     python bench/report.py     # bench/results/*.json -> docs/RESULTS.md, docs/pretrained.md, docs/results/*.png
 
 Every number on the generated pages comes from the JSON that the scripts under ``bench/`` write
-(`vision.py`, `pretrained.py`, `language_model.py`, `schedule_sweep.py`); only the papers' published
+(`cifar10.py`, `pretrained.py`, `language_model.py`, `schedule_sweep.py`); only the papers' published
 figures, quoted for comparison, are constants here (`PAPERS`). Missing JSON files leave their
 section out. The README's summary block is rewritten from the same data.
 """

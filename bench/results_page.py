@@ -39,7 +39,7 @@ class Task:
 
 TASKS = (
     Task("vision", "Vision: CIFAR-10, ResNet-20 from scratch", "vision.json", "runs", "accuracy", True,
-         ("fp32", "static-8/8", "cpt-3-8/8", "static-6/6", "cpt-3-6/6"), "python bench/vision.py"),
+         ("fp32", "static-8/8", "cpt-3-8/8", "static-6/6", "cpt-3-6/6"), "python bench/cifar10.py"),
     Task("entailment", "Entailment: pretrained all-MiniLM-L6-v2 fine-tuned on MNLI", "pretrained.json", "finetune",
          "accuracy", True, ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-paper", "cpt-4-8/8-attention"),
          "python bench/pretrained.py", settings_key="finetune_settings"),
@@ -391,7 +391,9 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
         lines += ["Machine and versions: " + ", ".join(f"{k} {v}" for k, v in environment.items()) + ". Costs come "
                   "from the library's cost meter (`CPTCallback.cost_report()`): BitOPs of every counted product, "
                   "forward and both backward products, at the bits each step ran. Accuracy and perplexity are "
-                  "mean ± half the range over the seeds.", ""]
+                  "mean ± half the range over the seeds. Time per step was measured on 2 cores that other jobs "
+                  "shared during some runs: it is indicative only (`bench/overhead.py` measures overhead side by "
+                  "side).", ""]
     lines += ["## Summary", "", "| task | metric | " + " | ".join(("FP32", "static 8/8", "CPT")) +
               " | CPT cost vs static 8/8 | CPT against static 8/8 |", "|---|---|---|---|---|---|---|"]
     for task, data in loaded:
@@ -415,6 +417,12 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
                       "transformers: rotated per-token activations); the output-fidelity study and details are on "
                       "[pretrained.md](pretrained.md).", ""]
         lines += task_table(task, runs) + [""] + findings(task, runs) + [""]
+        older = sorted({name for name, entries in runs.items() for e in entries
+                        if "full_precision_mac_share" not in e["cost"]})
+        if older:
+            lines += [f"Runs measured before the cost meter counted the attention products ({', '.join(older)}): "
+                      "their GBitOPs cover the Linear layers only, so compare them with each other and through "
+                      "the meter's own ratios, not by GBitOPs against newer runs.", ""]
         lines += [f"Reported figures to compare: {PAPERS[task.key]}", ""]
         plot_curves(task, runs, os.path.join(figures_dir, f"{task.key}_curves.png"))
         lines += [f"![{task.key} training curves]({link_dir}/{task.key}_curves.png)", ""]

@@ -1,7 +1,7 @@
 """The follow-up study's ten precision schedules on the vision task, at reduced length, one seed.
 
 Each of CR, CT, LR, LT, ER, ET-V, ET-H, RR, RT-V, RT-H trains the CIFAR ResNet-20 of
-``bench/vision.py`` (same data, optimizer and layers) at 3-8 bits with 8-bit errors, 8 cycles, plus
+``bench/cifar10.py`` (same data, optimizer and layers) at 3-8 bits with 8-bit errors, 8 cycles, plus
 static 8/8 and FP32 at the same length as reference points. The report plots accuracy against the
 cost meter's GBitOPs, as the follow-up's figures do.
 
@@ -19,16 +19,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import cifar10  # noqa: E402
 import harness  # noqa: E402
-import vision  # noqa: E402
 
 from hf_cpt.schedules import FOLLOW_UP_SCHEDULES  # noqa: E402
 
 DEFAULT_OUTPUT = os.path.join(harness.RESULTS_DIR, "schedule_sweep.json")
 RUNS = {
-    "fp32": vision.RUNS["fp32"],
-    "static-8/8": vision.RUNS["static-8/8"],
-    **{name: dict(schedule=name, bits_min=3, bits_max=8, grad_bits=8, **vision.KEEP_FP32)
+    "fp32": cifar10.RUNS["fp32"],
+    "static-8/8": cifar10.RUNS["static-8/8"],
+    **{name: dict(schedule=name, bits_min=3, bits_max=8, grad_bits=8, **cifar10.KEEP_FP32)
        for name in FOLLOW_UP_SCHEDULES},
 }
 
@@ -51,9 +51,9 @@ def main() -> None:
     harness.check_settings(results, "settings", {
         "epochs": args.epochs, "cycles": args.cycles, "max_steps": args.max_steps, "train_size": args.train_size,
         "test_size": args.test_size, "model": "CIFAR ResNet-20", "batch_size": 128, "bits": "3-8/8"}, args.output)
-    train, test = vision.load_cifar(args.data_dir, args.train_size, args.test_size)
+    train, test = cifar10.load_cifar(args.data_dir, args.train_size, args.test_size)
     results["data"] = {"train": len(train), "test": len(test)}
-    vision.run_all(results, args.output, vision.with_cycles({n: RUNS[n] for n in args.runs}, args.cycles),
+    cifar10.run_all(results, args.output, cifar10.with_cycles({n: RUNS[n] for n in args.runs}, args.cycles),
                    [args.seed], train, test, args.epochs, args.max_steps, args.work_dir, profile=False,
                    desc="schedule sweep")
     print(f"results: {args.output}")

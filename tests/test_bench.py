@@ -66,12 +66,12 @@ def _load_report():
 
 @pytest.mark.slow
 def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
-    """vision.py, schedule_sweep.py and language_model.py on a tiny slice; resumable; report.py makes the page."""
+    """cifar10.py, schedule_sweep.py and language_model.py on a tiny slice; resumable; report.py makes the page."""
     results, work = tmp_path / "results", tmp_path / "work"
     common = ["--data_dir", shared_data_dir, "--max_steps", "2", "--cycles", "2"]
     vision_args = [*common, "--output", str(results / "vision.json"), "--train_size", "40", "--test_size", "20",
                    "--seeds", "0", "1", "--runs", "fp32", "static-8/8", "cpt-3-8/8", "--work_dir", str(work / "v")]
-    first = _run_script("vision.py", vision_args)
+    first = _run_script("cifar10.py", vision_args)
     assert "cpt-3-8/8/seed1: accuracy" in first.stderr + first.stdout
     vision = json.load(open(results / "vision.json"))
     assert set(vision["runs"]) == {f"{r}/seed{s}" for r in ("fp32", "static-8/8", "cpt-3-8/8") for s in (0, 1)}
@@ -79,7 +79,7 @@ def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
     assert entry["steps"] == 2 and entry["cost"]["steps"] == 2 and entry["cost"]["cost_vs_static"] < 1
     assert set(entry["profile"]) == {"3", "4", "5", "6", "7", "8", "fp32"}
     assert entry["quantized_layers"] == 21  # every conv; the classifier stays FP32
-    again = _run_script("vision.py", vision_args)  # resumable: nothing left to run
+    again = _run_script("cifar10.py", vision_args)  # resumable: nothing left to run
     assert "accuracy" not in again.stderr + again.stdout
 
     _run_script("schedule_sweep.py", [*common, "--output", str(results / "schedule_sweep.json"), "--train_size",

@@ -213,9 +213,12 @@ def test_quantized_embeddings_per_row_with_a_tied_head_and_no_macs():
     blocks = sum(6 * 2 * layer.weight.numel() for name, layer in model.named_modules()
                  if isinstance(layer, QuantConv1D))
     head_macs = 2 * 6 * head.weight.numel()
+    config = model.config
+    attention_macs = config.n_layer * 2 * (2 * 6 * 6 * config.n_embd)  # Q·Kᵀ and P·V, in full precision
     full = 3 * 32 * 32
     from hf_cpt.cost import bitops_per_mac
 
-    assert meter.totals.bitops == blocks * bitops_per_mac(4, 8) + head_macs * full + meter.totals.rotation_bitops
+    assert meter.totals.bitops == (blocks * bitops_per_mac(4, 8) + (head_macs + attention_macs) * full
+                                   + meter.totals.rotation_bitops)
     set_precision(model, None, None)
     assert torch.equal(wte(ids), torch.nn.functional.embedding(ids, wte.weight))  # bits None: the original

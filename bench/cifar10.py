@@ -11,7 +11,7 @@ curve and the precision profile (accuracy at 3-8 bits and FP32).
 Resumable: results go to ``--output`` after every run; a finished run is skipped when the command is
 run again. ``python bench/report.py`` turns the JSON into ``docs/RESULTS.md``.
 
-    nohup python bench/vision.py > outputs/vision.log 2>&1 &
+    nohup python bench/cifar10.py > outputs/cifar10.log 2>&1 &
 """
 
 from __future__ import annotations
