@@ -101,28 +101,31 @@ def bert_steps(batch_size: int, seq_len: int, fused: bool) -> tuple[Step, Step]:
     return make(plain), make(quantized)
 
 
+def training_step(model: nn.Module, batch: dict) -> Step:
+    """One training step (forward, backward, AdamW) of ``model`` on ``batch``."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> None:
+        model(**batch)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def cpt_copy(model: nn.Module, fused: bool) -> nn.Module:
+    quantize_model(model, CPTConfig(fused_error_quantizer=fused, quant_scheme=QUANT_SCHEME))
+    set_precision(model, 8, 8)
+    return model
+
+
 def model_steps(build: Callable[[], nn.Module], batch: dict, fused: bool) -> tuple[Step, Step]:
-    """A training step (forward, backward, AdamW) of a model and of its CPT 8/8 copy."""
+    """A training step of a model and of its CPT 8/8 copy (same initial weights)."""
     torch.manual_seed(0)
     plain = build()
-    quantized = copy.deepcopy(plain)
-    quantize_model(quantized, CPTConfig(fused_error_quantizer=fused, quant_scheme=QUANT_SCHEME))
-    set_precision(quantized, 8, 8)
-
-    def make(model: nn.Module) -> Step:
-        model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-        def step() -> None:
-            out = model(**batch)
-            loss = out["loss"] if isinstance(out, dict) or hasattr(out, "loss") else out.float().pow(2).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
-
-    return make(plain), make(quantized)
+    quantized = cpt_copy(copy.deepcopy(plain), fused)
+    return training_step(plain, batch), training_step(quantized, batch)
 
 
 def gpt2_small() -> tuple[Callable[[], nn.Module], dict]:
@@ -162,9 +165,9 @@ def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2) -> 
 
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
-        f"import json, resource, sys; sys.path.insert(0, {here!r}); import overhead as o; "
-        f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; build, batch = o.{kind}(); "
-        f"plain, quant = o.model_steps(build, batch, {fused}); step = quant if {quantized} else plain; "
+        f"import json, resource, sys, torch; sys.path.insert(0, {here!r}); import overhead as o; "
+        f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; build, batch = o.{kind}(); torch.manual_seed(0); model = build(); "
+        f"model = o.cpt_copy(model, {fused}) if {quantized} else model; step = o.training_step(model, batch); "
         f"[step() for _ in range({steps})]; "
         "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))"
     )
