@@ -146,8 +146,9 @@ def export_portable(
     """Write a float checkpoint whose CPT-layer weights are snapped to the ``bits`` grid; it loads anywhere.
 
     Without ``import hf_cpt``, transformers warns about the unknown ``cpt`` quantization and loads a
-    plain float model (weights on the grid, activations not quantized). With ``import hf_cpt`` the CPT
-    layers and their activation ranges are rebuilt, as from a packed checkpoint. Same size as FP32.
+    plain float model (weights on the grid; activations and attention products not quantized). With
+    ``import hf_cpt`` the CPT layers and their activation ranges are rebuilt, as from a packed
+    checkpoint. Same size as FP32.
     """
     save_directory = os.fspath(save_directory)
     bits = resolve_export_bits(model, bits, cpt_config)
