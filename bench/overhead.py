@@ -214,6 +214,9 @@ def main() -> None:
     parser.add_argument("--only", choices=("linear", "conv", "bert", "gpt2", "bert-base", "vit-s"), nargs="*",
                         help="run only these cases")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes of model cases")
+    parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                         "overhead.json"),
+                        help="JSON of the rows, for bench/report.py ('' to skip)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
     global QUANT_SCHEME
@@ -258,6 +261,7 @@ def main() -> None:
           f"error quantizer: {'fused (torch.compile)' if fused else 'eager'}, repeats {args.repeats}")
     print("quantized: 8-bit weights/activations, 8-bit errors; times are medians per step")
     # Other processes on the same cores stall multi-threaded ops; the load average says how busy it was.
+    load_at_start = os.getloadavg()[0]
     print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     header = (
         f"{'case':<44}{'plain ms':>10}{'quant ms':>10}{'ratio':>8}{'paired':>8}{'target':>8}  {'ok':<4}"
@@ -265,9 +269,11 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for key in selected:
         case = cases[key]()
         result = run_case(case, args.repeats)
+        rows.append({"case": case.name, "target": case.target, **result})
         ok = "yes" if result["ratio"] <= case.target else "NO"
         print(f"{case.name:<44}{result['plain_ms']:>10.1f}{result['quant_ms']:>10.1f}{result['ratio']:>8.3f}"
               f"{result['paired']:>8.3f}{case.target:>8.2f}  {ok:<4}{result['warmup_s']:>10.2f}", flush=True)
@@ -275,9 +281,20 @@ def main() -> None:
             plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused) for q in (False, True))
             print(f"{'  peak memory (MiB, fresh process)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
                   f"{quant_mib / plain_mib:>8.3f}", flush=True)
+            rows[-1].update(plain_peak_mib=plain_mib, quant_peak_mib=quant_mib, memory_ratio=quant_mib / plain_mib)
     print("ratio = median quantized / median plain; paired = median of per-repeat ratios;")
     print("warm-up = first quantized step, including any torch.compile of the fused error kernel")
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    if args.output:
+        import json
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump({"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME, "fused": fused,
+                       "repeats": args.repeats, "load_average": [load_at_start, os.getloadavg()[0]],
+                       "rows": rows}, f, indent=1)
+        print(f"results: {args.output}")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,22 @@ def replace_block(path: str, name: str, lines: list[str]) -> None:
         f.write(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
 
 
+def overhead_summary(overhead: dict) -> list[str]:
+    """The README's overhead table, from `bench/overhead.py`'s JSON."""
+    lines = [f"`{overhead['command']}` (torch {overhead['torch']}, {overhead['threads']} threads, "
+             f"`quant_scheme={overhead['quant_scheme']!r}`, medians of {overhead['repeats']} interleaved repeats; "
+             "load average {:.1f} at the start, {:.1f} at the end, on 2 cores):".format(*overhead["load_average"]), "",
+             "| case | plain ms | CPT 8/8 ms | time ratio | target | peak memory ratio |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in overhead["rows"]:
+        memory = f"{row['memory_ratio']:.3f} ({row['plain_peak_mib']:,.0f} -> {row['quant_peak_mib']:,.0f} MiB)" \
+            if "memory_ratio" in row else "-"
+        ok = "" if row["ratio"] <= row["target"] else " (missed)"
+        lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok} | "
+                     f"{row['target']:.2f} | {memory} |")
+    return lines
+
+
 def pretrained_page(results: dict) -> str:
     env = results.get("environment", {})
     lines = ["# CPT on a pretrained transformer", "",
@@ -183,6 +199,9 @@ def main() -> None:
         f.write(results_page.results_page(args.results, os.path.join(args.docs, "results")))
     print(f"wrote {path}")
     replace_block(args.readme, "results-summary", results_page.readme_summary(args.results))
+    overhead = results_page.load(args.results, "overhead.json")
+    if overhead:
+        replace_block(args.readme, "overhead-summary", overhead_summary(overhead))
     print(f"updated {args.readme}")
 
 
