@@ -237,14 +237,15 @@ def plot_curves(task: Task, runs: dict[str, list[dict]], path: str) -> None:
     for name, entries in runs.items():
         curve = entries[0]["curve"]
         steps = [p["step"] for p in curve]
-        top.plot(steps, [p["loss"] for p in curve], label=f"{name} (seed {entries[0]['seed']})", linewidth=1.2)
+        line = top.plot(steps, [p["loss"] for p in curve], label=f"{name} (seed {entries[0]['seed']})",
+                        linewidth=1.2)[0]
         if entries[0]["cpt_config"].get("schedule") != "fp32":
             bits = [p["bits"] if p["bits"] is not None and p["bits"] <= 16 else float("nan") for p in curve]
-            bottom.step(steps, bits, where="post", linewidth=1.0, label=name)
+            bottom.step(steps, bits, where="post", linewidth=1.0, label=name, color=line.get_color())
     top.set_ylabel("training loss")
     top.set_title(task.title)
     top.legend(fontsize=8)
-    bottom.set_ylabel("bits")
+    bottom.set_ylabel("bits (at logged steps)")
     bottom.set_xlabel("optimizer step (logged steps)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
