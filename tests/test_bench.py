@@ -70,11 +70,11 @@ def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
     results, work = tmp_path / "results", tmp_path / "work"
     common = ["--data_dir", shared_data_dir, "--max_steps", "2", "--cycles", "2"]
     vision_args = [*common, "--output", str(results / "vision.json"), "--train_size", "40", "--test_size", "20",
-                   "--seeds", "0", "1", "--runs", "fp32", "static-8/8", "cpt-3-8/8", "--work_dir", str(work / "v")]
+                   "--seeds", "0", "1", "--runs", "static-8/8", "cpt-3-8/8", "--work_dir", str(work / "v")]
     first = _run_script("cifar10.py", vision_args)
     assert "cpt-3-8/8/seed1: accuracy" in first.stderr + first.stdout
     vision = json.load(open(results / "vision.json"))
-    assert set(vision["runs"]) == {f"{r}/seed{s}" for r in ("fp32", "static-8/8", "cpt-3-8/8") for s in (0, 1)}
+    assert set(vision["runs"]) == {f"{r}/seed{s}" for r in ("static-8/8", "cpt-3-8/8") for s in (0, 1)}
     entry = vision["runs"]["cpt-3-8/8/seed0"]
     assert entry["steps"] == 2 and entry["cost"]["steps"] == 2 and entry["cost"]["cost_vs_static"] < 1
     assert set(entry["profile"]) == {"3", "4", "5", "6", "7", "8", "fp32"}
