@@ -111,14 +111,6 @@ class Rotation:
     factors: tuple[torch.Tensor, ...]  # orthonormal matrices whose Kronecker product (times signs) is R
     kinds: tuple[str, ...]  # "sylvester", "paley" (±1 entries) or "dense" (real multiplies), one per factor
 
-    def __post_init__(self) -> None:
-        # The factors after the first, as one Kronecker product (at most a few hundred wide): `apply` then
-        # runs two contiguous matrix products instead of one strided product per factor.
-        trailing = None
-        for factor in self.factors[1:]:
-            trailing = factor if trailing is None else torch.kron(trailing, factor)
-        object.__setattr__(self, "trailing", trailing)
-
     @property
     def operations_per_value(self) -> tuple[int, int]:
         """(additions, multiplications) per rotated value, as a dedicated kernel does them.
@@ -153,14 +145,11 @@ class Rotation:
         lead = moved.shape[:-1]
         if not transpose:
             moved = moved * self.signs
-        first, trailing = self.factors[0], self.trailing
-        if trailing is None:
-            y = torch.matmul(moved.reshape(-1, self.features), first.t() if transpose else first)
-        else:
-            # x viewed as (tokens, a, r): R = F_1 ⊗ T acts as T on the last axis, then F_1 on the middle one.
-            y = moved.reshape(-1, first.shape[0], trailing.shape[0])
-            y = torch.matmul(y, trailing.t() if transpose else trailing)
-            y = torch.matmul(first if transpose else first.t(), y)
+        sizes = [f.shape[0] for f in self.factors]
+        y = moved.reshape(-1, *sizes)
+        for axis, factor in enumerate(self.factors, start=1):
+            matrix = factor.t() if transpose else factor
+            y = torch.matmul(y.movedim(axis, -1), matrix).movedim(-1, axis)
         y = y.reshape(*lead, self.features)
         if transpose:
             y = y * self.signs
