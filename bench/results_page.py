@@ -167,7 +167,7 @@ def verdict(task: Task, row: dict) -> str:
 
 def gap_text(task: Task, a: float, b: float) -> str:
     scale = 100 if task.metric == "accuracy" else 1
-    unit = " points" if task.metric == "accuracy" else ""
+    unit = " points" if task.metric == "accuracy" else " (lower is better)"
     return f"{scale * (a - b):+.2f}{unit}"
 
 
@@ -182,6 +182,12 @@ def findings(task: Task, runs: dict[str, list[dict]]) -> list[str]:
                 f"{100 * row['saving']:.1f}% fewer GBitOPs.")
         if "fp32_metric" in row:
             lines.append(f"  Against FP32 training: {gap_text(task, row['metric'], row['fp32_metric'])}.")
+        shares = [e["cost"]["full_precision_mac_share"] for e in runs[row["run"]]
+                  if e["cost"].get("full_precision_mac_share") is not None]
+        if shares and mean(shares) > 0.2:
+            lines.append(f"  {100 * mean(shares):.0f}% of this run's MACs ran in full precision (the layers kept in "
+                         "FP32, such as the output head, and the attention products unless `quantize_attention`), "
+                         "so the schedule can lower only the rest: this caps the saving.")
     return lines
 
 
