@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  (sets the offline environment and the import path first)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
 
 from hf_cpt import CPTConfig, CPTTrainer  # noqa: E402
 
@@ -153,24 +152,13 @@ def make_trainer(model: nn.Module, config: CPTConfig, train, evaluation, epochs:
 
 
 def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int], train, evaluation, epochs: float,
-            max_steps: int, work_dir: str, profile: bool, section: str = "runs", desc: str = "vision runs") -> None:
-    done = results.setdefault(section, {})
-    todo = [(name, seed) for seed in seeds for name in runs if f"{name}/seed{seed}" not in done]
-    for name, seed in tqdm(todo, desc=desc):
-        key = f"{name}/seed{seed}"
-        torch.manual_seed(seed)
-        model = CifarResNet(20)
-        config = CPTConfig(**runs[name])
-        trainer = make_trainer(model, config, train, evaluation, epochs, seed,
-                               os.path.join(work_dir, key.replace("/", "_")), max_steps)
-        entry = harness.train_and_record(trainer, "accuracy", profile, run=name, seed=seed)
-        entry["quantized_layers"] = len(trainer.cpt_report.quantized)
-        done[key] = entry
-        results["environment"] = harness.environment()
-        harness.save_results(path, results)
-        tqdm.write(f"{key}: accuracy {entry['metric']:.4f}, {entry['seconds_per_step']:.2f} s/step, "
-                   f"cost vs FP32 {entry['cost']['cost_vs_fp32']:.4f}")
-        del trainer, model
+            max_steps: int, work_dir: str, profile: bool, desc: str = "vision runs") -> None:
+    """Every (run, seed) of a fresh CIFAR ResNet-20 (`harness.run_all`)."""
+    def build(config: CPTConfig, seed: int, name: str) -> CPTTrainer:
+        return make_trainer(CifarResNet(20), config, train, evaluation, epochs, seed, os.path.join(work_dir, name),
+                            max_steps)
+
+    harness.run_all(results, path, runs, seeds, build, "accuracy", "accuracy", profile, desc=desc)
 
 
 def load_cifar(data_dir: str, train_size: int | None, test_size: int | None):
@@ -178,13 +166,6 @@ def load_cifar(data_dir: str, train_size: int | None, test_size: int | None):
     train = ImageDataset(*load_folder(os.path.join(root, "train"), train_size), augment=True)
     test = ImageDataset(*load_folder(os.path.join(root, "test"), test_size), augment=False)
     return train, test
-
-
-def with_cycles(runs: dict[str, dict], cycles: int) -> dict[str, dict]:
-    """The runs with ``num_cycles=cycles`` for every cyclic schedule."""
-    static = ("fp32", "static")
-    return {name: fields if fields["schedule"] in static else {**fields, "num_cycles": cycles}
-            for name, fields in runs.items()}
 
 
 def main() -> None:
@@ -208,7 +189,7 @@ def main() -> None:
         "test_size": args.test_size, "model": "CIFAR ResNet-20", "batch_size": 128}, args.output)
     train, test = load_cifar(args.data_dir, args.train_size, args.test_size)
     results["data"] = {"train": len(train), "test": len(test)}
-    run_all(results, args.output, with_cycles({n: RUNS[n] for n in args.runs}, args.cycles), args.seeds, train,
+    run_all(results, args.output, harness.with_cycles({n: RUNS[n] for n in args.runs}, args.cycles), args.seeds, train,
             test, args.epochs, args.max_steps, args.work_dir, not args.no_profile)
     print(f"results: {args.output}")
 

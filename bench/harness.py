@@ -26,8 +26,10 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 import hf_cpt  # noqa: E402
+from hf_cpt import CPTConfig  # noqa: E402
 
 DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data")
 RESULTS_DIR = os.path.join(HERE, "results")
@@ -112,3 +114,34 @@ def train_and_record(trainer, metric: str, profile: bool, transform: Callable[[f
         rows = trainer.evaluate_precisions(list(PROFILE_BITS), eval_dataset=profile_dataset)
         entry["profile"] = {str(row["bits"]): transform(row[metric]) for row in rows}
     return entry
+
+
+def with_cycles(runs: dict[str, dict], cycles: int) -> dict[str, dict]:
+    """The runs with ``num_cycles=cycles`` for every cyclic schedule."""
+    return {name: fields if fields["schedule"] in ("fp32", "static") else {**fields, "num_cycles": cycles}
+            for name, fields in runs.items()}
+
+
+def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int],
+            build_trainer: Callable[[CPTConfig, int, str], Any], metric: str, label: str, profile: bool,
+            transform: Callable[[float], float] | None = None, profile_dataset=None, section: str = "runs",
+            desc: str = "runs") -> None:
+    """Train every (run, seed) not yet in ``results[section]``, saving the JSON after each (resumable).
+
+    ``build_trainer(config, seed, work_name)`` returns a `CPTTrainer` for one run; ``label`` names the
+    metric in the progress line.
+    """
+    done = results.setdefault(section, {})
+    todo = [(name, seed) for seed in seeds for name in runs if f"{name}/seed{seed}" not in done]
+    for name, seed in tqdm(todo, desc=desc):
+        key = f"{name}/seed{seed}"
+        torch.manual_seed(seed)
+        trainer = build_trainer(CPTConfig(**runs[name]), seed, key.replace("/", "_"))
+        entry = train_and_record(trainer, metric, profile, transform, profile_dataset, run=name, seed=seed)
+        entry["quantized_layers"] = len(trainer.cpt_report.quantized)
+        done[key] = entry
+        results["environment"] = environment()
+        save_results(path, results)
+        tqdm.write(f"{key}: {label} {entry['metric']:.4f}, {entry['seconds_per_step']:.2f} s/step, "
+                   f"cost vs FP32 {entry['cost']['cost_vs_fp32']:.4f}")
+        del trainer

@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402  (sets the offline environment and the import path first)
 import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
 
 from hf_cpt import CPTConfig, CPTTrainer  # noqa: E402
 
@@ -103,31 +102,20 @@ def main() -> None:
                        "test_tokens": test.blocks.numel(),
                        "vocab": len(tokenizer)}
 
-    done = results.setdefault("runs", {})
-    todo = [(name, seed) for seed in args.seeds for name in args.runs if f"{name}/seed{seed}" not in done]
-    for name, seed in tqdm(todo, desc="language-model runs"):
-        key = f"{name}/seed{seed}"
-        torch.manual_seed(seed)
+    def build(config: CPTConfig, seed: int, name: str) -> CPTTrainer:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
                                            eos_token_id=tokenizer.eos_token_id, **MODEL_SHAPE))
-        fields = RUNS[name] if RUNS[name]["schedule"] != "cpt" else {**RUNS[name], "num_cycles": args.cycles}
-        config = CPTConfig(**fields)
         training = TrainingArguments(
-            output_dir=os.path.join(args.work_dir, key.replace("/", "_")), per_device_train_batch_size=16,
+            output_dir=os.path.join(args.work_dir, name), per_device_train_batch_size=16,
             per_device_eval_batch_size=32, learning_rate=1e-3, weight_decay=0.01, lr_scheduler_type="cosine",
             warmup_steps=20, num_train_epochs=args.epochs, max_steps=args.max_steps, seed=seed, logging_steps=10,
             save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
         )
-        trainer = CPTTrainer(model=model, args=training, train_dataset=train, eval_dataset=test, cpt_config=config)
-        entry = harness.train_and_record(trainer, "loss", not args.no_profile, transform=perplexity,
-                                         profile_dataset=profile_set, run=name, seed=seed)
-        entry["quantized_layers"] = len(trainer.cpt_report.quantized)
-        done[key] = entry
-        results["environment"] = harness.environment()
-        harness.save_results(args.output, results)
-        tqdm.write(f"{key}: perplexity {entry['metric']:.2f}, {entry['seconds_per_step']:.2f} s/step, "
-                   f"cost vs FP32 {entry['cost']['cost_vs_fp32']:.4f}")
-        del trainer, model
+        return CPTTrainer(model=model, args=training, train_dataset=train, eval_dataset=test, cpt_config=config)
+
+    runs = harness.with_cycles({name: RUNS[name] for name in args.runs}, args.cycles)
+    harness.run_all(results, args.output, runs, args.seeds, build, "loss", "perplexity", not args.no_profile,
+                    transform=perplexity, profile_dataset=profile_set, desc="language-model runs")
     print(f"results: {args.output}")
 
 

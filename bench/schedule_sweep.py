@@ -53,7 +53,7 @@ def main() -> None:
         "test_size": args.test_size, "model": "CIFAR ResNet-20", "batch_size": 128, "bits": "3-8/8"}, args.output)
     train, test = cifar10.load_cifar(args.data_dir, args.train_size, args.test_size)
     results["data"] = {"train": len(train), "test": len(test)}
-    cifar10.run_all(results, args.output, cifar10.with_cycles({n: RUNS[n] for n in args.runs}, args.cycles),
+    cifar10.run_all(results, args.output, harness.with_cycles({n: RUNS[n] for n in args.runs}, args.cycles),
                    [args.seed], train, test, args.epochs, args.max_steps, args.work_dir, profile=False,
                    desc="schedule sweep")
     print(f"results: {args.output}")
