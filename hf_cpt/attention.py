@@ -138,14 +138,20 @@ def attention_support(model: nn.Module) -> str | None:
     return None
 
 
-def install_attention(model: nn.Module, precision: PrecisionState, quantize: bool,
-                      granularity: str = "tensor") -> AttentionQuantizer:
-    """Switch ``model`` to the ``"cpt"`` attention function; raises ValueError naming why it cannot."""
+def install_attention(model: nn.Module, precision: PrecisionState, quantize: bool, granularity: str = "tensor",
+                      replaced_implementation: str | None = None) -> AttentionQuantizer:
+    """Switch ``model`` to the ``"cpt"`` attention function; raises ValueError naming why it cannot.
+
+    ``replaced_implementation`` (default: the model's current one) is the kernel the function calls for
+    full-precision products (SDPA or eager arithmetic); a loaded checkpoint passes the trained model's.
+    """
     reason = attention_support(model)
     if reason is not None:
         raise ValueError(reason)
     _register()
-    state = AttentionQuantizer(precision, quantize, granularity, model.config._attn_implementation or "eager")
+    current = model.config._attn_implementation or "eager"
+    replaced = replaced_implementation or (current if current != ATTENTION_NAME else "eager")
+    state = AttentionQuantizer(precision, quantize, granularity, replaced)
     for module in model.modules():
         if getattr(module, "config", None) is not None and not isinstance(module, type(model)):
             object.__setattr__(module, "cpt_attention", state)  # a plain attribute: not a submodule

@@ -24,17 +24,17 @@ from .packing import (
     FORMAT_VERSION,
     PACKED,
     QUANT_METHOD,
+    REQUIRES_HF_CPT,
     SCALE,
     ZERO_POINT,
     Conv1D,
     check_bits,
     check_float_weight_bits,
-    dequantize_rows,
     float_storage_bits,
     pack_codes,
-    quantize_rows,
     weight_channel_dim,
 )
+from .quantizer import dequantize_codes, quantize_codes
 from .surgery import quant_layers
 from .version import __version__
 
@@ -133,6 +133,8 @@ def _quantization_fields(model: nn.Module, cpt_config: CPTConfig | None) -> dict
     attention = find_attention_quantizer(model)
     return {
         "quantized_attention": attention.granularity if attention is not None and attention.quantize else None,
+        # the loaded model runs attention through the same function, wrapping the same kernel
+        "attention_routing": attention.replaced_implementation if attention is not None else None,
         "layer_schemes": {
             name: [layer.cpt_granularity, layer.cpt_rotation_seed]
             for name, layer in quant_layers(model)
@@ -183,17 +185,23 @@ def packed_state_dict(
     for name in list(plan.quantized) + list(plan.float_packed) + list(plan.shared):
         state_dict.pop(f"{name}.weight", None)
     for name, module in list(plan.quantized.items()) + list(plan.float_packed.items()):
-        module_bits = bits if name in plan.quantized else plan.float_bits[name]
-        # a rotated CPT layer computes with Q(W R): its codes are taken in the rotated basis
-        weight = module.rotate_weight(module.weight.detach()) if name in plan.quantized else module.weight
-        codes, scale, zero_point = quantize_rows(weight, module_bits, weight_channel_dim(module))
+        if name in plan.quantized:
+            # the codes the layer computes with: of Q(W R) in the rotated basis, or those it was loaded with
+            codes, scale, zero_point = module.weight_codes(bits)
+            module_bits = bits
+        else:
+            module_bits = plan.float_bits[name]
+            codes, scale, zero_point = quantize_codes(module.weight, module_bits, weight_channel_dim(module))
         state_dict[f"{name}.{PACKED}"] = pack_codes(codes, module_bits).cpu()
         state_dict[f"{name}.{SCALE}"] = scale.cpu()
         state_dict[f"{name}.{ZERO_POINT}"] = zero_point.cpu()
         if name in plan.quantized:
             state_dict[f"{name}.{ACT_MIN}"] = module.act_min.detach().float().cpu().clone()
             state_dict[f"{name}.{ACT_MAX}"] = module.act_max.detach().float().cpu().clone()
+            for buffer in module.rotation_buffer_names():  # the very rotation the layer computed with
+                state_dict[f"{name}.{buffer}"] = module.get_buffer(buffer).detach().float().cpu().clone()
     state_dict[f"{plan.guard}.weight"] = torch.zeros(0, dtype=torch.uint8)
+    state_dict[REQUIRES_HF_CPT] = torch.zeros(0, dtype=torch.uint8)
     fields = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
@@ -256,8 +264,8 @@ def measure_rounding(
             for name, module in plan.float_packed.items():
                 bits = plan.float_bits[name]
                 dim = weight_channel_dim(module)
-                codes, scale, zero_point = quantize_rows(module.weight, bits, dim)
-                module.weight.copy_(dequantize_rows(codes, scale, zero_point, module.weight.shape, dim))
+                codes, scale, zero_point = quantize_codes(module.weight, bits, dim)
+                module.weight.copy_(dequantize_codes(codes, scale, zero_point, module.weight.shape, dim))
             after = model(**inputs)
     finally:
         for name, module in plan.float_packed.items():

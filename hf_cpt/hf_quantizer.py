@@ -41,6 +41,8 @@ from .layers import (
     PrecisionState,
     QuantLayerMixin,
     convert_layer,
+    input_features,
+    rotation_buffers,
 )
 from .packing import (
     ACT_MAX,
@@ -49,15 +51,16 @@ from .packing import (
     FORMAT_VERSION,
     PACKED,
     QUANT_METHOD,
+    REQUIRES_HF_CPT,
     SCALE,
     SUPPORTED_FORMAT_VERSIONS,
     ZERO_POINT,
     check_bits,
-    dequantize_rows,
     packed_row_bytes,
     unpack_codes,
     weight_channel_dim,
 )
+from .quantizer import dequantize_codes
 from .surgery import dequantize_model
 from .version import __version__
 
@@ -107,6 +110,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         layer_schemes: dict[str, list] | None = None,
         rounding_effect: dict[str, Any] | None = None,
         quantized_attention: str | None = None,
+        attention_routing: str | None = None,
         quant_method: str = QUANT_METHOD,
         **kwargs: Any,
     ) -> None:
@@ -131,6 +135,9 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         self.rounding_effect = rounding_effect
         # Granularity of the quantized attention products ("tensor" / "token"), None: full-precision attention
         self.quantized_attention = quantized_attention
+        # The implementation the trained model's "cpt" attention function wrapped ("sdpa" / "eager"); None: the
+        # model ran its own attention. The loaded model is routed the same way (format 3).
+        self.attention_routing = attention_routing
         if kwargs:
             logger.info("hf_cpt: ignoring unknown quantization_config fields %s", sorted(kwargs))
         self.post_init()
@@ -202,6 +209,11 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
                 f"quantization_config.quantized_attention must be null or one of {list(ACTIVATION_GRANULARITIES)}, "
                 f"got {self.quantized_attention!r}."
             )
+        if self.attention_routing is not None and not isinstance(self.attention_routing, str):
+            raise ValueError(
+                f"quantization_config.attention_routing must be null or an attention implementation name, "
+                f"got {self.attention_routing!r}."
+            )
         if self.activation_ema_init not in EMA_INITS:
             raise ValueError(
                 f"quantization_config.activation_ema_init must be one of {list(EMA_INITS)}, "
@@ -220,6 +232,11 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         modules = {name: self.bits for name in self.quantized_modules} if self.packed else {}
         modules.update(self.float_packed_modules)
         return modules
+
+    @property
+    def stores_rotations(self) -> bool:
+        """Format 3 packed files hold each rotated layer's rotation tensors; older ones rebuild them from the seed."""
+        return self.packed and self.format_version >= 3
 
     def guard_module(self) -> str | None:
         return self.guard_tensor.rsplit(".", 1)[0] if self.packed and self.guard_tensor else None
@@ -316,6 +333,12 @@ def expected_tensors(model: nn.Module, config: CPTQuantizationConfig) -> dict[st
         if name in config.quantized_modules:
             expected[f"{name}.{ACT_MIN}"] = ("F32", ())
             expected[f"{name}.{ACT_MAX}"] = ("F32", ())
+    if config.stores_rotations:
+        for name in config.quantized_modules:
+            granularity, seed = config.layer_scheme(name)
+            if seed is not None:
+                for buffer, shape in rotation_buffers(input_features(model.get_submodule(name))).items():
+                    expected[f"{name}.{buffer}"] = ("F32", shape)
     if config.packed:
         expected[config.guard_tensor] = ("U8", (0,))
     else:
@@ -336,14 +359,25 @@ def weight_channel_dim_for(module: nn.Module, name: str, config: CPTQuantization
 def as_model_keys(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's tensor names as the model's state-dict keys, renamed as transformers renames them on load.
 
-    transformers 4.x models may rename keys between the file and the model: ``_fix_state_dict_key_on_save``
-    when writing and ``_fix_state_dict_key_on_load`` when reading (``TimmWrapperPreTrainedModel`` drops the
-    ``timm_model.`` prefix in the file and adds it back on load). transformers 5.x has neither hook.
+    Models may name keys differently in the file and in memory. transformers 5.x applies the model's weight
+    renamings (``conversion_mapping``; ViT's modules are ``vit.layers.N...`` in memory and
+    ``vit.encoder.layer.N...`` in files), 4.x the ``_fix_state_dict_key_on_load`` hook
+    (``TimmWrapperPreTrainedModel`` adds back the ``timm_model.`` prefix the file drops).
     """
     fix = getattr(model, "_fix_state_dict_key_on_load", None)
-    if not callable(fix):
+    if callable(fix):
+        return {fix(key)[0]: value for key, value in tensors.items()}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # pragma: no cover - transformers without weight renamings
         return tensors
-    return {fix(key)[0]: value for key, value in tensors.items()}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not renamings and not converters:
+        return tensors
+    return {rename_source_key(key, renamings, converters)[0]: value for key, value in tensors.items()}
 
 
 def validate_checkpoint(
@@ -448,6 +482,8 @@ class CPTHfQuantizer(HfQuantizer):
             if isinstance(module, QuantLayerMixin):
                 module._non_persistent_buffers_set.discard(ACT_MIN)
                 module._non_persistent_buffers_set.discard(ACT_MAX)
+                if config.stores_rotations:  # filled from the file: the very rotation the layer trained with
+                    module._non_persistent_buffers_set.difference_update(module.rotation_buffer_names())
             if name == guard:
                 # The file's `<guard>.weight` is an empty uint8 tensor: the plain-transformers tripwire.
                 module._parameters.pop("weight")
@@ -467,6 +503,9 @@ class CPTHfQuantizer(HfQuantizer):
                     self._untied[target] = tied.pop(target)
         model._keys_to_ignore_on_load_missing = ignore_missing
         self._ignore_missing = ignore_missing
+        unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        # the marker is advice for plain transformers; matched as a suffix (some models prefix file keys)
+        model._keys_to_ignore_on_load_unexpected = unexpected | {re.escape(REQUIRES_HF_CPT) + "$"}
         return model
 
     def update_missing_keys(self, model, missing_keys: list[str], prefix: str) -> list[str]:  # transformers 4.x
@@ -478,9 +517,15 @@ class CPTHfQuantizer(HfQuantizer):
         config = self.quantization_config
         precision = self._new_precision()
         layers = {name: model.get_submodule(name) for name in config.cpt_layer_names()}
-        for layer in layers.values():
+        for name, layer in layers.items():
             layer.__dict__["cpt_precision"] = precision
-            layer.build_rotation()  # transformers leaves buffers absent from the file uninitialized
+            if config.stores_rotations and name in config.quantized_modules:
+                for buffer in layer.rotation_buffer_names():
+                    if layer.get_buffer(buffer).device.type == "meta":
+                        raise ValueError(f"hf_cpt: tensor '{name}.{buffer}' was not loaded from the checkpoint.")
+                    layer._non_persistent_buffers_set.add(buffer)
+            else:  # format 1-2 or portable: rebuilt from the seed (the loader leaves absent buffers unset)
+                layer.build_rotation()
         for name, layer in layers.items():
             if name not in config.quantized_modules:  # tied to a quantized embedding: weights only, no range
                 for key in (ACT_MIN, ACT_MAX):
@@ -499,8 +544,10 @@ class CPTHfQuantizer(HfQuantizer):
             layer.__dict__["_act_range_initialized"] = True
         precision.set(None, None)
         precision.set_eval(config.bits)
-        if config.quantized_attention is not None:  # trained with quantized attention: compute it the same way
-            install_attention(model, precision, True, config.quantized_attention)
+        if config.quantized_attention is not None or config.attention_routing is not None:
+            # the trained model's attention function, wrapping the same kernel: the same arithmetic
+            install_attention(model, precision, config.quantized_attention is not None,
+                              config.quantized_attention or "tensor", replaced_implementation=config.attention_routing)
         return model
 
     def _unpack(self, model: nn.Module, config: CPTQuantizationConfig) -> None:
@@ -521,9 +568,10 @@ class CPTHfQuantizer(HfQuantizer):
                     f"hf_cpt: tensor '{name}.{PACKED}' holds codes up to {int(codes.max())}, more than {bits} bits "
                     f"allow: quantization_config.{field} does not match the file."
                 )
-            weight = dequantize_rows(codes, tensors[SCALE], tensors[ZERO_POINT], torch.Size(shape), channel_dim)
+            weight = dequantize_codes(codes, tensors[SCALE], tensors[ZERO_POINT], torch.Size(shape), channel_dim)
             if isinstance(module, QuantLayerMixin):
-                # codes hold Q(W R) in the rotated basis; the FP32 master is that weight rotated back
+                # codes hold Q(W R) in the rotated basis; the FP32 master (for further training) is that weight
+                # rotated back; the layer computes with the codes themselves (frozen below)
                 weight = module.rotate_weight(weight, inverse=True)
             current = module._parameters.get("weight")
             if name == guard or current is None or current.device.type == "meta" or tuple(current.shape) != shape:
@@ -538,11 +586,17 @@ class CPTHfQuantizer(HfQuantizer):
                     if module._buffers[key].device.type == "meta":
                         raise ValueError(f"hf_cpt: tensor '{name}.{key}' was not loaded from the checkpoint.")
                     module._non_persistent_buffers_set.add(key)
+                device = module.weight.device
+                module.freeze_weight(codes.to(device), tensors[SCALE].to(device), tensors[ZERO_POINT].to(device), bits)
         for name, source in config.shared_weights.items():
             target = model.get_submodule(name)
-            weight = model.get_submodule(source).weight
+            owner = model.get_submodule(source)
+            weight = owner.weight
             if target._parameters.get("weight") is not weight:
                 target._parameters["weight"] = weight
+            frozen = owner.frozen_codes(config.bits) if isinstance(owner, QuantLayerMixin) else None
+            if isinstance(target, QuantLayerMixin) and frozen is not None:  # a tied head: the owner's codes
+                target.freeze_weight(*frozen, config.bits)
         untied = getattr(self, "_untied", {})
         if untied:
             model.all_tied_weights_keys.update(untied)

@@ -9,6 +9,7 @@ a model reads them from one shared `PrecisionState`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -17,14 +18,16 @@ from torch import nn
 
 from .quantizer import (
     channel_ranges,
+    dequantize_codes,
     fake_quantize,
+    quantize_codes,
     quantize_error_on_backward,
     quantize_ste,
     quantize_weight,
     tensor_range,
     token_range,
 )
-from .rotation import Rotation, get_rotation
+from .rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 
 try:  # GPT-2 style layer (a Linear with a transposed weight)
     from transformers.pytorch_utils import Conv1D
@@ -48,6 +51,7 @@ class PrecisionState:
         self.bits = torch.zeros(())
         self.grad_bits = torch.zeros(())
         self.eval_bits = torch.zeros(())
+        self.eval_bits_value: int | None = None  # eval_bits as a Python number (None: not enabled)
         self.forward_enabled = False
         self.backward_enabled = False
         self.eval_enabled = False
@@ -81,8 +85,14 @@ class PrecisionState:
         """Precision in eval mode: fixed ``bits`` (None: full precision) or the training bits."""
         self.eval_follows_training = follow_training
         self.eval_enabled = bits is not None
+        self.eval_bits_value = int(bits) if bits is not None else None
         if bits is not None:
             self.eval_bits.fill_(float(bits))
+
+    @property
+    def fixed_eval_bits(self) -> int | None:
+        """The eval bit-width when it is a fixed number (not following training), else None."""
+        return None if self.eval_follows_training else self.eval_bits_value
 
     def forward_bits(self, training: bool) -> torch.Tensor | None:
         """The forward bit-width in force for a module in training (or eval) mode; None: full precision."""
@@ -94,13 +104,14 @@ class PrecisionState:
     def evaluating_at(self, bits: int | None, batch_ranges: bool = False) -> Iterator[None]:
         """Temporarily evaluate at ``bits`` (None: full precision), optionally with per-tensor inputs
         quantized over each batch's own range; the eval settings are restored afterwards."""
-        saved = (self.eval_enabled, self.eval_bits.clone(), self.eval_follows_training, self.batch_ranges_in_eval)
+        saved = (self.eval_enabled, self.eval_bits.clone(), self.eval_follows_training, self.batch_ranges_in_eval,
+                 self.eval_bits_value)
         self.set_eval(bits)
         self.batch_ranges_in_eval = batch_ranges
         try:
             yield
         finally:
-            self.eval_enabled, _, self.eval_follows_training, self.batch_ranges_in_eval = saved
+            self.eval_enabled, _, self.eval_follows_training, self.batch_ranges_in_eval, self.eval_bits_value = saved
             self.eval_bits.copy_(saved[1])
 
     @property
@@ -124,8 +135,17 @@ def input_features(layer: nn.Module) -> int:
     raise TypeError(f"{type(layer).__name__} has no in_features / in_channels / nx attribute")
 
 
+# Buffers of a layer frozen to a checkpoint's codes (`QuantLayerMixin.freeze_weight`); never in state_dict.
+FROZEN_CODES, FROZEN_SCALE, FROZEN_ZERO_POINT = "cpt_frozen_codes", "cpt_frozen_scale", "cpt_frozen_zero_point"
+
 # "none": weights only (embeddings, an output head tied to them): inputs and errors stay full precision.
 ACTIVATION_GRANULARITIES = ("tensor", "token", "none")
+
+
+def rotation_buffers(features: int) -> dict[str, tuple[int, ...]]:
+    """``{buffer name: shape}`` of a rotated layer's rotation of ``features`` input features, signs first."""
+    shapes = rotation_shapes(features)
+    return {"rotation_signs": shapes[0], **{f"rotation_factor_{i}": shape for i, shape in enumerate(shapes[1:])}}
 
 
 class QuantLayerMixin:
@@ -159,28 +179,90 @@ class QuantLayerMixin:
         self.build_rotation()
 
     def build_rotation(self) -> None:
-        """(Re)build the rotation buffers from ``cpt_rotation_seed``; they are not stored in checkpoints.
+        """(Re)build the rotation buffers from ``cpt_rotation_seed``.
 
-        Buffers (not persistent) follow ``.to(device)`` and are seen by torch.compile as tensors.
+        Buffers (not persistent: a packed export writes them itself) follow ``.to(device)`` and are seen by
+        torch.compile as tensors. On the meta device (transformers builds the model there before loading
+        the weights) they are empty placeholders of the right shapes, for the loader to fill.
         """
         seed = self.__dict__.get("cpt_rotation_seed")
         if seed is None:
             return
         device = self.weight.device
-        device = torch.device("cpu") if device.type == "meta" else device  # transformers' meta-device loading
-        rotation = get_rotation(input_features(self), seed, device=device)
-        self.register_buffer("rotation_signs", rotation.signs.clone(), persistent=False)
-        for index, factor in enumerate(rotation.factors):
-            self.register_buffer(f"rotation_factor_{index}", factor.clone(), persistent=False)
-        self.__dict__["_rotation_kinds"] = rotation.kinds
+        features = input_features(self)
+        if device.type == "meta":
+            tensors = [torch.empty(shape, device=device) for shape in rotation_buffers(features).values()]
+            kinds = tuple(kind for kind, _ in factor_sizes(features))
+        else:
+            rotation = get_rotation(features, seed, device=device)
+            tensors, kinds = [rotation.signs, *rotation.factors], rotation.kinds
+        for name, tensor in zip(rotation_buffers(features), tensors):
+            self.register_buffer(name, tensor, persistent=False)
+        self.__dict__["_rotation_kinds"] = kinds
+
+    def rotation_buffer_names(self) -> list[str]:
+        """Names of the rotation's buffers (signs first), empty when not rotated."""
+        return list(rotation_buffers(input_features(self))) if self.__dict__.get("_rotation_kinds") else []
 
     def _detach_precision(self) -> None:
+        self.unfreeze_weight()
         for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed"):
             self.__dict__.pop(key, None)
         for index in range(len(self.__dict__.pop("_rotation_kinds", ()))):
             self._buffers.pop(f"rotation_factor_{index}", None)
         for name in ("act_min", "act_max", "rotation_signs"):
             self._buffers.pop(name, None)
+
+    # -- frozen codes: a loaded layer computes with the codes it was exported with (docs/checkpoints.md) --
+    def freeze_weight(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> None:
+        """Compute with these codes (``[C, K]`` uint8, in the rotated basis when rotated) whenever the layer
+        evaluates at ``bits``, until its master weight changes (an optimizer step, an in-place edit).
+
+        Loading a checkpoint freezes every CPT layer to its stored codes: the loaded model then computes with
+        the very weight the trained one did, instead of re-deriving it from the float master (``Q(W R)`` of a
+        master rebuilt as ``Q(W R) R^T`` differs from the stored codes by float rounding).
+        """
+        self.register_buffer(FROZEN_CODES, codes, persistent=False)
+        self.register_buffer(FROZEN_SCALE, scale, persistent=False)
+        self.register_buffer(FROZEN_ZERO_POINT, zero_point, persistent=False)
+        self.__dict__["_frozen"] = (int(bits), weakref.ref(self.weight), self.weight._version)
+
+    def unfreeze_weight(self) -> None:
+        self.__dict__.pop("_frozen", None)
+        for name in (FROZEN_CODES, FROZEN_SCALE, FROZEN_ZERO_POINT):
+            self._buffers.pop(name, None)
+
+    def frozen_codes(self, bits: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(codes, scale, zero point) frozen at ``bits`` while the master weight is unchanged, else None."""
+        frozen = self.__dict__.get("_frozen")
+        if frozen is None or bits is None or bits != frozen[0]:
+            return None
+        frozen_bits, weight_ref, version = frozen
+        if weight_ref() is not self.weight or self.weight._version != version:
+            self.unfreeze_weight()  # trained or replaced since loading: the master weight is the truth again
+            return None
+        return self._buffers[FROZEN_CODES], self._buffers[FROZEN_SCALE], self._buffers[FROZEN_ZERO_POINT]
+
+    def weight_codes(self, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scale, zero point) of the weight this layer computes with at ``bits`` (rotated basis)."""
+        frozen = self.frozen_codes(bits)
+        if frozen is not None:
+            return frozen
+        return quantize_codes(self.rotate_weight(self.weight.detach()), bits, self.weight_channel_dim)
+
+    def _frozen_weight(self) -> torch.Tensor | None:
+        """The frozen weight when it is in force for this forward (eval mode at the frozen bits)."""
+        if self.training or "_frozen" not in self.__dict__:
+            return None
+        frozen = self.frozen_codes(self.cpt_precision.fixed_eval_bits)
+        if frozen is None:
+            return None
+        weight = dequantize_codes(*frozen, self.weight.shape, self.weight_channel_dim).to(self.weight.dtype)
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            # the same values, with the straight-through gradient of the master weight
+            rotated = self.rotate_weight(self.weight)
+            weight = weight + (rotated - rotated.detach())
+        return weight
 
 
     @property
@@ -248,17 +330,19 @@ class QuantLayerMixin:
         if bits is None and not quantize_backward:
             return super().forward(x)  # exactly the original layer
         weight = self.weight
+        frozen = self._frozen_weight() if bits is not None else None
         if bits is not None and not self.quantizes_inputs:
-            weight = quantize_weight(weight, bits, self.weight_channel_dim)
+            weight = frozen if frozen is not None else quantize_weight(weight, bits, self.weight_channel_dim)
         elif bits is not None:
             rotation = self.rotation
             if rotation is not None:
-                weight = rotation.apply(weight, self.weight_feature_dim)
+                if frozen is None:
+                    weight = rotation.apply(weight, self.weight_feature_dim)
                 if rotation.signs.dtype != x.dtype:  # e.g. bf16 activations under autocast
                     rotation = rotation.to(x.device, x.dtype)
                 x = rotation.apply(x, self.input_feature_dim)
             x = self.quantize_input(x, bits)
-            weight = quantize_weight(weight, bits, self.weight_channel_dim)
+            weight = frozen if frozen is not None else quantize_weight(weight, bits, self.weight_channel_dim)
         out = self.compute(x, weight)
         if quantize_backward:
             out = quantize_error_on_backward(out, precision.grad_bits, precision.fused_error_quantizer)
@@ -276,12 +360,14 @@ class QuantLayerMixin:
             if bits is None:
                 if not self.cpt_precision.eval_enabled:
                     return self.weight.detach().clone()
-                bits_t = self.cpt_precision.eval_bits
+                bits = self.cpt_precision.eval_bits_value
+            frozen = self.frozen_codes(bits)
+            if frozen is not None:
+                snapped = dequantize_codes(*frozen, self.weight.shape, self.weight_channel_dim)
             else:
-                bits_t = torch.tensor(float(bits))
-            weight = self.rotate_weight(self.weight.detach())
-            minimum, maximum = channel_ranges(weight, self.weight_channel_dim)
-            snapped = fake_quantize(weight, minimum, maximum, bits_t)
+                weight = self.rotate_weight(self.weight.detach())
+                minimum, maximum = channel_ranges(weight, self.weight_channel_dim)
+                snapped = fake_quantize(weight, minimum, maximum, torch.tensor(float(bits)))
             return snapped if rotated else self.rotate_weight(snapped, inverse=True)
 
 
@@ -334,7 +420,8 @@ class QuantEmbedding(QuantLayerMixin, nn.Embedding):
         bits = self.forward_bits()
         if bits is None:
             return nn.Embedding.forward(self, input)
-        weight = quantize_weight(self.weight, bits, 0)
+        weight = self._frozen_weight()
+        weight = weight if weight is not None else quantize_weight(self.weight, bits, 0)
         return F.embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
                            self.sparse)
 

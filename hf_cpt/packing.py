@@ -14,7 +14,6 @@ from torch import nn
 
 from .bits import check_bits as check_any_bits
 from .layers import QuantLayerMixin
-from .quantizer import channel_ranges, num_levels, quantization_scale
 
 try:
     from transformers.pytorch_utils import Conv1D
@@ -22,8 +21,10 @@ except ImportError:  # pragma: no cover - transformers is a dependency
     Conv1D = None
 
 QUANT_METHOD = "cpt"
-FORMAT_VERSION = 2  # 2: layer_schemes (per-token / rotated layers)
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+# 2: layer_schemes (per-token / rotated layers). 3: packed files also hold each rotated layer's rotation
+# tensors, the attention routing of the trained model (`attention_routing`) and the `REQUIRES_HF_CPT` marker.
+FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 CHECKPOINT_FORMATS = ("packed", "portable")
 MIN_EXPORT_BITS = 1
 MAX_EXPORT_BITS = 8
@@ -33,6 +34,9 @@ SCALE = "weight_scale"
 ZERO_POINT = "weight_zero_point"
 ACT_MIN = "act_min"
 ACT_MAX = "act_max"
+# An empty tensor whose name is the advice a plain transformers load (without `import hf_cpt`) prints in its
+# load report, beside the guard tensor's size mismatch that stops it.
+REQUIRES_HF_CPT = "THIS_CHECKPOINT_NEEDS_hf_cpt: install hf-cpt, then import hf_cpt before from_pretrained"
 
 
 def check_bits(name: str, value: Any, allow_none: bool = False) -> int | None:
@@ -74,34 +78,6 @@ def weight_channel_dim(module: nn.Module) -> int:
 def packed_row_bytes(values_per_row: int, bits: int) -> int:
     """Bytes per output channel: one value per byte above 4 bits, two per byte at 4 bits or fewer."""
     return (values_per_row + 1) // 2 if bits <= 4 else values_per_row
-
-
-def quantize_rows(
-    weight: torch.Tensor, bits: int, channel_dim: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Integer codes of a weight at ``bits``, per output channel, with its scale and zero point.
-
-    The arithmetic is the one of `hf_cpt.quantizer.fake_quantize` with `channel_ranges`, so that
-    ``dequantize_rows(*quantize_rows(w, b, d), w.shape, d)`` equals the fake-quantized weight bit for bit.
-    Returns codes (uint8, ``[C, K]`` with ``C = w.shape[channel_dim]``), scale and zero point (float32, ``[C]``).
-    """
-    source = weight.detach().float()
-    minimum, maximum = channel_ranges(source, channel_dim)
-    levels = num_levels(torch.tensor(float(bits), device=source.device)).to(source.dtype)
-    scale = quantization_scale(minimum, maximum, levels)
-    codes = (source - minimum).div_(scale).clamp_min_(0.0).clamp_max_(levels).round_()
-    channels = weight.shape[channel_dim]
-    codes = codes.movedim(channel_dim, 0).reshape(channels, -1).to(torch.uint8)
-    return codes, scale.reshape(channels), minimum.reshape(channels)
-
-
-def dequantize_rows(
-    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, shape: torch.Size, channel_dim: int = 0
-) -> torch.Tensor:
-    """``codes * scale + zero_point`` in float32, laid out back into ``shape``."""
-    values = codes.to(torch.float32).mul_(scale.float().unsqueeze(1)).add_(zero_point.float().unsqueeze(1))
-    moved = [shape[channel_dim]] + [s for d, s in enumerate(shape) if d != channel_dim]
-    return values.reshape(moved).movedim(0, channel_dim).contiguous()
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

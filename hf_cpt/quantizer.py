@@ -96,6 +96,35 @@ def quantize_weight(weight: torch.Tensor, bits: torch.Tensor, channel_dim: int =
     return quantize_ste(weight, minimum, maximum, bits)
 
 
+def quantize_codes(
+    weight: torch.Tensor, bits: int | torch.Tensor, channel_dim: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Integer codes of a weight at ``bits``, per output channel, with its scale and zero point.
+
+    The arithmetic of `fake_quantize` over `channel_ranges`, so that
+    ``dequantize_codes(*quantize_codes(w, b, d), w.shape, d)`` equals the fake-quantized weight bit for bit.
+    Returns codes (uint8, ``[C, K]`` with ``C = w.shape[channel_dim]``), scale and zero point (float32, ``[C]``).
+    """
+    source = weight.detach().float()
+    minimum, maximum = channel_ranges(source, channel_dim)
+    bits = bits if isinstance(bits, torch.Tensor) else torch.tensor(float(bits))
+    levels = num_levels(bits.to(device=source.device, dtype=source.dtype))
+    scale = quantization_scale(minimum, maximum, levels)
+    codes = (source - minimum).div_(scale).clamp_min_(0.0).clamp_max_(levels).round_()
+    channels = weight.shape[channel_dim]
+    codes = codes.movedim(channel_dim, 0).reshape(channels, -1).to(torch.uint8)
+    return codes, scale.reshape(channels), minimum.reshape(channels)
+
+
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, shape: torch.Size, channel_dim: int = 0
+) -> torch.Tensor:
+    """``codes * scale + zero_point`` in float32, laid out back into ``shape``."""
+    values = codes.to(torch.float32).mul_(scale.float().unsqueeze(1)).add_(zero_point.float().unsqueeze(1))
+    moved = [shape[channel_dim]] + [s for d, s in enumerate(shape) if d != channel_dim]
+    return values.reshape(moved).movedim(0, channel_dim).contiguous()
+
+
 # ----------------------------------------------------------------------------- errors (backward)
 
 

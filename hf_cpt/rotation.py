@@ -11,11 +11,15 @@ an odd part (384 = 12 x 32, 1536 = 12 x 128, 3072 = 12 x 256) a Paley Hadamard m
 ``q + 1`` (``q`` a prime, ``q = 3 mod 4``). An odd part with no such matrix gets a dense random
 orthogonal factor. The rotation is applied factor by factor (``sum(factor sizes)`` operations per
 value instead of ``d`` for a dense matrix) and is a deterministic function of ``(d, seed)``, so a
-reloaded checkpoint rebuilds the same one. This module knows nothing about layers or training.
+reloaded checkpoint rebuilds the same one (packed checkpoints also store the tensors themselves, so a
+loaded layer computes with the very rotation it trained with). Every tensor is built on an explicit CPU
+device: transformers builds models under a meta-device context before loading weights, and a rotation
+built there would have no data. This module knows nothing about layers or training.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,6 +29,7 @@ MAX_FACTOR = 32  # largest power-of-two Hadamard factor applied as one small mat
 MAX_PALEY_ORDER = 64  # larger Paley factors cost more than a dense factor for the odd part
 MAX_DENSE_FACTOR = 256  # largest odd part handled by a dense orthogonal factor
 DEFAULT_SEED = 0
+_CPU = torch.device("cpu")  # explicit: a default-device context (transformers' meta loading) must not apply
 
 
 def _is_prime(n: int) -> bool:
@@ -38,19 +43,20 @@ def paley_hadamard(order: int) -> torch.Tensor:
         raise ValueError(f"Paley's construction needs order - 1 to be a prime = 3 mod 4, got order {order}.")
     residues = {(i * i) % q for i in range(1, q)}
     chi = [0] + [1 if i in residues else -1 for i in range(1, q)]
-    jacobsthal = torch.tensor([[chi[(j - i) % q] for j in range(q)] for i in range(q)], dtype=torch.float64)
-    skew = torch.zeros(order, order, dtype=torch.float64)
+    jacobsthal = torch.tensor([[chi[(j - i) % q] for j in range(q)] for i in range(q)], dtype=torch.float64,
+                              device=_CPU)
+    skew = torch.zeros(order, order, dtype=torch.float64, device=_CPU)
     skew[0, 1:] = 1.0
     skew[1:, 0] = -1.0
     skew[1:, 1:] = jacobsthal
-    return skew + torch.eye(order, dtype=torch.float64)
+    return skew + torch.eye(order, dtype=torch.float64, device=_CPU)
 
 
 def sylvester_hadamard(order: int) -> torch.Tensor:
     """Hadamard matrix of a power-of-two order (Sylvester's construction)."""
     if order < 1 or order & (order - 1):
         raise ValueError(f"Sylvester's construction needs a power of two, got {order}.")
-    matrix = torch.ones(1, 1, dtype=torch.float64)
+    matrix = torch.ones(1, 1, dtype=torch.float64, device=_CPU)
     while matrix.shape[0] < order:
         matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
     return matrix
@@ -161,30 +167,42 @@ class Rotation:
         return self.apply(eye)
 
 
-_cache: dict[tuple, Rotation] = {}
-
-
 def _orthonormal(kind: str, size: int, generator: torch.Generator) -> torch.Tensor:
     if kind == "paley":
         return paley_hadamard(size) / math.sqrt(size)
     if kind == "sylvester":
         return sylvester_hadamard(size) / math.sqrt(size)
-    q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
+    q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64, device=_CPU))
     return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=64)
+def _float64_rotation(features: int, seed: int) -> Rotation:
+    # A pure function of (features, seed) on the CPU; callers get copies (`Rotation.to`), never these tensors.
+    generator = torch.Generator(device=_CPU).manual_seed(seed * 1_000_003 + features)
+    signs = torch.randint(0, 2, (features,), generator=generator, dtype=torch.int64, device=_CPU)
+    signs = signs.to(torch.float64) * 2 - 1
+    kinds = factor_sizes(features)
+    factors = tuple(_orthonormal(kind, size, generator) for kind, size in kinds)
+    return Rotation(features, signs, factors, tuple(kind for kind, _ in kinds))
 
 
 def get_rotation(
     features: int, seed: int = DEFAULT_SEED, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> Rotation:
-    """The rotation of ``features`` input features for ``seed`` (cached; deterministic)."""
-    key = (features, seed, str(device), dtype)
-    rotation = _cache.get(key)
-    if rotation is None:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + features)
-        signs = torch.randint(0, 2, (features,), generator=generator, dtype=torch.int64).to(torch.float64) * 2 - 1
-        kinds = factor_sizes(features)
-        factors = tuple(_orthonormal(kind, size, generator) for kind, size in kinds)
-        rotation = Rotation(features, signs, factors, tuple(kind for kind, _ in kinds))
-        rotation = rotation.to(torch.device(device), dtype)
-        _cache[key] = rotation
-    return rotation
+    """The rotation of ``features`` input features for ``seed`` (deterministic), as new tensors on ``device``."""
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("a rotation needs real tensors: build it on the device the weights will live on, not 'meta'")
+    source = _float64_rotation(features, seed)
+    return Rotation(
+        features,
+        source.signs.to(device=device, dtype=dtype, copy=True),
+        tuple(f.to(device=device, dtype=dtype, copy=True) for f in source.factors),
+        source.kinds,
+    )
+
+
+def rotation_shapes(features: int) -> list[tuple[int, ...]]:
+    """Shapes of a rotation's tensors, signs first, then one square factor each (no tensor is built)."""
+    return [(features,)] + [(size, size) for _, size in factor_sizes(features)]

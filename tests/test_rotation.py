@@ -47,7 +47,7 @@ def test_rotation_spreads_an_outlier_and_is_deterministic():
     rotated = rotation.apply(spike)
     assert torch.allclose(rotated.abs(), torch.full((384,), 100.0 / 384**0.5), atol=1e-4)  # a full Hadamard
     assert [kind for kind, _ in factor_sizes(384)] == ["paley", "sylvester"]  # 12 x 32, not a dense factor
-    rotation_module._cache.clear()  # rebuilt from (features, seed) alone, as after a reload
+    rotation_module._float64_rotation.cache_clear()  # rebuilt from (features, seed) alone, as after a reload
     again = get_rotation(384, seed=3)
     assert torch.equal(again.matrix(), rotation.matrix())
     assert not torch.equal(get_rotation(384, seed=4).matrix(), rotation.matrix())
