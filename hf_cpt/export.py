@@ -22,6 +22,7 @@ from .packing import (
     ACT_MAX,
     ACT_MIN,
     FORMAT_VERSION,
+    MAX_EXPORT_BITS,
     PACKED,
     QUANT_METHOD,
     REQUIRES_HF_CPT,
@@ -324,6 +325,12 @@ def portable_state_dict(
 def resolve_export_bits(model: nn.Module, bits: int | None, cpt_config: CPTConfig | None) -> int:
     """``bits`` if given, else the run's ``bits_max``, else the precision the model evaluates at."""
     if bits is None and cpt_config is not None and cpt_config.schedule != "fp32":
+        if cpt_config.bits_max > MAX_EXPORT_BITS:
+            raise ValueError(
+                f"CPTConfig.bits_max={cpt_config.bits_max} is above the {MAX_EXPORT_BITS} bits a CPT checkpoint "
+                f"stores: pass bits=<1..{MAX_EXPORT_BITS}> to export the model at that precision, or save the FP32 "
+                "master weights (save_format='fp32')."
+            )
         bits = cpt_config.bits_max
     if bits is None:
         stored = getattr(getattr(model, "config", None), "quantization_config", None)

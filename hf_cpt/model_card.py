@@ -12,7 +12,7 @@ from torch import nn
 
 from .config import CPTConfig, json_safe
 from .schedules import schedule_from_config
-from .version import INSTALL_COMMAND, PROJECT_URL
+from .version import INSTALL_HINT
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,9 @@ def _exactness_section(fields: dict[str, Any]) -> list[str]:
     effect = fields.get("rounding_effect")
     if not fields.get("float_packed_modules"):
         return ["## Exactness", "", "This checkpoint is **exact**: loaded with `import hf_cpt`, it reproduces the "
-                f"trained model evaluated at {fields['bits']} bits (outputs equal up to float rounding, max relative "
-                "difference at most 1e-5).", ""]
+                f"trained model evaluated at {fields['bits']} bits: the layers compute with the stored codes, "
+                "rotations and activation ranges, and attention runs through the same function (max relative output "
+                "difference at most 1e-5; 0 in hf-cpt's tests).", ""]
     lines = ["## Exactness: a lossy export", "", "Weights that trained in FP32 were **rounded after training** "
              f"(`float_weight_bits={fields.get('float_weight_bits')!r}`), so this checkpoint does not reproduce the "
              "trained model exactly."]
@@ -223,7 +224,7 @@ def render_model_card(
     all_tags += [t for t in (tags or []) if t not in all_tags]
     lines = _front_matter(all_tags, metadata or {})
     lines += [f"# {model_name or type(model).__name__}", ""]
-    intro = f"Trained with **Cyclic Precision Training (CPT)** using [hf-cpt]({PROJECT_URL})"
+    intro = "Trained with **Cyclic Precision Training (CPT)** using hf-cpt"
     if checkpoint_format == "packed":
         lines.append(
             f"{intro} and stored as a{'n' if bits == 8 else ''} **{bits}-bit packed CPT checkpoint**: integer weights, "
@@ -236,18 +237,18 @@ def render_model_card(
     lines += ["", "## How to load", ""]
     if checkpoint_format == "packed":
         lines.append(
-            f"Loading needs hf-cpt: `{INSTALL_COMMAND}`, then `import hf_cpt` before `from_pretrained` "
+            f"Loading needs hf-cpt: {INSTALL_HINT}, then `import hf_cpt` before `from_pretrained` "
             "(it registers the `cpt` quantization method with transformers)."
         )
     elif checkpoint_format == "portable":
         lines.append(
             "Plain transformers loads it as a float model (weights on the quantization grid, activations not "
-            f"quantized). To rebuild the CPT layers with their activation quantizers: `{INSTALL_COMMAND}`, then "
+            f"quantized). To rebuild the CPT layers with their activation quantizers: {INSTALL_HINT}, then "
             "`import hf_cpt` before `from_pretrained`."
         )
     else:
         lines.append(
-            f"Plain transformers loads it. To fine-tune it with CPT again: `{INSTALL_COMMAND}` and "
+            f"Plain transformers loads it. To fine-tune it with CPT again: {INSTALL_HINT}, and use "
             "`hf_cpt.CPTTrainer(model=model, cpt_config=...)`."
         )
     lines += ["", "```python"]

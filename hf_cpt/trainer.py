@@ -24,6 +24,7 @@ from .export import packed_state_dict, portable_state_dict, resolve_export_bits
 from .fidelity import output_fidelity
 from .layers import PrecisionState
 from .model_card import eval_metrics_from_log_history, write_model_card
+from .packing import MAX_EXPORT_BITS
 from .prt import PrecisionRangeResult, rng_state, run_precision_range_test_for_trainer, set_rng_state, to_device
 from .schedules import PrecisionSchedule, grad_schedule_from_config, schedule_from_config, training_precision
 from .surgery import (
@@ -279,6 +280,12 @@ class CPTTrainer(Trainer):
                 return fresh
 
             kwargs["model_init"] = quantized_model_init
+        if self.cpt_save_format != "fp32" and self.cpt_save_bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
+            logger.warning(
+                "CPTTrainer: CPTConfig.bits_max=%d is above the %d bits a CPT checkpoint stores; save_model() and "
+                "push_to_hub() will write the FP32 master weights (or pass bits=<1..%d> to export at that precision).",
+                self.cpt_config.bits_max, MAX_EXPORT_BITS, MAX_EXPORT_BITS,
+            )
         self.cpt_callback = CPTCallback(self.cpt_config)
         self.cpt_callback.logs_injected_by_trainer = True
         kwargs["callbacks"] = [self.cpt_callback] + list(kwargs.get("callbacks") or [])
@@ -435,6 +442,8 @@ class CPTTrainer(Trainer):
         reason = None
         if self.cpt_config.schedule == "fp32":
             reason = "the run trained in full precision (schedule='fp32')"
+        elif self.cpt_save_bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
+            reason = f"CPTConfig.bits_max={self.cpt_config.bits_max} exceeds the {MAX_EXPORT_BITS} bits of a checkpoint"
         elif not isinstance(model, PreTrainedModel):
             reason = f"{type(model).__name__} is not a transformers PreTrainedModel (e.g. a peft or plain torch model)"
         elif not is_quantized(model):

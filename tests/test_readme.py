@@ -29,8 +29,16 @@ def test_every_config_field_is_documented():
     assert not missing, f"CPTConfig fields missing from the README table: {missing}"
 
 
-def test_install_line_names_the_project_repository():
-    from hf_cpt.version import INSTALL_COMMAND
+def test_install_lines_name_what_exists(tmp_path):
+    """The README's install commands: the clone's own `pip install .` and the wheel that `pip wheel` builds."""
+    import subprocess
+    import sys
+
+    from hf_cpt.version import INSTALL_COMMAND, WHEEL_INSTALL_COMMAND, WHEEL_NAME
 
     text = open(README).read()
-    assert INSTALL_COMMAND in text and "\npip install hf-cpt\n" not in text
+    assert INSTALL_COMMAND in text and WHEEL_INSTALL_COMMAND in text and "\npip install hf-cpt\n" not in text
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), root], check=True, capture_output=True, timeout=300)
+    assert os.listdir(tmp_path) == [WHEEL_NAME]

@@ -173,3 +173,24 @@ def test_auto_scheme_rotates_transformer_layers_and_keeps_the_paper_scheme_for_c
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(16, 8), nn.Linear(8, 2))
     report = quantize_model(model, CPTConfig(exclude_modules=["3"]))
     assert report.schemes == {"0": "paper", "2": "rotated-per-token"}
+
+
+def test_rotation_has_data_under_a_meta_device_context():
+    """transformers builds models under ``torch.device("meta")`` before loading weights (the fresh-process
+    load failed there with 'Cannot copy out of meta tensor')."""
+    rotation_module._float64_rotation.cache_clear()  # nothing built before: the context applies to every factory
+    with torch.device("meta"):
+        rotation = get_rotation(384, seed=3)
+        layer = nn.Linear(384, 8)
+    assert rotation.signs.device.type == "cpu" and all(f.device.type == "cpu" for f in rotation.factors)
+    assert torch.equal(rotation.matrix(), get_rotation(384, seed=3).matrix())
+    with pytest.raises(ValueError, match="not 'meta'"):
+        get_rotation(384, seed=3, device="meta")
+
+    from hf_cpt.layers import PrecisionState, convert_layer, rotation_buffers
+
+    convert_layer(layer, PrecisionState(), "token", rotation_seed=3)  # a meta layer: placeholders to be loaded
+    shapes = {name: tuple(layer.get_buffer(name).shape) for name in layer.rotation_buffer_names()}
+    assert shapes == rotation_buffers(384) == {"rotation_signs": (384,), "rotation_factor_0": (12, 12),
+                                               "rotation_factor_1": (32, 32)}
+    assert layer.rotation_signs.device.type == "meta"
