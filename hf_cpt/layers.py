@@ -47,6 +47,8 @@ class PrecisionState:
         fused_error_quantizer: bool = True,
         activation_momentum: float = 0.9,
         activation_ema_init: str = "zeros",
+        error_granularity: str = "tensor",
+        error_rounding: str = "stochastic",
     ) -> None:
         self.bits = torch.zeros(())
         self.grad_bits = torch.zeros(())
@@ -60,6 +62,8 @@ class PrecisionState:
         # the running range): used to measure fidelity before training, when no running range exists yet.
         self.batch_ranges_in_eval = False
         self.fused_error_quantizer = fused_error_quantizer
+        self.error_granularity = error_granularity  # one range per error tensor, or per row (token)
+        self.error_rounding = error_rounding
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
 
@@ -70,7 +74,15 @@ class PrecisionState:
             fused_error_quantizer=settings.fused_error_quantizer,
             activation_momentum=settings.activation_momentum,
             activation_ema_init=settings.activation_ema_init,
+            # absent from checkpoints written before these settings existed: the paper's scheme
+            error_granularity=getattr(settings, "error_granularity", "tensor"),
+            error_rounding=getattr(settings, "error_rounding", "stochastic"),
         )
+
+    def quantize_error_on_backward(self, output: torch.Tensor, feature_dim: int = -1) -> torch.Tensor:
+        """Mark ``output`` so that the error arriving at it is quantized at the error bits, with these settings."""
+        return quantize_error_on_backward(output, self.grad_bits, self.fused_error_quantizer, self.error_granularity,
+                                          self.error_rounding, feature_dim)
 
     def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""
@@ -159,6 +171,7 @@ class QuantLayerMixin:
     weight_channel_dim = 0  # dimension of the weight that indexes output channels
     weight_feature_dim = -1  # dimension of the weight that indexes input features
     input_feature_dim = -1  # dimension of the input that indexes features
+    output_feature_dim = -1  # dimension of the output that indexes features (rows of the error run across it)
     cpt_precision: PrecisionState
     cpt_granularity: str = "tensor"
 
@@ -345,7 +358,7 @@ class QuantLayerMixin:
             weight = frozen if frozen is not None else quantize_weight(weight, bits, self.weight_channel_dim)
         out = self.compute(x, weight)
         if quantize_backward:
-            out = quantize_error_on_backward(out, precision.grad_bits, precision.fused_error_quantizer)
+            out = precision.quantize_error_on_backward(out, self.output_feature_dim)
         return out
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -387,6 +400,7 @@ class QuantConv2d(QuantLayerMixin, nn.Conv2d):
 
     weight_feature_dim = 1
     input_feature_dim = 1
+    output_feature_dim = 1
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, weight, self.bias)

@@ -3,7 +3,9 @@
 ``Q(x) = s * round(clamp((x - m) / s, 0, 2^b - 1)) + m`` with ``s = max((M - m) / (2^b - 1), 1e-8)``.
 Weights and input activations use deterministic rounding (round half to even) and are bit-exact
 with that formula; errors use stochastic rounding (uniform noise in [-1/2, 1/2) added before the
-clamp), which is unbiased inside the range. Forward quantizers pass gradients straight through.
+clamp), which is unbiased inside the range, over one range per error tensor as in the CPT paper, or
+one range per row (token) with ``granularity="token"`` (docs/method.md §2). Forward quantizers pass
+gradients straight through.
 
 Bits are 0-d tensors so that a changing bit-width never makes ``torch.compile`` re-trace.
 This module knows nothing about layers, schedules or the Trainer.
@@ -21,6 +23,9 @@ logger = logging.getLogger(__name__)
 MIN_SCALE = 1e-8
 # Below this many elements the eager error quantizer is as fast as the compiled one.
 FUSED_MIN_NUMEL = 1 << 16
+# How errors are quantized (docs/method.md §2): one range per tensor (the CPT paper) or per row (token).
+ERROR_GRANULARITIES = ("tensor", "token")
+ERROR_ROUNDINGS = ("stochastic", "nearest")
 
 
 def num_levels(bits: torch.Tensor) -> torch.Tensor:
@@ -188,15 +193,48 @@ def _fused_error_quantizer() -> Callable | None:
     return _compiled_error_quantizer
 
 
-def quantize_error(grad: torch.Tensor, bits: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    """Stochastic per-tensor quantization of an error tensor at ``bits``.
+def quantize_error_per_row(
+    grad: torch.Tensor, bits: torch.Tensor, feature_dim: int = -1, stochastic: bool = True
+) -> torch.Tensor:
+    """Quantization of an error tensor with one range per row (each token's own min / max over ``feature_dim``).
 
-    ``fused=True`` runs one compiled kernel (min/max, hashed noise, rounding) for large tensors and
-    falls back to the eager path, with one warning, if compilation is unavailable.
+    A row of zeros (padding, a token the loss never reached) stays exactly zero; no range is degenerate
+    into a division by zero (the scale is clamped as everywhere). ``stochastic=False`` rounds to nearest.
+    """
+    source = _compute_dtype(grad)
+    minimum, maximum = token_range(source, feature_dim)
+    levels = num_levels(bits.to(source.device)).to(source.dtype)
+    scale = quantization_scale(minimum, maximum, levels)
+    shifted = (source - minimum).div_(scale)
+    if stochastic:
+        shifted.add_(torch.empty_like(shifted).uniform_(-0.5, 0.5))
+    codes = shifted.clamp_min_(0.0).clamp_max_(levels).round_()
+    return codes.mul_(scale).add_(minimum).to(grad.dtype)
+
+
+def quantize_error(
+    grad: torch.Tensor,
+    bits: torch.Tensor,
+    fused: bool = True,
+    granularity: str = "tensor",
+    rounding: str = "stochastic",
+    feature_dim: int = -1,
+) -> torch.Tensor:
+    """Quantization of an error tensor at ``bits``: per tensor (the CPT paper) or per row, stochastic or nearest.
+
+    Per tensor with stochastic rounding, ``fused=True`` runs one compiled kernel (min/max, hashed noise,
+    rounding) for large tensors and falls back to the eager path, with one warning, if compilation is
+    unavailable; the other schemes run eagerly.
     """
     global _fused_disabled_reason
     if grad.numel() == 0:
         return grad
+    if granularity == "token":
+        return quantize_error_per_row(grad, bits, feature_dim, stochastic=rounding == "stochastic")
+    if rounding == "nearest":
+        source = _compute_dtype(grad)
+        minimum, maximum = tensor_range(source)
+        return fake_quantize(source, minimum, maximum, bits.to(source.device)).to(grad.dtype)
     if torch.compiler.is_compiling():
         # Already inside a compiled graph: the compiler fuses the plain formula itself.
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
@@ -223,19 +261,27 @@ class _QuantizeErrorOnBackward(torch.autograd.Function):
     """Identity in forward; quantizes the gradient flowing back through it."""
 
     @staticmethod
-    def forward(ctx, x, bits, fused):
+    def forward(ctx, x, bits, fused, granularity, rounding, feature_dim):
         ctx.bits = bits.detach().clone()
-        ctx.fused = fused
+        ctx.settings = (fused, granularity, rounding, feature_dim)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return quantize_error(grad_output, ctx.bits, ctx.fused), None, None
+        return quantize_error(grad_output, ctx.bits, *ctx.settings), None, None, None, None, None
 
 
-def quantize_error_on_backward(output: torch.Tensor, bits: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    """Mark ``output`` so that the error arriving at it is quantized once at ``bits``.
+def quantize_error_on_backward(
+    output: torch.Tensor,
+    bits: torch.Tensor,
+    fused: bool = True,
+    granularity: str = "tensor",
+    rounding: str = "stochastic",
+    feature_dim: int = -1,
+) -> torch.Tensor:
+    """Mark ``output`` so that the error arriving at it is quantized once at ``bits`` (see `quantize_error`).
 
-    Placed on a layer's output, the quantized error then drives both the input and weight gradient.
+    Placed on a layer's output, the quantized error then drives both the input and weight gradient;
+    ``feature_dim`` is the output's feature dimension (rows are taken across it with ``granularity="token"``).
     """
-    return _QuantizeErrorOnBackward.apply(output, bits, fused)
+    return _QuantizeErrorOnBackward.apply(output, bits, fused, granularity, rounding, feature_dim)

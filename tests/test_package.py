@@ -34,3 +34,17 @@ def test_no_module_imports_the_package_or_forms_a_cycle():
 def test_public_api_is_exported():
     missing = [name for name in hf_cpt.__all__ if not hasattr(hf_cpt, name)]
     assert not missing and "output_fidelity" in hf_cpt.__all__
+
+
+def test_import_does_not_load_the_trainer_until_it_is_used():
+    """`import hf_cpt` stays light: transformers' Trainer (seconds to import) loads on first use of CPTTrainer."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, hf_cpt; before = {'hf_cpt.trainer', 'transformers.trainer'} & set(sys.modules); "
+        "trainer = hf_cpt.CPTTrainer; from hf_cpt import CPTCallback; "
+        "print(sorted(before), trainer.__module__, CPTCallback.__module__, 'CPTTrainer' in dir(hf_cpt))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["[]", "hf_cpt.trainer", "hf_cpt.trainer", "True"], result.stderr[-2000:]

@@ -125,3 +125,89 @@ def test_half_precision_inputs_are_quantized_in_float32():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     g = quantize_error_eager(x, torch.tensor(8.0))
     assert g.dtype == torch.bfloat16 and torch.isfinite(g.float()).all()
+
+
+# ----------------------------------------------------------------------------- per-row (per-token) errors
+
+
+def reference_per_row(grad, bits, stochastic_noise=None):
+    """One range per row (last dimension), docs/method.md §3, written literally row by row in float32."""
+    source = grad.float()
+    rows = source.reshape(-1, source.shape[-1])
+    noise = None if stochastic_noise is None else stochastic_noise.reshape(rows.shape)
+    out = torch.empty_like(rows)
+    levels = 2**bits - 1
+    for i, row in enumerate(rows):
+        low, high = row.min(), row.max()
+        scale = torch.clamp((high - low) / levels, min=1e-8)
+        shifted = (row - low) / scale + (0 if noise is None else noise[i])
+        out[i] = torch.round(torch.clamp(shifted, 0, levels)) * scale + low
+    return out.reshape(source.shape).to(grad.dtype)
+
+
+def _error_with_padding(dtype):
+    torch.manual_seed(0)
+    grad = torch.randn(3, 7, 16) * torch.logspace(-4, 0, 7).view(1, 7, 1)  # magnitudes over 4 decades
+    grad[:, 5:] = 0.0  # padding tokens: zero rows
+    grad[1] = 0.0  # a whole sequence the loss never reached
+    return grad.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
+def test_per_row_error_with_nearest_rounding_matches_the_reference(bits, dtype):
+    grad = _error_with_padding(dtype)
+    got = quantize_error(grad, torch.tensor(float(bits)), granularity="token", rounding="nearest")
+    assert got.dtype == dtype and torch.isfinite(got.float()).all()
+    assert torch.equal(got, reference_per_row(grad, bits))
+    assert torch.equal(got[:, 5:], torch.zeros_like(got[:, 5:])) and torch.equal(got[1], torch.zeros_like(got[1]))
+    # small tokens keep their own grid: every row has levels, where one range per tensor leaves them at a step
+    per_tensor = quantize_error(grad, torch.tensor(float(bits)), granularity="tensor", rounding="nearest")
+    small = grad[0, 0].float()
+    assert float((got[0, 0].float() - small).abs().max()) < float((per_tensor[0, 0].float() - small).abs().max())
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_per_row_stochastic_rounding_is_the_reference_with_its_noise_and_unbiased(bits):
+    grad = _error_with_padding(torch.float32)
+    noise = torch.empty(grad.shape).uniform_(-0.5, 0.5)
+    torch.manual_seed(7)
+    got = quantize_error(grad, torch.tensor(float(bits)), granularity="token")
+    torch.manual_seed(7)
+    expected = reference_per_row(grad, bits, torch.empty(grad.shape).uniform_(-0.5, 0.5))
+    assert torch.equal(got, expected) and not torch.equal(got, reference_per_row(grad, bits, noise))
+    draws = torch.stack([quantize_error(grad, torch.tensor(float(bits)), granularity="token") for _ in range(4000)])
+    mean = draws.mean(0)
+    step = (grad.amax(-1, keepdim=True) - grad.amin(-1, keepdim=True)) / (2**bits - 1)
+    # unbiased: the mean of 4000 draws lies within 5 standard errors (step / 2 / sqrt(4000)) of the error
+    assert bool(((mean - grad).abs() <= 5 * step / 2 / 4000**0.5 + 1e-12).all())
+    assert torch.equal(draws[:, :, 5:], torch.zeros_like(draws[:, :, 5:]))  # zero rows stay exactly zero
+
+
+def test_layer_backward_uses_the_per_row_error_for_both_products():
+    from hf_cpt import CPTConfig, quantize_model, set_precision
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    quantize_model(layer, CPTConfig(include_modules=["0"], quant_scheme="paper", error_granularity="token",
+                                    error_rounding="nearest"))
+    set_precision(layer, 8, 6)
+    layer.train()
+    x = torch.randn(4, 5, 16, requires_grad=True)
+    error = torch.randn(4, 5, 8) * torch.logspace(-3, 0, 5).view(1, 5, 1)
+    layer(x).backward(error)
+    quantized_error = reference_per_row(error, 6)
+    weight = quantize_weight(layer[0].weight.detach(), torch.tensor(8.0))
+    torch.testing.assert_close(x.grad, quantized_error @ weight, rtol=1e-5, atol=1e-7)
+    x_q = fake_quantize(x.detach(), x.min(), x.max(), torch.tensor(8.0))
+    expected_weight_grad = quantized_error.reshape(-1, 8).t() @ x_q.reshape(-1, 16)
+    torch.testing.assert_close(layer[0].weight.grad, expected_weight_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_error_settings_are_validated_with_the_field_named():
+    from hf_cpt import CPTConfig
+
+    with pytest.raises(ValueError, match="CPTConfig.error_granularity must be one of"):
+        CPTConfig(error_granularity="channel")
+    with pytest.raises(ValueError, match="CPTConfig.error_rounding must be one of"):
+        CPTConfig(error_rounding="floor")
