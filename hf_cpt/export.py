@@ -143,9 +143,9 @@ def _quantization_fields(model: nn.Module, cpt_config: CPTConfig | None) -> dict
         },
         "activation_momentum": precision.activation_momentum,
         "activation_ema_init": precision.activation_ema_init,
-        "fused_error_quantizer": precision.fused_error_quantizer,
-        "error_granularity": precision.error_granularity,
-        "error_rounding": precision.error_rounding,
+        "fused_error_quantizer": precision.errors.fused,
+        "error_granularity": precision.errors.granularity,
+        "error_rounding": precision.errors.rounding,
         "cpt_config": json_safe(cpt_config.to_dict()) if cpt_config is not None else None,
         "hf_cpt_version": __version__,
     }

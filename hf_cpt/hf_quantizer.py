@@ -209,26 +209,17 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
                     f"quantization_config.layer_schemes[{name!r}] must be [granularity in "
                     f"{list(ACTIVATION_GRANULARITIES)}, rotation seed or null] for a quantized module, got {scheme!r}."
                 )
-        if self.quantized_attention is not None and self.quantized_attention not in ACTIVATION_GRANULARITIES:
-            raise ValueError(
-                f"quantization_config.quantized_attention must be null or one of {list(ACTIVATION_GRANULARITIES)}, "
-                f"got {self.quantized_attention!r}."
-            )
         if self.attention_routing is not None and not isinstance(self.attention_routing, str):
             raise ValueError(
                 f"quantization_config.attention_routing must be null or an attention implementation name, "
                 f"got {self.attention_routing!r}."
             )
-        if self.error_granularity not in ERROR_GRANULARITIES or self.error_rounding not in ERROR_ROUNDINGS:
-            raise ValueError(
-                f"quantization_config.error_granularity / error_rounding must be in {list(ERROR_GRANULARITIES)} / "
-                f"{list(ERROR_ROUNDINGS)}, got {self.error_granularity!r} / {self.error_rounding!r}."
-            )
-        if self.activation_ema_init not in EMA_INITS:
-            raise ValueError(
-                f"quantization_config.activation_ema_init must be one of {list(EMA_INITS)}, "
-                f"got {self.activation_ema_init!r}."
-            )
+        for field, choices in (("quantized_attention", (None, *ACTIVATION_GRANULARITIES)),
+                               ("error_granularity", ERROR_GRANULARITIES), ("error_rounding", ERROR_ROUNDINGS),
+                               ("activation_ema_init", EMA_INITS)):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"quantization_config.{field} must be one of {list(choices)}, "
+                                 f"got {getattr(self, field)!r}.")
 
     def to_dict(self) -> dict[str, Any]:
         return {key: json.loads(json.dumps(value)) for key, value in self.__dict__.items()}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quantizer import (
+    ErrorQuantization,
     channel_ranges,
     dequantize_codes,
     fake_quantize,
@@ -61,9 +62,7 @@ class PrecisionState:
         # Eval-mode forwards that quantize per-tensor inputs over the batch's own range (without updating
         # the running range): used to measure fidelity before training, when no running range exists yet.
         self.batch_ranges_in_eval = False
-        self.fused_error_quantizer = fused_error_quantizer
-        self.error_granularity = error_granularity  # one range per error tensor, or per row (token)
-        self.error_rounding = error_rounding
+        self.errors = ErrorQuantization(error_granularity, error_rounding, fused_error_quantizer)
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
 
@@ -81,8 +80,7 @@ class PrecisionState:
 
     def quantize_error_on_backward(self, output: torch.Tensor, feature_dim: int = -1) -> torch.Tensor:
         """Mark ``output`` so that the error arriving at it is quantized at the error bits, with these settings."""
-        return quantize_error_on_backward(output, self.grad_bits, self.fused_error_quantizer, self.error_granularity,
-                                          self.error_rounding, feature_dim)
+        return quantize_error_on_backward(output, self.grad_bits, self.errors, feature_dim)
 
     def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""
@@ -250,7 +248,7 @@ class QuantLayerMixin:
         frozen = self.__dict__.get("_frozen")
         if frozen is None or bits is None or bits != frozen[0]:
             return None
-        frozen_bits, weight_ref, version = frozen
+        _, weight_ref, version = frozen
         if weight_ref() is not self.weight or self.weight._version != version:
             self.unfreeze_weight()  # trained or replaced since loading: the master weight is the truth again
             return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,18 @@ FUSED_MIN_NUMEL = 1 << 16
 # How errors are quantized (docs/method.md §2): one range per tensor (the CPT paper) or per row (token).
 ERROR_GRANULARITIES = ("tensor", "token")
 ERROR_ROUNDINGS = ("stochastic", "nearest")
+
+
+@dataclass(frozen=True)
+class ErrorQuantization:
+    """How errors (output gradients) are quantized: ranges per tensor or per row, rounding, compiled kernel."""
+
+    granularity: str = "tensor"
+    rounding: str = "stochastic"
+    fused: bool = True  # the compiled kernel for per-tensor stochastic rounding
+
+
+PAPER_ERRORS = ErrorQuantization()  # the CPT paper: one range per tensor, stochastic rounding
 
 
 def num_levels(bits: torch.Tensor) -> torch.Tensor:
@@ -213,25 +226,20 @@ def quantize_error_per_row(
 
 
 def quantize_error(
-    grad: torch.Tensor,
-    bits: torch.Tensor,
-    fused: bool = True,
-    granularity: str = "tensor",
-    rounding: str = "stochastic",
-    feature_dim: int = -1,
+    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1
 ) -> torch.Tensor:
     """Quantization of an error tensor at ``bits``: per tensor (the CPT paper) or per row, stochastic or nearest.
 
-    Per tensor with stochastic rounding, ``fused=True`` runs one compiled kernel (min/max, hashed noise,
+    Per tensor with stochastic rounding, ``scheme.fused`` runs one compiled kernel (min/max, hashed noise,
     rounding) for large tensors and falls back to the eager path, with one warning, if compilation is
-    unavailable; the other schemes run eagerly.
+    unavailable; the other schemes run eagerly. ``feature_dim``: the dimension rows are taken across.
     """
     global _fused_disabled_reason
     if grad.numel() == 0:
         return grad
-    if granularity == "token":
-        return quantize_error_per_row(grad, bits, feature_dim, stochastic=rounding == "stochastic")
-    if rounding == "nearest":
+    if scheme.granularity == "token":
+        return quantize_error_per_row(grad, bits, feature_dim, stochastic=scheme.rounding == "stochastic")
+    if scheme.rounding == "nearest":
         source = _compute_dtype(grad)
         minimum, maximum = tensor_range(source)
         return fake_quantize(source, minimum, maximum, bits.to(source.device)).to(grad.dtype)
@@ -239,7 +247,7 @@ def quantize_error(
         # Already inside a compiled graph: the compiler fuses the plain formula itself.
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
         return quantize_error_hashed(grad, bits, seed)
-    if fused and grad.numel() >= FUSED_MIN_NUMEL:
+    if scheme.fused and grad.numel() >= FUSED_MIN_NUMEL:
         kernel = _fused_error_quantizer()
         if kernel is not None:
             seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
@@ -261,27 +269,22 @@ class _QuantizeErrorOnBackward(torch.autograd.Function):
     """Identity in forward; quantizes the gradient flowing back through it."""
 
     @staticmethod
-    def forward(ctx, x, bits, fused, granularity, rounding, feature_dim):
+    def forward(ctx, x, bits, scheme, feature_dim):
         ctx.bits = bits.detach().clone()
-        ctx.settings = (fused, granularity, rounding, feature_dim)
+        ctx.scheme, ctx.feature_dim = scheme, feature_dim
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return quantize_error(grad_output, ctx.bits, *ctx.settings), None, None, None, None, None
+        return quantize_error(grad_output, ctx.bits, ctx.scheme, ctx.feature_dim), None, None, None
 
 
 def quantize_error_on_backward(
-    output: torch.Tensor,
-    bits: torch.Tensor,
-    fused: bool = True,
-    granularity: str = "tensor",
-    rounding: str = "stochastic",
-    feature_dim: int = -1,
+    output: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1
 ) -> torch.Tensor:
     """Mark ``output`` so that the error arriving at it is quantized once at ``bits`` (see `quantize_error`).
 
     Placed on a layer's output, the quantized error then drives both the input and weight gradient;
     ``feature_dim`` is the output's feature dimension (rows are taken across it with ``granularity="token"``).
     """
-    return _QuantizeErrorOnBackward.apply(output, bits, fused, granularity, rounding, feature_dim)
+    return _QuantizeErrorOnBackward.apply(output, bits, scheme, feature_dim)

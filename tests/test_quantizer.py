@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from hf_cpt.quantizer import (
+    ErrorQuantization,
     channel_ranges,
     fake_quantize,
     hashed_uniform_noise,
@@ -70,7 +71,7 @@ def test_degenerate_range_gives_no_nan():
     assert torch.equal(out, constant)
     zeros = torch.zeros(300, 300)
     for fused in (False, True):
-        assert torch.equal(quantize_error(zeros, torch.tensor(8.0), fused=fused), zeros)
+        assert torch.equal(quantize_error(zeros, torch.tensor(8.0), ErrorQuantization(fused=fused)), zeros)
     assert quantize_error(torch.zeros(0), torch.tensor(8.0)).numel() == 0
 
 
@@ -111,11 +112,11 @@ def test_hashed_noise_is_uniform():
 def test_fused_compiled_error_quantizer_is_unbiased_and_on_grid():
     torch.manual_seed(0)
     x = _biased_probe(0.3, 1 << 18)
-    q = quantize_error(x, torch.tensor(2.0), fused=True)
+    q = quantize_error(x, torch.tensor(2.0), ErrorQuantization(fused=True))
     assert q.shape == x.shape and q.dtype == x.dtype
     assert abs(q[2:].mean().item() - 0.3) < 5 * (1 / 6) / (1 << 18) ** 0.5
     assert torch.isclose(q[2:, None], torch.tensor([0.0, 1 / 3, 2 / 3, 1.0])[None], atol=1e-6).any(1).all()
-    second = quantize_error(x, torch.tensor(2.0), fused=True)
+    second = quantize_error(x, torch.tensor(2.0), ErrorQuantization(fused=True))
     assert not torch.equal(q, second)  # fresh noise each call
 
 
@@ -157,12 +158,12 @@ def _error_with_padding(dtype):
 @pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
 def test_per_row_error_with_nearest_rounding_matches_the_reference(bits, dtype):
     grad = _error_with_padding(dtype)
-    got = quantize_error(grad, torch.tensor(float(bits)), granularity="token", rounding="nearest")
+    got = quantize_error(grad, torch.tensor(float(bits)), ErrorQuantization("token", "nearest"))
     assert got.dtype == dtype and torch.isfinite(got.float()).all()
     assert torch.equal(got, reference_per_row(grad, bits))
     assert torch.equal(got[:, 5:], torch.zeros_like(got[:, 5:])) and torch.equal(got[1], torch.zeros_like(got[1]))
     # small tokens keep their own grid: every row has levels, where one range per tensor leaves them at a step
-    per_tensor = quantize_error(grad, torch.tensor(float(bits)), granularity="tensor", rounding="nearest")
+    per_tensor = quantize_error(grad, torch.tensor(float(bits)), ErrorQuantization("tensor", "nearest"))
     small = grad[0, 0].float()
     assert float((got[0, 0].float() - small).abs().max()) < float((per_tensor[0, 0].float() - small).abs().max())
 
@@ -172,11 +173,12 @@ def test_per_row_stochastic_rounding_is_the_reference_with_its_noise_and_unbiase
     grad = _error_with_padding(torch.float32)
     noise = torch.empty(grad.shape).uniform_(-0.5, 0.5)
     torch.manual_seed(7)
-    got = quantize_error(grad, torch.tensor(float(bits)), granularity="token")
+    got = quantize_error(grad, torch.tensor(float(bits)), ErrorQuantization("token"))
     torch.manual_seed(7)
     expected = reference_per_row(grad, bits, torch.empty(grad.shape).uniform_(-0.5, 0.5))
     assert torch.equal(got, expected) and not torch.equal(got, reference_per_row(grad, bits, noise))
-    draws = torch.stack([quantize_error(grad, torch.tensor(float(bits)), granularity="token") for _ in range(4000)])
+    per_row = ErrorQuantization("token")
+    draws = torch.stack([quantize_error(grad, torch.tensor(float(bits)), per_row) for _ in range(4000)])
     mean = draws.mean(0)
     step = (grad.amax(-1, keepdim=True) - grad.amin(-1, keepdim=True)) / (2**bits - 1)
     # unbiased: the mean of 4000 draws lies within 5 standard errors (step / 2 / sqrt(4000)) of the error
