@@ -336,7 +336,7 @@ def expected_tensors(model: nn.Module, config: CPTQuantizationConfig) -> dict[st
             expected[f"{name}.{ACT_MAX}"] = ("F32", ())
     if config.stores_rotations:
         for name in config.quantized_modules:
-            granularity, seed = config.layer_scheme(name)
+            _, seed = config.layer_scheme(name)
             if seed is not None:
                 for buffer, shape in rotation_buffers(input_features(model.get_submodule(name))).items():
                     expected[f"{name}.{buffer}"] = ("F32", shape)
