@@ -68,9 +68,6 @@ RUNS = {
     "static-8/8-error-token-nearest": dict(schedule="static", bits_max=8, grad_bits=8, error_granularity="token",
                                            error_rounding="nearest"),
 }
-# The backward ablation's runs (bench/results/backward_ablation.json until it is complete).
-ABLATION_RUNS = ["static-8/8-error-token", "cpt-4-8/8-error-token", "cpt-5-8/8-error-token",
-                 "static-8/8-error-token-nearest"]
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]
 
 

@@ -114,15 +114,14 @@ class PrecisionState:
     def evaluating_at(self, bits: int | None, batch_ranges: bool = False) -> Iterator[None]:
         """Temporarily evaluate at ``bits`` (None: full precision), optionally with per-tensor inputs
         quantized over each batch's own range; the eval settings are restored afterwards."""
-        saved = (self.eval_enabled, self.eval_bits.clone(), self.eval_follows_training, self.batch_ranges_in_eval,
-                 self.eval_bits_value)
+        saved = (self.eval_bits_value, self.eval_follows_training, self.batch_ranges_in_eval)
         self.set_eval(bits)
         self.batch_ranges_in_eval = batch_ranges
         try:
             yield
         finally:
-            self.eval_enabled, _, self.eval_follows_training, self.batch_ranges_in_eval, self.eval_bits_value = saved
-            self.eval_bits.copy_(saved[1])
+            self.set_eval(saved[0], follow_training=saved[1])
+            self.batch_ranges_in_eval = saved[2]
 
     @property
     def current(self) -> tuple[int | None, int | None]:

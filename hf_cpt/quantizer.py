@@ -216,13 +216,11 @@ def quantize_error_per_row(
     """
     source = _compute_dtype(grad)
     minimum, maximum = token_range(source, feature_dim)
-    levels = num_levels(bits.to(source.device)).to(source.dtype)
-    scale = quantization_scale(minimum, maximum, levels)
-    shifted = (source - minimum).div_(scale)
-    if stochastic:
-        shifted.add_(torch.empty_like(shifted).uniform_(-0.5, 0.5))
-    codes = shifted.clamp_min_(0.0).clamp_max_(levels).round_()
-    return codes.mul_(scale).add_(minimum).to(grad.dtype)
+    bits = bits.to(source.device)
+    if not stochastic:
+        return fake_quantize(source, minimum, maximum, bits).to(grad.dtype)
+    noise = torch.empty_like(source).uniform_(-0.5, 0.5)
+    return _stochastic_quantize(source, minimum, maximum, bits, noise).to(grad.dtype)
 
 
 def quantize_error(

@@ -29,7 +29,6 @@ MAX_FACTOR = 32  # largest power-of-two Hadamard factor applied as one small mat
 MAX_PALEY_ORDER = 64  # larger Paley factors cost more than a dense factor for the odd part
 MAX_DENSE_FACTOR = 256  # largest odd part handled by a dense orthogonal factor
 DEFAULT_SEED = 0
-_CPU = torch.device("cpu")  # explicit: a default-device context (transformers' meta loading) must not apply
 
 
 def _is_prime(n: int) -> bool:
@@ -43,20 +42,19 @@ def paley_hadamard(order: int) -> torch.Tensor:
         raise ValueError(f"Paley's construction needs order - 1 to be a prime = 3 mod 4, got order {order}.")
     residues = {(i * i) % q for i in range(1, q)}
     chi = [0] + [1 if i in residues else -1 for i in range(1, q)]
-    jacobsthal = torch.tensor([[chi[(j - i) % q] for j in range(q)] for i in range(q)], dtype=torch.float64,
-                              device=_CPU)
-    skew = torch.zeros(order, order, dtype=torch.float64, device=_CPU)
+    jacobsthal = torch.tensor([[chi[(j - i) % q] for j in range(q)] for i in range(q)], dtype=torch.float64)
+    skew = torch.zeros(order, order, dtype=torch.float64)
     skew[0, 1:] = 1.0
     skew[1:, 0] = -1.0
     skew[1:, 1:] = jacobsthal
-    return skew + torch.eye(order, dtype=torch.float64, device=_CPU)
+    return skew + torch.eye(order, dtype=torch.float64)
 
 
 def sylvester_hadamard(order: int) -> torch.Tensor:
     """Hadamard matrix of a power-of-two order (Sylvester's construction)."""
     if order < 1 or order & (order - 1):
         raise ValueError(f"Sylvester's construction needs a power of two, got {order}.")
-    matrix = torch.ones(1, 1, dtype=torch.float64, device=_CPU)
+    matrix = torch.ones(1, 1, dtype=torch.float64)
     while matrix.shape[0] < order:
         matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
     return matrix
@@ -172,18 +170,19 @@ def _orthonormal(kind: str, size: int, generator: torch.Generator) -> torch.Tens
         return paley_hadamard(size) / math.sqrt(size)
     if kind == "sylvester":
         return sylvester_hadamard(size) / math.sqrt(size)
-    q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64, device=_CPU))
+    q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
     return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
 
 
 @functools.lru_cache(maxsize=64)
 def _float64_rotation(features: int, seed: int) -> Rotation:
-    # A pure function of (features, seed) on the CPU; callers get copies (`Rotation.to`), never these tensors.
-    generator = torch.Generator(device=_CPU).manual_seed(seed * 1_000_003 + features)
-    signs = torch.randint(0, 2, (features,), generator=generator, dtype=torch.int64, device=_CPU)
-    signs = signs.to(torch.float64) * 2 - 1
-    kinds = factor_sizes(features)
-    factors = tuple(_orthonormal(kind, size, generator) for kind, size in kinds)
+    # A pure function of (features, seed); callers get copies (`get_rotation`), never these tensors. Built under
+    # an explicit CPU device context, which overrides the meta-device context transformers loads models in.
+    with torch.device("cpu"):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + features)
+        signs = torch.randint(0, 2, (features,), generator=generator, dtype=torch.int64).to(torch.float64) * 2 - 1
+        kinds = factor_sizes(features)
+        factors = tuple(_orthonormal(kind, size, generator) for kind, size in kinds)
     return Rotation(features, signs, factors, tuple(kind for kind, _ in kinds))
 
 

@@ -280,11 +280,11 @@ class CPTTrainer(Trainer):
                 return fresh
 
             kwargs["model_init"] = quantized_model_init
-        if self.cpt_save_format != "fp32" and self.cpt_save_bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
+        unexportable = self._cpt_unexportable_bits_max()
+        if self.cpt_save_format != "fp32" and unexportable:
             logger.warning(
-                "CPTTrainer: CPTConfig.bits_max=%d is above the %d bits a CPT checkpoint stores; save_model() and "
-                "push_to_hub() will write the FP32 master weights (or pass bits=<1..%d> to export at that precision).",
-                self.cpt_config.bits_max, MAX_EXPORT_BITS, MAX_EXPORT_BITS,
+                "CPTTrainer: %s; save_model() and push_to_hub() will write the FP32 master weights (or pass "
+                "bits=<1..%d> to export at that precision).", unexportable, MAX_EXPORT_BITS,
             )
         self.cpt_callback = CPTCallback(self.cpt_config)
         self.cpt_callback.logs_injected_by_trainer = True
@@ -434,6 +434,13 @@ class CPTTrainer(Trainer):
     def _cpt_plain_model(self):
         return plain_model(self._cpt_unwrapped())
 
+    def _cpt_unexportable_bits_max(self) -> str | None:
+        """Why the default export precision (``bits_max``) cannot be stored, or None when it can."""
+        if self.cpt_save_bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
+            bits_max = self.cpt_config.bits_max
+            return f"CPTConfig.bits_max={bits_max} is above the {MAX_EXPORT_BITS} bits a CPT checkpoint stores"
+        return None
+
     def _cpt_default_save_format(self) -> str:
         """``cpt_save_format``, or "fp32" where a quantized export cannot apply (said in the log)."""
         if self.cpt_save_format == "fp32":
@@ -442,8 +449,8 @@ class CPTTrainer(Trainer):
         reason = None
         if self.cpt_config.schedule == "fp32":
             reason = "the run trained in full precision (schedule='fp32')"
-        elif self.cpt_save_bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
-            reason = f"CPTConfig.bits_max={self.cpt_config.bits_max} exceeds the {MAX_EXPORT_BITS} bits of a checkpoint"
+        elif unexportable := self._cpt_unexportable_bits_max():
+            reason = unexportable
         elif not isinstance(model, PreTrainedModel):
             reason = f"{type(model).__name__} is not a transformers PreTrainedModel (e.g. a peft or plain torch model)"
         elif not is_quantized(model):

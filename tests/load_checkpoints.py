@@ -37,6 +37,7 @@ def main(manifest_path: str) -> None:
             "dtype": str(next(model.parameters()).dtype),
             "training": model.training,
             "layers_frozen": sum(1 for _, layer in quant_layers(model) if "_frozen" in layer.__dict__),
+            "format_version": model.config.quantization_config.format_version,
         }
         if entry.get("train_more"):
             result.update(train_further(model, inputs, entry))

@@ -343,22 +343,6 @@ def test_loaded_model_runs_the_trained_attention_function_and_frozen_codes(tmp_p
     assert layer.frozen_codes(4) is None
 
 
-def test_version_2_checkpoints_still_load(tmp_path):
-    """Format 2 (no stored rotations, no attention routing, no marker): rotations are rebuilt from the seed."""
-    model, inputs, auto_class = calibrated("bert")
-    expected = logits(model, inputs, 8)
-    save_quantized(model, tmp_path, 8, model_card=False)
-    _edit_tensors(tmp_path, lambda t: [t.pop(k) for k in list(t) if ".rotation_" in k or k == REQUIRES_HF_CPT])
-    file = os.path.join(tmp_path, "config.json")
-    config = json.load(open(file))
-    config["quantization_config"]["format_version"] = 2
-    del config["quantization_config"]["attention_routing"]
-    json.dump(config, open(file, "w"))
-    loaded = auto_class.from_pretrained(tmp_path)
-    assert loaded.config.quantization_config.format_version == 2
-    assert float((logits(loaded, inputs) - expected).abs().max() / expected.abs().max()) <= 1e-5
-
-
 def test_bits_max_above_what_a_checkpoint_stores_is_said_before_training(tmp_path, caplog):
     """CPTConfig(bits_max=16) trains; the Trainer says at construction that save_model writes FP32 masters, and
     an explicit packed export names the field and the way out (it used to fail only after training)."""

@@ -177,6 +177,24 @@ def _train_and_save(name, family, fields, how, root, monkeypatch) -> tuple[list[
     return entries, moved
 
 
+def _as_format_2(source, target) -> None:
+    """A copy of a packed checkpoint as format 2 wrote it: no rotation tensors, no attention routing, no advice
+    tensor (a format-2 file on the Hub: its rotations are rebuilt from the seed when it loads)."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_cpt.packing import REQUIRES_HF_CPT
+
+    shutil.copytree(source, target)
+    file = os.path.join(target, "model.safetensors")
+    tensors = {k: v for k, v in load_file(file).items() if ".rotation_" not in k and k != REQUIRES_HF_CPT}
+    save_file(tensors, file, metadata={"format": "pt"})
+    config_file = os.path.join(target, "config.json")
+    config = json.load(open(config_file))
+    config["quantization_config"]["format_version"] = 2
+    del config["quantization_config"]["attention_routing"]
+    json.dump(config, open(config_file, "w"))
+
+
 def _run_loader(entries: list[dict], manifest) -> dict[str, dict]:
     manifest.write_text(json.dumps(entries))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -211,7 +229,9 @@ def test_trained_checkpoints_reload_exactly_in_a_fresh_process(trained_checkpoin
     # what else users do with a loaded checkpoint: other loading options, a second save, further training
     base = next(e for e in entries if e["name"] == "bert-default@8")
     gpt2 = next(e for e in entries if e["name"] == "gpt2-embeddings-attention@4")
+    _as_format_2(base["path"], tmp_path / "format2")
     first += [
+        base | {"name": "bert-default@8 written as format 2", "path": str(tmp_path / "format2")},
         base | {"name": "bert-default@8 device_map=cpu", "load_kwargs": {"device_map": "cpu"}},
         base | {"name": "bert-default@8 low_cpu_mem_usage", "load_kwargs": {"low_cpu_mem_usage": True}},
         base | {"name": "bert-default@8 torch_dtype=bfloat16", "load_kwargs": {"torch_dtype": "bfloat16"}},
@@ -227,6 +247,7 @@ def test_trained_checkpoints_reload_exactly_in_a_fresh_process(trained_checkpoin
     bad = {name: row["max_rel_diff"] for name, row in results.items() if row["max_rel_diff"] > TOLERANCE}
     assert not bad, bad
     assert all(row["layers_frozen"] > 0 and not row["training"] for row in results.values())
+    assert results["bert-default@8 written as format 2"]["format_version"] == 2  # older files keep loading
     # bf16 is documented: a CPT checkpoint rebuilds FP32 masters (and says so), so it stays exact
     bf16 = results["bert-default@8 torch_dtype=bfloat16"]
     assert bf16["dtype"] == "torch.float32" and "loading in float32 instead of torch.bfloat16" in bf16["stderr"]
