@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .bits import check_bits
-from .quantizer import ERROR_GRANULARITIES, ERROR_ROUNDINGS
+from .quantizer import ERROR_GRANULARITIES, ERROR_PRODUCTS, ERROR_ROTATIONS, ERROR_ROUNDINGS
 from .schedules import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
 
 EVAL_PRECISIONS = ("max", "current", "fp32")
@@ -169,6 +169,21 @@ class CPTConfig:
         default="stochastic",
         metadata={"help": "Rounding of the quantized errors: 'stochastic' (unbiased, the CPT paper) or 'nearest'."},
     )
+    error_products: str = field(
+        default="both",
+        metadata={
+            "help": "Backward products that use the quantized error: 'both' (the CPT paper), 'input' (the input "
+            "gradient; the weight gradient from the full-precision error, as SwitchBack does, priced at 32-bit "
+            "errors) or 'weight'."
+        },
+    )
+    error_rotation: str = field(
+        default="none",
+        metadata={
+            "help": "Orthogonal rotation of the error before quantizing (and back): 'none', 'features' (across the "
+            "output features) or 'tokens' (across tokens, in Hadamard blocks of 64, as HALO does)."
+        },
+    )
     fused_error_quantizer: bool = field(
         default=True,
         metadata={
@@ -280,12 +295,10 @@ class CPTConfig:
                 f"CPTConfig.fidelity_threshold must be a cosine similarity in [-1, 1] or None, "
                 f"got {self.fidelity_threshold!r}."
             )
-        if self.error_granularity not in ERROR_GRANULARITIES:
-            raise ValueError(
-                f"CPTConfig.error_granularity must be one of {ERROR_GRANULARITIES}, got {self.error_granularity!r}."
-            )
-        if self.error_rounding not in ERROR_ROUNDINGS:
-            raise ValueError(f"CPTConfig.error_rounding must be one of {ERROR_ROUNDINGS}, got {self.error_rounding!r}.")
+        for name, choices in (("error_granularity", ERROR_GRANULARITIES), ("error_rounding", ERROR_ROUNDINGS),
+                              ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"CPTConfig.{name} must be one of {choices}, got {getattr(self, name)!r}.")
         if self.activation_ema_init not in EMA_INITS:
             raise ValueError(
                 f"CPTConfig.activation_ema_init must be one of {EMA_INITS}, got {self.activation_ema_init!r}."

@@ -28,15 +28,22 @@ from torch import nn
 
 from .attention import find_attention_quantizer
 from .layers import QUANT_LAYER_CLASSES, QuantLayerMixin
+from .quantizer import error_rotation_operations
 
 FULL_PRECISION_BITS = 32
 
 
-def bitops_per_mac(bits: int | None, grad_bits: int | None) -> int:
-    """Bit products per forward MAC over one training step (forward + two backward GEMMs)."""
+def bitops_per_mac(bits: int | None, grad_bits: int | None, error_products: str = "both") -> int:
+    """Bit products per forward MAC over one training step (forward + two backward GEMMs).
+
+    ``error_products`` (`hf_cpt.CPTConfig.error_products`): a product whose error is not quantized
+    ("input": the weight gradient; "weight": the input gradient) takes the full-precision error, 32 bits.
+    """
     weight_bits = activation_bits = bits if bits is not None else FULL_PRECISION_BITS
     error_bits = grad_bits if grad_bits is not None else FULL_PRECISION_BITS
-    return weight_bits * activation_bits + error_bits * weight_bits + error_bits * activation_bits
+    input_error_bits = error_bits if error_products in ("both", "input") else FULL_PRECISION_BITS
+    weight_error_bits = error_bits if error_products in ("both", "weight") else FULL_PRECISION_BITS
+    return weight_bits * activation_bits + input_error_bits * weight_bits + weight_error_bits * activation_bits
 
 
 def relative_cost(bits: int | None, grad_bits: int | None) -> float:
@@ -46,7 +53,11 @@ def relative_cost(bits: int | None, grad_bits: int | None) -> float:
 
 def rotation_bitops_per_value(rotation) -> int:
     """Bit operations to rotate one value, forward and backward (`hf_cpt.rotation.Rotation`)."""
-    adds, mults = rotation.operations_per_value
+    return _rotation_bitops(*rotation.operations_per_value)
+
+
+def _rotation_bitops(adds: int, mults: int) -> int:
+    # There and back, in full precision: additions at 32 bits, multiplications at 32 x 32.
     return 2 * (adds * FULL_PRECISION_BITS + mults * FULL_PRECISION_BITS * FULL_PRECISION_BITS)
 
 
@@ -124,11 +135,16 @@ class CostMeter:
     def __init__(self, model: nn.Module, static_bits: int | None, static_grad_bits: int | None, scale: int = 1):
         self.static_bits = static_bits
         self.static_grad_bits = static_grad_bits
+        errors = next((m.cpt_precision.errors for m in model.modules() if isinstance(m, QuantLayerMixin)), None)
+        self.error_products = errors.products if errors is not None else "both"
+        self._error_rotation = errors.rotation if errors is not None else "none"
+        self._error_rotation_price: dict[int, int] = {}  # bit operations per error value, by output features
         self.scale = scale  # e.g. the number of data-parallel processes sharing a global batch
         self.totals = CostTotals()
         self._quantized_macs = 0
         self._float_macs = 0
         self._rotation_bitops = 0
+        self._error_rotation_bitops = 0  # counted only for steps that quantize errors
         layers = [module for module in model.modules() if isinstance(module, tuple(QUANT_LAYER_CLASSES))]
         # Bit operations per rotated value of each rotated layer (fixed for the run), looked up by the hook.
         self._rotation_price = {
@@ -150,25 +166,41 @@ class CostMeter:
             price = self._rotation_price.get(id(module))
             if price is not None and inputs:  # counted in end_step only for steps that quantize
                 self._rotation_bitops += (inputs[0].numel() + module.weight.numel()) * price
+            if self._error_rotation != "none":
+                features = output.shape[module.output_feature_dim]
+                if features not in self._error_rotation_price:
+                    self._error_rotation_price[features] = _rotation_bitops(
+                        *error_rotation_operations(self._error_rotation, features))
+                self._error_rotation_bitops += output.numel() * self._error_rotation_price[features]
         else:
             self._float_macs += macs
 
     def end_step(self, bits: int | None, grad_bits: int | None) -> None:
         """Close one optimizer step trained at (bits, grad_bits)."""
+        attention = 0
         if self._attention is not None:
-            attention_quantized, attention_float = self._attention.drain_macs()
-            self._quantized_macs += attention_quantized
+            attention, attention_float = self._attention.drain_macs()
             self._float_macs += attention_float
-        quantized, float_ = self._quantized_macs * self.scale, self._float_macs * self.scale
+        layers, attention = self._quantized_macs * self.scale, attention * self.scale
+        quantized, float_ = layers + attention, self._float_macs * self.scale
         full = bitops_per_mac(None, None)
         totals = self.totals
-        rotation = self._rotation_bitops * self.scale if bits is not None else 0.0  # FP32 steps do not rotate
-        totals.bitops += quantized * bitops_per_mac(bits, grad_bits) + float_ * full + rotation
+
+        def price(bits: int | None, grad_bits: int | None) -> float:
+            # Attention products quantize the errors of both their products whatever error_products says.
+            return layers * bitops_per_mac(bits, grad_bits, self.error_products) + attention * bitops_per_mac(
+                bits, grad_bits)
+
+        def rotations(bits: int | None, grad_bits: int | None) -> float:
+            # Layers rotate inputs and weights when they quantize them (FP32 steps do not), errors likewise.
+            return self.scale * ((self._rotation_bitops if bits is not None else 0)
+                                 + (self._error_rotation_bitops if grad_bits is not None else 0))
+
+        rotation = rotations(bits, grad_bits)
+        totals.bitops += price(bits, grad_bits) + float_ * full + rotation
         totals.rotation_bitops += rotation
-        static_rotation = self._rotation_bitops * self.scale if self.static_bits is not None else 0.0
-        totals.static_bitops += (
-            quantized * bitops_per_mac(self.static_bits, self.static_grad_bits) + float_ * full + static_rotation
-        )
+        static_rotation = rotations(self.static_bits, self.static_grad_bits)
+        totals.static_bitops += price(self.static_bits, self.static_grad_bits) + float_ * full + static_rotation
         totals.fp32_bitops += (quantized + float_) * full
         totals.steps += 1
         totals.steps_at_bits[bits] += 1
@@ -177,7 +209,7 @@ class CostMeter:
         else:
             totals.quantized_macs += quantized
             totals.float_macs += float_
-        self._quantized_macs = self._float_macs = self._rotation_bitops = 0
+        self._quantized_macs = self._float_macs = self._rotation_bitops = self._error_rotation_bitops = 0
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -146,6 +146,8 @@ def _quantization_fields(model: nn.Module, cpt_config: CPTConfig | None) -> dict
         "fused_error_quantizer": precision.errors.fused,
         "error_granularity": precision.errors.granularity,
         "error_rounding": precision.errors.rounding,
+        "error_products": precision.errors.products,
+        "error_rotation": precision.errors.rotation,
         "cpt_config": json_safe(cpt_config.to_dict()) if cpt_config is not None else None,
         "hf_cpt_version": __version__,
     }

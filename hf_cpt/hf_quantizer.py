@@ -60,7 +60,7 @@ from .packing import (
     unpack_codes,
     weight_channel_dim,
 )
-from .quantizer import ERROR_GRANULARITIES, ERROR_ROUNDINGS, dequantize_codes
+from .quantizer import ERROR_GRANULARITIES, ERROR_PRODUCTS, ERROR_ROTATIONS, ERROR_ROUNDINGS, dequantize_codes
 from .surgery import dequantize_model
 from .version import __version__
 
@@ -83,7 +83,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
     ``shared_weights`` (tied weights, ``{module: module_it_shares_with}``), ``guard_tensor``,
     ``activation_ranges`` (portable only), the activation-quantizer settings
     (``activation_momentum``, ``activation_ema_init``, ``fused_error_quantizer``, ``error_granularity``,
-    ``error_rounding``: what further training of the loaded model uses) and, for the record,
+    ``error_rounding``, ``error_products``, ``error_rotation``: what further training of the loaded model uses) and, for the record,
     the run's ``cpt_config`` and ``hf_cpt_version``. Format 2 adds ``layer_schemes``
     (``{layer: [granularity, rotation seed or null]}`` for per-token, rotated and weight-only layers;
     absent layers are per tensor without rotation, as in format 1) and, for a lossy export,
@@ -108,6 +108,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         fused_error_quantizer: bool = True,
         error_granularity: str = "tensor",
         error_rounding: str = "stochastic",
+        error_products: str = "both",
+        error_rotation: str = "none",
         cpt_config: dict[str, Any] | None = None,
         hf_cpt_version: str | None = None,
         layer_schemes: dict[str, list] | None = None,
@@ -132,6 +134,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
         self.fused_error_quantizer = fused_error_quantizer
         self.error_granularity = error_granularity  # how a loaded model quantizes errors if trained further
         self.error_rounding = error_rounding
+        self.error_products = error_products
+        self.error_rotation = error_rotation
         self.cpt_config = cpt_config
         self.hf_cpt_version = hf_cpt_version
         # {layer: [activation granularity, rotation seed or None]}; absent (format 1): per tensor, no rotation
@@ -216,6 +220,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
             )
         for field, choices in (("quantized_attention", (None, *ACTIVATION_GRANULARITIES)),
                                ("error_granularity", ERROR_GRANULARITIES), ("error_rounding", ERROR_ROUNDINGS),
+                               ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS),
                                ("activation_ema_init", EMA_INITS)):
             if getattr(self, field) not in choices:
                 raise ValueError(f"quantization_config.{field} must be one of {list(choices)}, "

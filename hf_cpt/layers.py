@@ -9,6 +9,7 @@ a model reads them from one shared `PrecisionState`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 
@@ -22,6 +23,7 @@ from .quantizer import (
     dequantize_codes,
     fake_quantize,
     quantize_codes,
+    quantize_error,
     quantize_error_on_backward,
     quantize_ste,
     quantize_weight,
@@ -50,6 +52,8 @@ class PrecisionState:
         activation_ema_init: str = "zeros",
         error_granularity: str = "tensor",
         error_rounding: str = "stochastic",
+        error_products: str = "both",
+        error_rotation: str = "none",
     ) -> None:
         self.bits = torch.zeros(())
         self.grad_bits = torch.zeros(())
@@ -62,7 +66,12 @@ class PrecisionState:
         # Eval-mode forwards that quantize per-tensor inputs over the batch's own range (without updating
         # the running range): used to measure fidelity before training, when no running range exists yet.
         self.batch_ranges_in_eval = False
-        self.errors = ErrorQuantization(error_granularity, error_rounding, fused_error_quantizer)
+        self.errors = ErrorQuantization(
+            error_granularity, error_rounding, fused_error_quantizer, error_products, error_rotation
+        )
+        # The attention products (two activations, no weight) quantize the errors of both their products,
+        # unrotated, with the layers' ranges and rounding.
+        self.attention_errors = dataclasses.replace(self.errors, products="both", rotation="none")
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
 
@@ -76,11 +85,17 @@ class PrecisionState:
             # absent from checkpoints written before these settings existed: the paper's scheme
             error_granularity=getattr(settings, "error_granularity", "tensor"),
             error_rounding=getattr(settings, "error_rounding", "stochastic"),
+            error_products=getattr(settings, "error_products", "both"),
+            error_rotation=getattr(settings, "error_rotation", "none"),
         )
 
-    def quantize_error_on_backward(self, output: torch.Tensor, feature_dim: int = -1) -> torch.Tensor:
-        """Mark ``output`` so that the error arriving at it is quantized at the error bits, with these settings."""
-        return quantize_error_on_backward(output, self.grad_bits, self.errors, feature_dim)
+    def quantize_error_on_backward(
+        self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False
+    ) -> torch.Tensor:
+        """Mark ``output`` so that the error arriving at it is quantized at the error bits, with these settings
+        (``attention=True``: the attention products' settings)."""
+        scheme = self.attention_errors if attention else self.errors
+        return quantize_error_on_backward(output, self.grad_bits, scheme, feature_dim)
 
     def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""
@@ -353,13 +368,27 @@ class QuantLayerMixin:
                 x = rotation.apply(x, self.input_feature_dim)
             x = self.quantize_input(x, bits)
             weight = frozen if frozen is not None else quantize_weight(weight, bits, self.weight_channel_dim)
-        out = self.compute(x, weight)
-        if quantize_backward:
-            out = precision.quantize_error_on_backward(out, self.output_feature_dim)
-        return out
+        if not quantize_backward:
+            return self.compute(x, weight)
+        if precision.errors.products != "both":
+            return _ProductsWithOwnErrors.apply(x, weight, self.bias, self, precision.grad_bits, precision.errors)
+        return precision.quantize_error_on_backward(self.compute(x, weight), self.output_feature_dim)
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``d(compute)/dx`` applied to ``error`` (generic: by autograd through ``compute``; subclasses write
+        the product directly)."""
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            return torch.autograd.grad(self.compute(x, weight.detach()), x, error)[0]
+
+    def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``d(compute)/dweight`` applied to ``error`` (generic: by autograd through ``compute``)."""
+        with torch.enable_grad():
+            weight = weight.detach().requires_grad_()
+            return torch.autograd.grad(self.compute(x.detach(), weight), weight, error)[0]
 
     def quantized_weight(self, bits: int | None = None, rotated: bool = False) -> torch.Tensor:
         """The weight as the layer uses it at ``bits`` (default: the eval precision), without grad.
@@ -381,11 +410,51 @@ class QuantLayerMixin:
             return snapped if rotated else self.rotate_weight(snapped, inverse=True)
 
 
+class _ProductsWithOwnErrors(torch.autograd.Function):
+    """A layer's GEMM whose two backward products take different errors (docs/method.md §2).
+
+    The input gradient uses the quantized error when ``scheme.quantizes_input_gradient``, else the
+    full-precision one; likewise the weight (and bias) gradient. The error is quantized once. The
+    products run in the error's dtype (bf16 under autocast, as autograd's own backward would).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, bits, scheme):
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.bits, ctx.scheme = layer, bits.detach().clone(), scheme
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return layer.compute(x, weight)
+
+    @staticmethod
+    def backward(ctx, error):
+        x, weight = ctx.saved_tensors
+        layer, scheme = ctx.layer, ctx.scheme
+        quantized = quantize_error(error, ctx.bits, scheme, layer.output_feature_dim)
+        input_error = quantized if scheme.quantizes_input_gradient else error
+        weight_error = quantized if scheme.quantizes_weight_gradient else error
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = layer.input_gradient(input_error, x.to(error.dtype), weight.to(error.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = layer.weight_gradient(weight_error, x.to(error.dtype), weight.to(error.dtype))
+            grad_weight = grad_weight.to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            feature_dim = layer.output_feature_dim % weight_error.dim()
+            grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
 class QuantLinear(QuantLayerMixin, nn.Linear):
     """``nn.Linear`` with CPT fake quantization; weights quantized per output row."""
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight, self.bias)
+
+    def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return error.matmul(weight)
+
+    def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return error.reshape(-1, error.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
 class QuantConv2d(QuantLayerMixin, nn.Conv2d):
@@ -402,6 +471,21 @@ class QuantConv2d(QuantLayerMixin, nn.Conv2d):
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, weight, self.bias)
 
+    def _direct_gradients(self) -> bool:
+        return self.padding_mode == "zeros" and not isinstance(self.padding, str)
+
+    def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self._direct_gradients():
+            return super().input_gradient(error, x, weight)
+        return torch.nn.grad.conv2d_input(x.shape, weight, error, self.stride, self.padding, self.dilation,
+                                          self.groups)
+
+    def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self._direct_gradients():
+            return super().weight_gradient(error, x, weight)
+        return torch.nn.grad.conv2d_weight(x, weight.shape, error, self.stride, self.padding, self.dilation,
+                                           self.groups)
+
 
 QUANT_LAYER_CLASSES: dict[type, type] = {nn.Linear: QuantLinear, nn.Conv2d: QuantConv2d}
 
@@ -416,6 +500,12 @@ if Conv1D is not None:
         def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             size_out = x.size()[:-1] + (self.nf,)
             return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), weight).view(size_out)
+
+        def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return error.matmul(weight.t())
+
+        def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return x.reshape(-1, x.shape[-1]).t().matmul(error.reshape(-1, error.shape[-1]))
 
     QUANT_LAYER_CLASSES[Conv1D] = QuantConv1D
 

@@ -13,11 +13,15 @@ This module knows nothing about layers, schedules or the Trainer.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from .rotation import Rotation, can_rotate, get_rotation, sylvester_hadamard
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +31,33 @@ FUSED_MIN_NUMEL = 1 << 16
 # How errors are quantized (docs/method.md §2): one range per tensor (the CPT paper) or per row (token).
 ERROR_GRANULARITIES = ("tensor", "token")
 ERROR_ROUNDINGS = ("stochastic", "nearest")
+# Which backward products use the quantized error: both, the input gradient only (the weight gradient
+# from the full-precision error, as SwitchBack does), or the weight gradient only.
+ERROR_PRODUCTS = ("both", "input", "weight")
+# An orthogonal rotation of the error before quantizing (and back after): none, across the output
+# features (the layer's own rotation construction), or across tokens in Hadamard blocks (as HALO does).
+ERROR_ROTATIONS = ("none", "features", "tokens")
+TOKEN_BLOCK = 64  # tokens mixed by one Hadamard block under rotation="tokens"
+ERROR_ROTATION_SEED = 1  # a rotation of the error independent of the layers' input rotations (seed 0)
 
 
 @dataclass(frozen=True)
 class ErrorQuantization:
-    """How errors (output gradients) are quantized: ranges per tensor or per row, rounding, compiled kernel."""
+    """How errors (output gradients) are quantized: ranges, rounding, rotation, which products use them."""
 
     granularity: str = "tensor"
     rounding: str = "stochastic"
-    fused: bool = True  # the compiled kernel for per-tensor stochastic rounding
+    fused: bool = True  # compiled kernels for stochastic rounding (per tensor and per row)
+    products: str = "both"
+    rotation: str = "none"
+
+    @property
+    def quantizes_input_gradient(self) -> bool:
+        return self.products in ("both", "input")
+
+    @property
+    def quantizes_weight_gradient(self) -> bool:
+        return self.products in ("both", "weight")
 
 
 PAPER_ERRORS = ErrorQuantization()  # the CPT paper: one range per tensor, stochastic rounding
@@ -195,15 +217,30 @@ def _quantize_error_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed
     return (codes * scale + minimum).view(grad.shape).to(grad.dtype)
 
 
-_compiled_error_quantizer: Callable | None = None
+def _quantize_error_rows_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    # Per row over the last dimension, hashed noise: the per-row twin of the per-tensor kernel above.
+    source = _compute_dtype(grad)
+    minimum = source.amin(dim=-1, keepdim=True)
+    maximum = source.amax(dim=-1, keepdim=True)
+    noise = hashed_uniform_noise(source.numel(), seed, source.device).view(source.shape)
+    levels = levels.to(source.dtype)
+    scale = quantization_scale(minimum, maximum, levels)
+    codes = torch.round(torch.minimum(((source - minimum) / scale + noise).clamp_min(0.0), levels))
+    return (codes * scale + minimum).to(grad.dtype)
+
+
+_compiled_error_kernels: dict[str, Callable] = {}
 _fused_disabled_reason: str | None = None
 
 
-def _fused_error_quantizer() -> Callable | None:
-    global _compiled_error_quantizer
-    if _compiled_error_quantizer is None and _fused_disabled_reason is None:
-        _compiled_error_quantizer = torch.compile(_quantize_error_hashed_levels, dynamic=True)
-    return _compiled_error_quantizer
+def _fused_error_kernel(granularity: str) -> Callable | None:
+    """The compiled stochastic error quantizer for ``granularity`` (built on first use), None once disabled."""
+    if _fused_disabled_reason is not None:
+        return None
+    if granularity not in _compiled_error_kernels:
+        source = _quantize_error_rows_hashed_levels if granularity == "token" else _quantize_error_hashed_levels
+        _compiled_error_kernels[granularity] = torch.compile(source, dynamic=True)
+    return _compiled_error_kernels[granularity]
 
 
 def quantize_error_per_row(
@@ -223,43 +260,116 @@ def quantize_error_per_row(
     return _stochastic_quantize(source, minimum, maximum, bits, noise).to(grad.dtype)
 
 
+# ----------------------------------------------------------------------------- error rotations
+
+
+@functools.lru_cache(maxsize=32)
+def _feature_rotation(features: int, device: torch.device, dtype: torch.dtype) -> Rotation | None:
+    return get_rotation(features, ERROR_ROTATION_SEED, device, dtype) if can_rotate(features) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _token_block(size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # Sylvester's H / sqrt(n) is symmetric and orthogonal: it is its own inverse.
+    return (sylvester_hadamard(size) / math.sqrt(size)).to(device=device, dtype=dtype)
+
+
+def error_rotation_operations(rotation: str, features: int) -> tuple[int, int]:
+    """(additions, multiplications) per error value for one direction of ``rotation`` (see `rotate_error`)."""
+    if rotation == "features":
+        matrix = _feature_rotation(features, torch.device("cpu"), torch.float32)
+        return matrix.operations_per_value if matrix is not None else (0, 0)
+    if rotation == "tokens":
+        return TOKEN_BLOCK.bit_length() - 1, 0  # a fast Walsh-Hadamard transform of each block
+    return 0, 0
+
+
+def rotate_error(
+    grad: torch.Tensor, rotation: str, feature_dim: int = -1
+) -> tuple[torch.Tensor, int, Callable[[torch.Tensor], torch.Tensor]]:
+    """``grad`` rotated for quantization: (rotated tensor, its feature dimension, the map back to ``grad``'s layout).
+
+    ``"features"``: ``e R`` over the feature dimension (sizes the rotation cannot factor stay unrotated).
+    ``"tokens"``: rows (tokens) mixed in blocks of `TOKEN_BLOCK` by a normalized Hadamard matrix, the last
+    block padded with zero rows that the map back drops. Rotations are orthogonal, so the map back is exact
+    up to float rounding and the quantization error is spread, not amplified.
+    """
+    source = _compute_dtype(grad)
+    if rotation == "features":
+        matrix = _feature_rotation(source.shape[feature_dim], source.device, source.dtype)
+        if matrix is None:
+            return grad, feature_dim, lambda q: q
+        return (matrix.apply(source, feature_dim), feature_dim,
+                lambda q: matrix.apply(q, feature_dim, transpose=True).to(grad.dtype))
+    if rotation != "tokens":
+        raise ValueError(f"error rotation must be one of {ERROR_ROTATIONS}, got {rotation!r}")
+    moved = source.movedim(feature_dim, -1)
+    features, rows = moved.shape[-1], moved.numel() // max(1, moved.shape[-1])
+    block = min(TOKEN_BLOCK, 1 << max(0, rows - 1).bit_length())
+    padded = torch.nn.functional.pad(moved.reshape(rows, features), (0, 0, 0, (-rows) % block))
+    hadamard = _token_block(block, source.device, source.dtype)
+    mixed = torch.matmul(hadamard, padded.view(-1, block, features)).view(-1, features)
+
+    def back(quantized: torch.Tensor) -> torch.Tensor:
+        unmixed = torch.matmul(hadamard, quantized.view(-1, block, features)).view(-1, features)[:rows]
+        return unmixed.reshape(moved.shape).movedim(-1, feature_dim).to(grad.dtype)
+
+    return mixed, -1, back
+
+
 def quantize_error(
     grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1
 ) -> torch.Tensor:
-    """Quantization of an error tensor at ``bits``: per tensor (the CPT paper) or per row, stochastic or nearest.
+    """Quantization of an error tensor at ``bits`` with ``scheme`` (docs/method.md §2).
 
-    Per tensor with stochastic rounding, ``scheme.fused`` runs one compiled kernel (min/max, hashed noise,
-    rounding) for large tensors and falls back to the eager path, with one warning, if compilation is
-    unavailable; the other schemes run eagerly. ``feature_dim``: the dimension rows are taken across.
+    Ranges per tensor (the CPT paper) or per row over ``feature_dim``; stochastic or nearest rounding;
+    optionally in a rotated basis (`rotate_error`) and rotated back. Stochastic rounding with
+    ``scheme.fused`` runs one compiled kernel (range, hashed noise, rounding) for large tensors and falls
+    back to the eager path, with one warning, if compilation is unavailable.
     """
-    global _fused_disabled_reason
     if grad.numel() == 0:
         return grad
-    if scheme.granularity == "token":
-        return quantize_error_per_row(grad, bits, feature_dim, stochastic=scheme.rounding == "stochastic")
+    if scheme.rotation == "none":
+        return _quantize_error_unrotated(grad, bits, scheme, feature_dim)
+    rotated, rotated_dim, back = rotate_error(grad, scheme.rotation, feature_dim)
+    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim))
+
+
+def _quantize_error_unrotated(
+    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int
+) -> torch.Tensor:
+    global _fused_disabled_reason
+    per_row = scheme.granularity == "token"
     if scheme.rounding == "nearest":
         source = _compute_dtype(grad)
-        minimum, maximum = tensor_range(source)
+        minimum, maximum = token_range(source, feature_dim) if per_row else tensor_range(source)
         return fake_quantize(source, minimum, maximum, bits.to(source.device)).to(grad.dtype)
-    if torch.compiler.is_compiling():
-        # Already inside a compiled graph: the compiler fuses the plain formula itself.
+    in_graph = torch.compiler.is_compiling()  # inside a compiled graph the compiler fuses the plain formula
+    kernel = None if in_graph or not scheme.fused or grad.numel() < FUSED_MIN_NUMEL else _fused_error_kernel(
+        scheme.granularity)
+    if in_graph or kernel is not None:
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
-        return quantize_error_hashed(grad, bits, seed)
-    if scheme.fused and grad.numel() >= FUSED_MIN_NUMEL:
-        kernel = _fused_error_quantizer()
-        if kernel is not None:
-            seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
-            try:
-                # Flat input: one compiled graph serves tensors of every rank.
-                flat = kernel(grad.contiguous().view(-1), num_levels(bits.to(grad.device)), seed)
-                return flat.view(grad.shape)
-            except Exception as error:  # compiler missing or failing: keep training, eagerly
-                _fused_disabled_reason = f"{type(error).__name__}: {error}"
-                logger.warning(
-                    "hf_cpt: the compiled error quantizer is unavailable (%s); using the eager one. "
-                    "Set CPTConfig(fused_error_quantizer=False) to silence this.",
-                    _fused_disabled_reason.splitlines()[0],
-                )
+        levels = num_levels(bits.to(grad.device))
+        try:
+            if per_row:  # rows over the last dimension: a view, so one compiled graph serves every layout
+                rows = (_quantize_error_rows_hashed_levels if in_graph else kernel)(
+                    grad.movedim(feature_dim, -1), levels, seed)
+                return rows.movedim(-1, feature_dim)
+            if in_graph:
+                return _quantize_error_hashed_levels(grad, levels, seed)
+            # Flat input: one compiled graph serves tensors of every rank.
+            return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
+        except Exception as error:  # compiler missing or failing: keep training, eagerly
+            if in_graph:
+                raise
+            _fused_disabled_reason = f"{type(error).__name__}: {error}"
+            logger.warning(
+                "hf_cpt: the compiled error quantizer is unavailable (%s); using the eager one. "
+                "Set CPTConfig(fused_error_quantizer=False) to silence this.",
+                _fused_disabled_reason.splitlines()[0],
+            )
+    if per_row:
+        return quantize_error_per_row(grad, bits, feature_dim)
     return quantize_error_eager(grad, bits)
 
 

@@ -687,3 +687,25 @@ def test_precision_profile_reaches_the_model_card(tmp_path):
     card = open(tmp_path / "card" / "README.md").read()
     assert "## Precision profile" in card and "| fp32 |" in card and "| 4 |" in card
     assert "pip install dist/hf_cpt-0.1.0-py3-none-any.whl" in card and "pip install hf-cpt`" not in card
+
+
+def test_error_settings_travel_with_the_checkpoint_and_train_the_loaded_model_the_same_way(tmp_path):
+    torch.manual_seed(0)
+    model, inputs, auto_class = _bert()
+    errors = dict(error_granularity="token", error_rounding="nearest", error_products="input", error_rotation="tokens")
+    quantize_model(model, CPTConfig(**errors))
+    save_quantized(model, tmp_path, 8, model_card=False)
+    config = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
+    assert {key: config[key] for key in errors} == errors
+    loaded = auto_class.from_pretrained(tmp_path)
+    precision = hf_cpt.find_precision_state(loaded)
+    assert (precision.errors.granularity, precision.errors.rounding, precision.errors.products,
+            precision.errors.rotation) == tuple(errors.values())
+
+
+@pytest.mark.parametrize("field,value", [("error_products", "bias"), ("error_rotation", "random")])
+def test_unknown_error_setting_in_a_checkpoint_is_named(packed_dir, field, value):
+    path, auto_class = packed_dir
+    _edit_config(path, **{field: value})
+    with pytest.raises(ValueError, match=rf"quantization_config\.{field} must be one of"):
+        auto_class.from_pretrained(path)

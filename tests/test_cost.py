@@ -89,3 +89,43 @@ def test_rotation_is_priced_forward_and_backward_and_reported_apart():
     # the share of MACs that ran in full precision: the FP32 head, then the whole FP32 step
     share = (f_macs * 2 + q_macs) / (2 * (q_macs + f_macs))
     assert totals.to_dict()["full_precision_mac_share"] == pytest.approx(share)
+
+
+def test_a_product_left_with_the_full_precision_error_is_priced_at_32_bit_errors():
+    assert bitops_per_mac(8, 8, "both") == bitops_per_mac(8, 8) == 3 * 64
+    assert bitops_per_mac(8, 8, "input") == 64 + 8 * 8 + 32 * 8  # the weight gradient: FP32 error x 8-bit input
+    assert bitops_per_mac(4, 8, "weight") == 16 + 32 * 4 + 8 * 4  # the input gradient: FP32 error x 4-bit weight
+    assert bitops_per_mac(None, None, "input") == bitops_per_mac(None, None)
+
+
+@pytest.mark.parametrize("products", ["input", "weight"])
+def test_meter_prices_each_product_at_the_bits_it_ran(products):
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 4))
+    quantize_model(model, CPTConfig(exclude_modules=["2"], quant_scheme="paper", error_products=products))
+    meter = CostMeter(model, static_bits=8, static_grad_bits=8)
+    set_precision(model, 4, 8)
+    model(torch.randn(6, 10)).sum().backward()
+    meter.end_step(4, 8)
+    q_macs, f_macs = 6 * 10 * 20, 6 * 20 * 4
+    expected = {"input": 16 + 8 * 4 + 32 * 4, "weight": 16 + 32 * 4 + 8 * 4}[products]
+    assert meter.totals.bitops == q_macs * expected + f_macs * 3072
+    assert meter.totals.static_bitops == q_macs * bitops_per_mac(8, 8, products) + f_macs * 3072
+
+
+@pytest.mark.parametrize("rotation", ["features", "tokens"])
+def test_error_rotation_is_priced_on_steps_that_quantize_errors(rotation):
+    from hf_cpt.rotation import get_rotation
+
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+    quantize_model(model, CPTConfig(exclude_modules=["2"], quant_scheme="paper", error_rotation=rotation))
+    meter = CostMeter(model, static_bits=8, static_grad_bits=8)
+    set_precision(model, 4, 8)
+    model(torch.randn(6, 10)).sum().backward()
+    meter.end_step(4, 8)
+    adds, mults = get_rotation(16).operations_per_value if rotation == "features" else (6, 0)  # log2(64) adds
+    per_value = 2 * (adds * 32 + mults * 32 * 32)
+    assert per_value > 0 and meter.totals.rotation_bitops == 6 * 16 * per_value
+    set_precision(model, 4, None)  # errors in full precision: nothing rotated
+    model(torch.randn(6, 10)).sum().backward()
+    meter.end_step(4, None)
+    assert meter.totals.rotation_bitops == 6 * 16 * per_value

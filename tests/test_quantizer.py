@@ -213,3 +213,157 @@ def test_error_settings_are_validated_with_the_field_named():
         CPTConfig(error_granularity="channel")
     with pytest.raises(ValueError, match="CPTConfig.error_rounding must be one of"):
         CPTConfig(error_rounding="floor")
+
+
+def test_new_error_settings_are_validated_with_the_field_named():
+    from hf_cpt import CPTConfig
+
+    with pytest.raises(ValueError, match="CPTConfig.error_products must be one of"):
+        CPTConfig(error_products="bias")
+    with pytest.raises(ValueError, match="CPTConfig.error_rotation must be one of"):
+        CPTConfig(error_rotation="random")
+
+
+# ----------------------------------------------------------------------------- which products take the quantized error
+
+
+def _paper_layer(kind):
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    if kind == "linear":
+        return torch.nn.Linear(16, 8), torch.randn(4, 5, 16), (4, 5, 8)
+    if kind == "conv1d":
+        return Conv1D(8, 16), torch.randn(4, 5, 16), (4, 5, 8)
+    if kind == "conv2d":
+        return torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.randn(2, 3, 9, 9), (2, 8, 5, 5)
+    return torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect"), torch.randn(2, 3, 9, 9), (2, 8, 9, 9)
+
+
+def _plain_forward(kind, x, weight, bias):
+    import torch.nn.functional as F
+
+    if kind == "linear":
+        return F.linear(x, weight, bias)
+    if kind == "conv1d":
+        return x @ weight + bias
+    if kind == "conv2d":
+        return F.conv2d(x, weight, bias, stride=2, padding=1)
+    return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), weight, bias)
+
+
+@pytest.mark.parametrize("products", ["input", "weight", "both"])
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d", "conv2d-reflect"])
+def test_each_backward_product_takes_the_error_it_was_given(kind, products):
+    """Input gradient from Q(e) or e, weight and bias gradients from Q(e) or e, against plain autograd."""
+    from hf_cpt import CPTConfig, quantize_model, set_precision
+
+    layer, x, out_shape = _paper_layer(kind)
+    model = torch.nn.Sequential(layer)
+    quantize_model(model, CPTConfig(include_modules=["0"], quant_scheme="paper", error_granularity="token",
+                                    error_rounding="nearest", error_products=products))
+    set_precision(model, 8, 4)
+    model.train()
+    x = x.requires_grad_()
+    feature_dim = 1 if kind.startswith("conv2d") else -1
+    error = torch.randn(out_shape) * torch.logspace(-3, 0, out_shape[-1]).view(*([1] * (len(out_shape) - 1)), -1)
+    model(x).backward(error)
+
+    quantized = reference_per_row(error.movedim(feature_dim, -1), 4).movedim(-1, feature_dim)
+    input_error = quantized if products in ("input", "both") else error
+    weight_error = quantized if products in ("weight", "both") else error
+    x_q = fake_quantize(x.detach(), x.min(), x.max(), torch.tensor(8.0)).requires_grad_()
+    w_q = quantize_weight(layer.weight.detach(), torch.tensor(8.0), layer.weight_channel_dim).requires_grad_()
+    bias = layer.bias.detach().clone().requires_grad_()
+    (grad_x,) = torch.autograd.grad(_plain_forward(kind, x_q, w_q, bias), x_q, input_error)
+    grad_w, grad_b = torch.autograd.grad(_plain_forward(kind, x_q, w_q, bias), (w_q, bias), weight_error)
+    torch.testing.assert_close(x.grad, grad_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.weight.grad, grad_w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.bias.grad, grad_b, rtol=1e-5, atol=1e-5)
+    if products != "both":  # the two errors really differ, so the check above could fail
+        assert not torch.allclose(input_error, weight_error)
+
+
+def test_split_products_under_bf16_autocast_give_full_precision_gradients():
+    from hf_cpt import CPTConfig, quantize_model, set_precision
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    quantize_model(model, CPTConfig(include_modules=["0"], error_granularity="token", error_products="input"))
+    set_precision(model, 8, 8)
+    model.train()
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().pow(2).sum().backward()
+    assert out.dtype == torch.bfloat16
+    assert x.grad.dtype == torch.float32 and model[0].weight.grad.dtype == torch.float32
+    assert model[0].bias.grad.dtype == torch.float32 and torch.isfinite(model[0].weight.grad).all()
+
+
+# ----------------------------------------------------------------------------- rotated errors
+
+
+def _sylvester(size):
+    """Hadamard matrix by Sylvester's doubling, written here independently of the library."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / size**0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+def test_token_rotated_error_is_quantized_in_hadamard_blocks_and_rotated_back(granularity, dtype):
+    grad = _error_with_padding(dtype)  # 21 rows of 16 features: one block of 32 rows, 11 of them padding
+    got = quantize_error(grad, torch.tensor(6.0), ErrorQuantization(granularity, "nearest", rotation="tokens"))
+    rows = torch.cat([grad.float().reshape(-1, 16), torch.zeros(11, 16)])
+    h = _sylvester(32)
+    mixed = h @ rows
+    if granularity == "token":
+        snapped = reference_per_row(mixed, 6)
+    else:
+        snapped = reference_quantize(mixed, mixed.min(), mixed.max(), 6)
+    expected = (h @ snapped)[:21].reshape(grad.shape).to(dtype)
+    assert got.dtype == dtype and torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_feature_rotated_error_is_quantized_in_the_rotated_basis_and_rotated_back():
+    from hf_cpt.rotation import get_rotation
+
+    grad = _error_with_padding(torch.float32)
+    got = quantize_error(grad, torch.tensor(6.0), ErrorQuantization("token", "nearest", rotation="features"))
+    matrix = get_rotation(16, seed=1).matrix()
+    assert torch.allclose(matrix @ matrix.t(), torch.eye(16), atol=1e-6)  # orthogonal
+    expected = reference_per_row(grad @ matrix, 6) @ matrix.t()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[:, 5:], torch.zeros_like(got[:, 5:]))  # a zero row rotates to a zero row and back
+
+
+@pytest.mark.parametrize("rotation", ["features", "tokens"])
+def test_rotated_stochastic_errors_are_unbiased(rotation):
+    grad = _error_with_padding(torch.float32)
+    scheme = ErrorQuantization("tensor", rotation=rotation)
+    draws = torch.stack([quantize_error(grad, torch.tensor(4.0), scheme) for _ in range(3000)])
+    # The rotated-back grid is not the input's, so compare the mean with a bound from the spread itself.
+    spread = draws.std(0)
+    assert bool(((draws.mean(0) - grad).abs() <= 5 * spread / 3000**0.5 + 1e-7).all())
+    assert float(draws.std(0).max()) > 0  # really stochastic
+
+
+@pytest.mark.slow
+def test_fused_per_row_error_quantizer_is_unbiased_on_each_rows_grid():
+    torch.manual_seed(0)
+    grad = torch.randn(64, 32, 48) * torch.logspace(-4, 0, 32).view(1, 32, 1)  # 98,304 values: the compiled path
+    grad[:, 30:] = 0.0
+    scheme = ErrorQuantization("token", fused=True)
+    q = quantize_error(grad, torch.tensor(3.0), scheme)
+    low, high = grad.amin(-1, keepdim=True), grad.amax(-1, keepdim=True)
+    step = ((high - low) / 7).clamp_min(1e-8)
+    codes = (q - low) / step
+    assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.min() >= -1e-3 and codes.max() <= 7 + 1e-3
+    assert torch.equal(q[:, 30:], torch.zeros_like(q[:, 30:]))
+    draws = torch.stack([quantize_error(grad, torch.tensor(3.0), scheme) for _ in range(200)])
+    assert not torch.equal(draws[0], draws[1])
+    assert bool(((draws.mean(0) - grad).abs() <= 5 * step / 2 / 200**0.5 + 1e-9).all())
