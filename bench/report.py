@@ -18,6 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]  # results_page, hf_cpt from a checkout
 
+import backward_page  # noqa: E402
 import results_page  # noqa: E402
 from results_page import by_run, mean, spread  # noqa: E402
 
@@ -113,7 +114,7 @@ def finetune_section(finetune: dict, settings: dict) -> list[str]:
 
 
 def readme_summary(results: dict) -> list[str]:
-    """The README's short table: fidelity at 4 bits and the fine-tuning accuracies."""
+    """The README's short table: fidelity at 4 bits (the fine-tuning table comes from `backward_page`)."""
     lines = []
     minilm = next((v for k, v in results.get("fidelity", {}).items() if "MiniLM" in k), None)
     if minilm:
@@ -121,16 +122,6 @@ def readme_summary(results: dict) -> list[str]:
                   "|---|" + "---|" * len(minilm),
                   "| output fidelity at 4 bits (cosine to FP32) | "
                   + " | ".join(f"{v['4']:.2f}" for v in minilm.values()) + " |", ""]
-    runs = _by_run(results.get("finetune", {}))
-    if runs:
-        header = "| MNLI fine-tuning (default settings unless named) | " + " | ".join(runs) + " |"
-        lines += [header, "|---|" + "---|" * len(runs),
-                  "| accuracy %, mean ± half range over seeds | "
-                  + " | ".join(_fmt_pct([e["metric"] for e in entries]) for entries in runs.values()) + " |",
-                  "| seeds | " + " | ".join(str(len(entries)) for entries in runs.values()) + " |",
-                  "| training cost vs static 8/8 (cost meter) | " + " | ".join(
-                      "-" if name == "fp32" else f"{mean(e['cost']['cost_vs_static'] for e in entries):.3f}"
-                      for name, entries in runs.items()) + " |"]
     return lines
 
 
@@ -198,6 +189,18 @@ def main() -> None:
             f.write(pretrained_page(pretrained))
         print(f"wrote {path}")
         replace_block(args.readme, "pretrained-summary", readme_summary(pretrained))
+    ablation = results_page.load(args.results, "backward_ablation.json")
+    if ablation and pretrained:
+        from hf_cpt import CPTConfig
+
+        default = CPTConfig().errors
+        default_errors = (default.granularity, default.rounding, default.products, default.rotation)
+        path = os.path.join(args.docs, "backward.md")
+        with open(path, "w") as f:
+            f.write(backward_page.backward_page(ablation, pretrained, default_errors))
+        print(f"wrote {path}")
+        replace_block(args.readme, "backward-summary",
+                      backward_page.readme_summary(ablation, pretrained, default_errors))
     path = os.path.join(args.docs, "RESULTS.md")
     with open(path, "w") as f:
         f.write(results_page.results_page(args.results, os.path.join(args.docs, "results")))

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .bits import check_bits
-from .quantizer import ERROR_GRANULARITIES, ERROR_PRODUCTS, ERROR_ROTATIONS, ERROR_ROUNDINGS
+from .quantizer import ERROR_GRANULARITIES, ERROR_PRODUCTS, ERROR_ROTATIONS, ERROR_ROUNDINGS, ErrorQuantization
 from .schedules import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
+
+logger = logging.getLogger(__name__)
+
+# num_cycles="auto": one cycle per AUTO_STEPS_PER_CYCLE optimizer steps, at least 1 and at most AUTO_MAX_CYCLES.
+AUTO_STEPS_PER_CYCLE = 100
+AUTO_MAX_CYCLES = 32
 
 EVAL_PRECISIONS = ("max", "current", "fp32")
 EMA_INITS = ("zeros", "first_batch")
@@ -30,7 +37,12 @@ class CPTConfig:
     """
 
     bits_min: int | str = field(
-        default=3, metadata={"help": "Lower bound of the forward precision (bits)."}
+        default=4,
+        metadata={
+            "help": "Lower bound of the forward precision (bits), or 'auto' (the precision range test). 4 by "
+            "default: the lowest that keeps a pretrained model's output (cosine >= 0.8, docs/pretrained.md); "
+            "the CPT paper's from-scratch runs use 3."
+        },
     )
     bits_max: int = field(default=8, metadata={"help": "Upper bound of the forward precision (bits)."})
     grad_bits: int = field(
@@ -44,7 +56,13 @@ class CPTConfig:
             "see `python -m hf_cpt schedules`) or a callable step -> bits."
         },
     )
-    num_cycles: int = field(default=32, metadata={"help": "Number of precision cycles over the run."})
+    num_cycles: int | str = field(
+        default="auto",
+        metadata={
+            "help": "Number of precision cycles over the run, or 'auto': one per 100 optimizer steps of the "
+            "schedule, from 1 to 32 (the CPT paper's 32 cycles over 64,000 steps; 2 for a 250-step fine-tune)."
+        },
+    )
     rounding: str = field(
         default="nearest",
         metadata={"help": "How the smooth schedule becomes bits: 'nearest' (CPT code) or 'ceil' (CPT paper)."},
@@ -158,11 +176,12 @@ class CPTConfig:
         },
     )
     error_granularity: str = field(
-        default="tensor",
+        default="auto",
         metadata={
             "help": "Ranges of the quantized errors (output gradients): 'tensor' (one per error tensor, the CPT "
-            "paper) or 'token' (one per row: each token's own range over the output features, per pixel for "
-            "Conv2d; keeps tokens whose error is small from falling below one quantization step)."
+            "paper), 'token' (one per row: each token's own range over the output features, per pixel for "
+            "Conv2d; keeps tokens whose error is small from falling below one quantization step) or 'auto' "
+            "(the default: 'token', and 'tensor' under quant_scheme='paper'; docs/backward.md)."
         },
     )
     error_rounding: str = field(
@@ -261,8 +280,10 @@ class CPTConfig:
                 f"CPTConfig.prt_window must be an integer in 1..prt_steps_per_precision "
                 f"({self.prt_steps_per_precision}), got {self.prt_window!r}."
             )
-        if not isinstance(self.num_cycles, int) or isinstance(self.num_cycles, bool) or self.num_cycles < 1:
-            raise ValueError(f"CPTConfig.num_cycles must be an integer >= 1, got {self.num_cycles!r}.")
+        if self.num_cycles != "auto" and (
+            not isinstance(self.num_cycles, int) or isinstance(self.num_cycles, bool) or self.num_cycles < 1
+        ):
+            raise ValueError(f"CPTConfig.num_cycles must be an integer >= 1 or 'auto', got {self.num_cycles!r}.")
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"CPTConfig.rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}.")
         if isinstance(self.eval_bits, str):
@@ -295,7 +316,7 @@ class CPTConfig:
                 f"CPTConfig.fidelity_threshold must be a cosine similarity in [-1, 1] or None, "
                 f"got {self.fidelity_threshold!r}."
             )
-        for name, choices in (("error_granularity", ERROR_GRANULARITIES), ("error_rounding", ERROR_ROUNDINGS),
+        for name, choices in (("error_granularity", ("auto", *ERROR_GRANULARITIES)), ("error_rounding", ERROR_ROUNDINGS),
                               ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"CPTConfig.{name} must be one of {choices}, got {getattr(self, name)!r}.")
@@ -304,21 +325,53 @@ class CPTConfig:
                 f"CPTConfig.activation_ema_init must be one of {EMA_INITS}, got {self.activation_ema_init!r}."
             )
 
+    @property
+    def errors(self) -> ErrorQuantization:
+        """How errors are quantized, with ``error_granularity='auto'`` resolved."""
+        granularity = self.error_granularity
+        if granularity == "auto":
+            granularity = "tensor" if self.quant_scheme == "paper" else "token"
+        return ErrorQuantization(granularity, self.error_rounding, self.fused_error_quantizer, self.error_products,
+                                 self.error_rotation)
+
+    def _schedule_steps(self, total_steps: int) -> int:
+        return total_steps - int(self.delay * total_steps)
+
+    def cycles_for(self, total_steps: int) -> int:
+        """The number of cycles over a run of ``total_steps`` optimizer steps (resolves ``num_cycles='auto'``)."""
+        if self.num_cycles != "auto":
+            return self.num_cycles
+        return min(AUTO_MAX_CYCLES, max(1, self._schedule_steps(total_steps) // AUTO_STEPS_PER_CYCLE))
+
     def check_total_steps(self, total_steps: int) -> None:
-        """Raise if the run is too short for the requested number of cycles."""
+        """Raise if the run is too short for the requested number of cycles; warn if its cycles are too short
+        to visit every bit-width between ``bits_min`` and ``bits_max``."""
         if total_steps < 1:
             raise ValueError(f"A CPT run needs at least one optimizer step, got total_steps={total_steps}.")
-        schedule_steps = total_steps - int(self.delay * total_steps)
+        schedule_steps = self._schedule_steps(total_steps)
         if schedule_steps < 1:
             raise ValueError(
                 f"CPTConfig.delay={self.delay} leaves no step of the {total_steps}-step run to the schedule."
             )
         shape = available_schedules().get(self.schedule) if isinstance(self.schedule, str) else None
-        if shape is not None and shape.cyclic and shape.level is not None and schedule_steps < self.num_cycles:
+        if shape is None or not shape.cyclic or shape.level is None:
+            return
+        cycles = self.cycles_for(total_steps)
+        after_delay = " after the delay" if self.delay else ""
+        if schedule_steps < cycles:
             raise ValueError(
-                f"CPTConfig.num_cycles={self.num_cycles} gives cycles shorter than one step for a run of "
-                f"{schedule_steps} optimizer steps{' after the delay' if self.delay else ''}; use at most "
-                f"{schedule_steps} cycles."
+                f"CPTConfig.num_cycles={cycles} gives cycles shorter than one step for a run of "
+                f"{schedule_steps} optimizer steps{after_delay}; use at most {schedule_steps} cycles "
+                f"or num_cycles='auto'."
+            )
+        levels = self.bits_max - self.bits_min + 1 if isinstance(self.bits_min, int) else None
+        if levels is not None and schedule_steps / cycles < levels:
+            logger.warning(
+                "hf_cpt: CPTConfig.num_cycles=%d gives cycles of %.1f steps in a run of %d optimizer steps%s, "
+                "fewer than the %d bit-widths from bits_min=%d to bits_max=%d each cycle should visit; "
+                "num_cycles='auto' gives %d.",
+                cycles, schedule_steps / cycles, schedule_steps, after_delay, levels, self.bits_min, self.bits_max,
+                dataclasses.replace(self, num_cycles="auto").cycles_for(total_steps),
             )
 
     @property

@@ -60,7 +60,14 @@ from .packing import (
     unpack_codes,
     weight_channel_dim,
 )
-from .quantizer import ERROR_GRANULARITIES, ERROR_PRODUCTS, ERROR_ROTATIONS, ERROR_ROUNDINGS, dequantize_codes
+from .quantizer import (
+    ERROR_GRANULARITIES,
+    ERROR_PRODUCTS,
+    ERROR_ROTATIONS,
+    ERROR_ROUNDINGS,
+    ErrorQuantization,
+    dequantize_codes,
+)
 from .surgery import dequantize_model
 from .version import __version__
 
@@ -225,6 +232,12 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
             if getattr(self, field) not in choices:
                 raise ValueError(f"quantization_config.{field} must be one of {list(choices)}, "
                                  f"got {getattr(self, field)!r}.")
+
+    @property
+    def errors(self) -> ErrorQuantization:
+        """How the loaded model quantizes errors if trained further (absent in older files: the paper's)."""
+        return ErrorQuantization(self.error_granularity, self.error_rounding, self.fused_error_quantizer,
+                                 self.error_products, self.error_rotation)
 
     def to_dict(self) -> dict[str, Any]:
         return {key: json.loads(json.dumps(value)) for key, value in self.__dict__.items()}

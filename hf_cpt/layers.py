@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quantizer import (
+    PAPER_ERRORS,
     ErrorQuantization,
     channel_ranges,
     dequantize_codes,
@@ -47,13 +48,9 @@ class PrecisionState:
 
     def __init__(
         self,
-        fused_error_quantizer: bool = True,
         activation_momentum: float = 0.9,
         activation_ema_init: str = "zeros",
-        error_granularity: str = "tensor",
-        error_rounding: str = "stochastic",
-        error_products: str = "both",
-        error_rotation: str = "none",
+        errors: ErrorQuantization = PAPER_ERRORS,
     ) -> None:
         self.bits = torch.zeros(())
         self.grad_bits = torch.zeros(())
@@ -66,28 +63,17 @@ class PrecisionState:
         # Eval-mode forwards that quantize per-tensor inputs over the batch's own range (without updating
         # the running range): used to measure fidelity before training, when no running range exists yet.
         self.batch_ranges_in_eval = False
-        self.errors = ErrorQuantization(
-            error_granularity, error_rounding, fused_error_quantizer, error_products, error_rotation
-        )
+        self.errors = errors
         # The attention products (two activations, no weight) quantize the errors of both their products,
         # unrotated, with the layers' ranges and rounding.
-        self.attention_errors = dataclasses.replace(self.errors, products="both", rotation="none")
+        self.attention_errors = dataclasses.replace(errors, products="both", rotation="none")
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:
         """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
-        return cls(
-            fused_error_quantizer=settings.fused_error_quantizer,
-            activation_momentum=settings.activation_momentum,
-            activation_ema_init=settings.activation_ema_init,
-            # absent from checkpoints written before these settings existed: the paper's scheme
-            error_granularity=getattr(settings, "error_granularity", "tensor"),
-            error_rounding=getattr(settings, "error_rounding", "stochastic"),
-            error_products=getattr(settings, "error_products", "both"),
-            error_rotation=getattr(settings, "error_rotation", "none"),
-        )
+        return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors)
 
     def quantize_error_on_backward(
         self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False

@@ -21,7 +21,8 @@ SCHEDULE_PLOT_NAME = "cpt_schedule.png"
 
 def schedule_for_card(cpt_config: CPTConfig, total_steps: int | None = None):
     """The run's `PrecisionSchedule` (a nominal 100 steps per cycle when the length is unknown), or None."""
-    steps = total_steps or 100 * cpt_config.num_cycles
+    nominal_cycles = cpt_config.num_cycles if cpt_config.num_cycles != "auto" else 1
+    steps = total_steps or 100 * nominal_cycles
     try:
         return schedule_from_config(cpt_config, steps)
     except (ValueError, NotImplementedError, TypeError) as error:
@@ -307,7 +308,8 @@ def render_model_card(
         lines.append(
             f"Forward bits (weights and activations) follow the `{json_safe(cpt_config.schedule)}` schedule between "
             f"{cost_report.get('bits_min', cpt_config.bits_min) if cost_report else cpt_config.bits_min} and "
-            f"{cpt_config.bits_max} bits over {cpt_config.num_cycles} cycles"
+            f"{cpt_config.bits_max} bits over "
+            f"{cpt_config.cycles_for(total_steps) if total_steps else cpt_config.num_cycles} cycles"
             + (f" of a {total_steps}-step run" if total_steps else "")
             + f"; {grad}."
         )

@@ -220,10 +220,16 @@ def check_fidelity_at_start(model: nn.Module, dataloader, bits_min: int, config:
         set_rng_state(rng)
     score = fidelity[bits_min]
     if score < config.fidelity_threshold:
+        passing = _lowest_passing_bits(model, batch, bits_min, config, fidelity)
+        fixes = []
         if config.quant_scheme not in ("rotated-per-token", "auto"):
-            fix = "CPTConfig(quant_scheme='rotated-per-token') (the default, 'auto', for transformers)"
+            fixes.append("CPTConfig(quant_scheme='rotated-per-token') (the default, 'auto', for transformers)")
+        if passing is not None:
+            fixes.append(f"CPTConfig(bits_min={passing}) (cosine {fidelity[passing]:.3f} on this batch)")
         else:
-            fix = f"a higher CPTConfig.bits_min (now {bits_min})"
+            fixes.append(f"a higher CPTConfig.bits_max, or check the model's outlier features: no bits_min up to "
+                         f"bits_max={config.bits_max} passes")
+        fix = " or ".join(fixes)
         logger.warning(
             "hf_cpt: at bits_min=%d the model's output keeps a cosine similarity of only %.3f to full precision "
             "on the first batch (threshold CPTConfig.fidelity_threshold=%.2f, quant_scheme=%r): training at this "
@@ -234,6 +240,21 @@ def check_fidelity_at_start(model: nn.Module, dataloader, bits_min: int, config:
     else:
         logger.info("hf_cpt: output fidelity at bits_min=%d on the first batch: %.3f.", bits_min, score)
     return fidelity
+
+
+def _lowest_passing_bits(model: nn.Module, batch, bits_min: int, config: CPTConfig,
+                         fidelity: dict[int, float]) -> int | None:
+    """The lowest bit-width above ``bits_min`` whose fidelity on ``batch`` passes the threshold (added to
+    ``fidelity``), None if none up to ``bits_max`` does."""
+    rng = rng_state()
+    try:
+        for bits in range(bits_min + 1, config.bits_max + 1):
+            fidelity.update(output_fidelity(model, batch, bits))
+            if fidelity[bits] >= config.fidelity_threshold:
+                return bits
+    finally:
+        set_rng_state(rng)
+    return None
 
 
 def format_cost_report(report: dict[str, Any]) -> str:

@@ -106,3 +106,40 @@ def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
     for figure in ("vision_curves.png", "language_model_curves.png", "schedule_sweep.png", "precision_profile.png"):
         assert (tmp_path / "docs" / "results" / figure).stat().st_size > 1000
     assert "| vision (accuracy %) |" in readme.read_text()
+
+
+def _entry(seed, metric, cost_vs_static, **config):
+    base = {"schedule": "static", "bits_min": 4, "bits_max": 8, "grad_bits": 8, "quant_scheme": "auto"}
+    cost = {"cost_vs_static": cost_vs_static, "cost_vs_fp32": cost_vs_static / 16, "full_precision_mac_share": 0.04}
+    return {"seed": seed, "metric": metric, "cpt_config": {**base, **config}, "cost": cost}
+
+
+def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against_fp32():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import backward_page
+
+    token = dict(error_granularity="token", error_rounding="stochastic", error_products="both", error_rotation="none")
+    pretrained = {"finetune": {
+        "fp32/seed0": _entry(0, 0.58, 2.0, schedule="fp32"), "fp32/seed1": _entry(1, 0.60, 1.0, schedule="fp32"),
+        "static-8/8/seed0": _entry(0, 0.53, 1.0),  # recorded before the error settings existed: per tensor
+        "static-8/8/seed1": _entry(1, 0.55, 1.0, error_granularity="tensor"),
+    }}
+    ablation = {"finetune": {
+        "static-8/8-error-token/seed0": _entry(0, 0.595, 1.0, **token),
+        "renamed/seed1": _entry(1, 0.585, 1.0, **token),  # grouped by its config, not its name
+        "cpt-4-8/8-error-token-input/seed0": _entry(0, 0.57, 0.80, schedule="cpt", **{**token, "error_products": "input"}),
+    }}
+    ablation["finetune"]["renamed/seed1"]["cost"].pop("full_precision_mac_share")
+    page = backward_page.backward_page(ablation, pretrained, ("token", "stochastic", "both", "none"))
+    assert "| FP32 | - | 0, 1 | 59.00 ± 1.00 | - |" in page
+    assert "| static 8/8 | one range per tensor, stochastic rounding, both products | 0, 1 | 54.00 ± 1.00 | -5.00 |" in page
+    row = "| static 8/8 | one range per row (token), stochastic rounding, both products (default) | 0, 1 | 59.00 ± 0.50 |"
+    assert row in page and "0.0625 †" in page  # a run without the attention count is marked
+    assert "CPT 4-8/8 | one range per row (token), stochastic rounding, input gradient only" in page
+    assert "- static 8/8, one range per row (token), stochastic rounding, both products: +0.00 points" in page
+    assert "meets the 0.5-point target." in page and "misses the 0.5-point target." in page
+    assert "one seed: a direction, not a result" in page  # the single CPT run
+    assert "costs 0.800 of static 8/8 (above the 0.75 target)" in page
+    summary = "\n".join(backward_page.readme_summary(ablation, pretrained, ("token", "stochastic", "both", "none")))
+    assert "static 8/8, per-tensor errors | static 8/8, default errors |" in summary
+    assert "| points vs FP32 | - | -5.00 | +0.00 |" in summary

@@ -3,11 +3,33 @@ import pytest
 from hf_cpt import CPTConfig
 
 
-def test_defaults_follow_the_cpt_paper():
+def test_defaults_follow_the_cpt_paper_where_the_evidence_does_not_say_otherwise():
     config = CPTConfig()
-    assert (config.bits_min, config.bits_max, config.grad_bits) == (3, 8, 8)
-    assert config.schedule == "cpt" and config.num_cycles == 32 and config.rounding == "nearest"
+    assert (config.bits_min, config.bits_max, config.grad_bits) == (4, 8, 8)  # 3 fails the fidelity check
+    assert config.schedule == "cpt" and config.num_cycles == "auto" and config.rounding == "nearest"
     assert config.eval_precision == 8
+
+
+@pytest.mark.parametrize("steps, cycles", [(40, 1), (250, 2), (1563, 15), (64000, 32), (10**6, 32)])
+def test_auto_cycles_follow_the_run_length(steps, cycles):
+    assert CPTConfig().cycles_for(steps) == cycles
+    assert CPTConfig(num_cycles=8).cycles_for(steps) == 8
+    assert CPTConfig(delay=0.5).cycles_for(steps) == max(1, min(32, (steps - steps // 2) // 100))
+
+
+def test_cycles_too_short_to_visit_every_bit_width_are_warned_with_the_auto_value(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.config"):
+        CPTConfig(num_cycles=32).check_total_steps(40)
+    assert "num_cycles=32 gives cycles of 1.2 steps in a run of 40 optimizer steps" in caplog.text
+    assert "fewer than the 5 bit-widths from bits_min=4 to bits_max=8" in caplog.text
+    assert "num_cycles='auto' gives 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.config"):
+        CPTConfig().check_total_steps(40)
+        CPTConfig(num_cycles=8).check_total_steps(400)
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize(
