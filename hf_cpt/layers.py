@@ -23,11 +23,13 @@ from .quantizer import (
     channel_ranges,
     dequantize_codes,
     fake_quantize,
+    fake_quantize_compact,
     quantize_codes,
     quantize_error,
     quantize_error_on_backward,
     quantize_ste,
     quantize_weight,
+    restore_compact,
     tensor_range,
     token_range,
 )
@@ -53,6 +55,7 @@ class PrecisionState:
         errors: ErrorQuantization = PAPER_ERRORS,
     ) -> None:
         self.bits = torch.zeros(())
+        self.compact_codes = False
         self.grad_bits = torch.zeros(())
         self.eval_bits = torch.zeros(())
         self.eval_bits_value: int | None = None  # eval_bits as a Python number (None: not enabled)
@@ -87,6 +90,8 @@ class PrecisionState:
         """Training precision: forward bits for weights and activations, backward bits for errors."""
         self.forward_enabled = bits is not None
         self.backward_enabled = grad_bits is not None
+        # Whether training codes fit in uint8: a flag, so that a compiled model does not re-trace per bit-width.
+        self.compact_codes = bits is not None and bits <= 8
         if bits is not None:
             self.bits.fill_(float(bits))
         if grad_bits is not None:
@@ -302,23 +307,24 @@ class QuantLayerMixin:
         return self.cpt_precision.forward_bits(self.training)
 
     def quantize_input(self, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """``x`` fake-quantized over `input_range` (straight-through gradient)."""
+        return quantize_ste(x, *self.input_range(x), bits)
+
+    def input_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: each row's own range. Per tensor: batch range in training (tracked by EMA), EMA in eval."""
         if self.cpt_granularity == "token":
-            minimum, maximum = token_range(x, self.input_feature_dim)
-            return quantize_ste(x, minimum, maximum, bits)
+            return token_range(x, self.input_feature_dim)
         if self.training:
             minimum, maximum = tensor_range(x)
             self._update_activation_range(minimum, maximum)
-            return quantize_ste(x, minimum, maximum, bits)
+            return minimum, maximum
         if self.cpt_precision.batch_ranges_in_eval:
-            minimum, maximum = tensor_range(x)
-            return quantize_ste(x, minimum, maximum, bits)
+            return tensor_range(x)
         # A layer never trained at low precision (an FP32 run, a model just converted) has no tracked
         # range (min == max == 0): it would quantize everything to one value. Use the batch's range there.
         batch_min, batch_max = tensor_range(x)
         tracked = self.act_max > self.act_min
-        return quantize_ste(x, torch.where(tracked, self.act_min, batch_min),
-                            torch.where(tracked, self.act_max, batch_max), bits)
+        return torch.where(tracked, self.act_min, batch_min), torch.where(tracked, self.act_max, batch_max)
 
     @torch.no_grad()
     def _update_activation_range(self, minimum: torch.Tensor, maximum: torch.Tensor) -> None:
@@ -341,24 +347,32 @@ class QuantLayerMixin:
         if bits is None and not quantize_backward:
             return super().forward(x)  # exactly the original layer
         weight = self.weight
-        frozen = self._frozen_weight() if bits is not None else None
-        if bits is not None and not self.quantizes_inputs:
-            weight = frozen if frozen is not None else quantize_weight(weight, bits, self.weight_channel_dim)
-        elif bits is not None:
-            rotation = self.rotation
-            if rotation is not None:
-                if frozen is None:
+        x_range = weight_range = (None, None)  # None: the operand is used as it is
+        if bits is not None:
+            frozen = self._frozen_weight()
+            rotation = self.rotation if self.quantizes_inputs else None
+            if frozen is not None:
+                weight = frozen  # the loaded codes, already in the rotated basis
+            else:
+                if rotation is not None:
                     weight = rotation.apply(weight, self.weight_feature_dim)
-                if rotation.signs.dtype != x.dtype:  # e.g. bf16 activations under autocast
-                    rotation = rotation.to(x.device, x.dtype)
-                x = rotation.apply(x, self.input_feature_dim)
-            x = self.quantize_input(x, bits)
-            weight = frozen if frozen is not None else quantize_weight(weight, bits, self.weight_channel_dim)
-        if not quantize_backward:
-            return self.compute(x, weight)
-        if precision.errors.products != "both":
-            return _ProductsWithOwnErrors.apply(x, weight, self.bias, self, precision.grad_bits, precision.errors)
-        return precision.quantize_error_on_backward(self.compute(x, weight), self.output_feature_dim)
+                weight_range = channel_ranges(weight, self.weight_channel_dim)
+            if self.quantizes_inputs:
+                if rotation is not None:
+                    if rotation.signs.dtype != x.dtype:  # e.g. bf16 activations under autocast
+                        rotation = rotation.to(x.device, x.dtype)
+                    x = rotation.apply(x, self.input_feature_dim)
+                x_range = self.input_range(x)
+        if self.training and torch.is_grad_enabled():
+            return _QuantizedProducts.apply(
+                x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
+                precision.grad_bits if quantize_backward else None, precision.errors,
+            )
+        if x_range[0] is not None:
+            x = quantize_ste(x, *x_range, bits)
+        if weight_range[0] is not None:
+            weight = quantize_ste(weight, *weight_range, bits)
+        return self.compute(x, weight)
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -396,38 +410,69 @@ class QuantLayerMixin:
             return snapped if rotated else self.rotate_weight(snapped, inverse=True)
 
 
-class _ProductsWithOwnErrors(torch.autograd.Function):
-    """A layer's GEMM whose two backward products take different errors (docs/method.md §2).
+def _quantized_operand(
+    t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor | None,
+    compact: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """(the operand as the product uses it, what the backward saves to rebuild it)."""
+    if minimum is None:
+        return t, (t, None, None)
+    if compact:
+        value, saved = fake_quantize_compact(t, minimum, maximum, bits)
+        return value, saved
+    value = fake_quantize(t, minimum, maximum, bits)
+    return value, (value, None, None)
 
-    The input gradient uses the quantized error when ``scheme.quantizes_input_gradient``, else the
-    full-precision one; likewise the weight (and bias) gradient. The error is quantized once. The
-    products run in the error's dtype (bf16 under autocast, as autograd's own backward would).
+
+def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> torch.Tensor:
+    codes, scale, minimum = saved
+    return codes if scale is None else restore_compact(codes, scale, minimum, dtype)
+
+
+class _QuantizedProducts(torch.autograd.Function):
+    """A quantized layer's GEMM in training (docs/method.md §2).
+
+    Forward: the input and weight fake-quantized over the given ranges (an operand without a range is used
+    as it is), then the layer's product. Saved for backward: the integer codes of each quantized operand
+    (uint8 with its scale and minimum, up to 8 bits), not a float copy, rebuilt bit for bit in backward.
+    Backward: straight-through for both operands; with error bits, the error is quantized once and each
+    product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
+    follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
+    under autocast.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, bits, scheme):
-        ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.bits, ctx.scheme = layer, bits.detach().clone(), scheme
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return layer.compute(x, weight)
+    def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors):
+        x_value, x_saved = _quantized_operand(x, x_min, x_max, bits, compact)
+        weight_value, weight_saved = _quantized_operand(weight, weight_min, weight_max, bits, compact)
+        ctx.save_for_backward(*x_saved, *weight_saved)
+        ctx.layer, ctx.errors = layer, errors
+        ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return layer.compute(x_value, weight_value)
 
     @staticmethod
     def backward(ctx, error):
-        x, weight = ctx.saved_tensors
-        layer, scheme = ctx.layer, ctx.scheme
-        quantized = quantize_error(error, ctx.bits, scheme, layer.output_feature_dim)
-        input_error = quantized if scheme.quantizes_input_gradient else error
-        weight_error = quantized if scheme.quantizes_weight_gradient else error
+        saved = ctx.saved_tensors
+        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        layer, errors = ctx.layer, ctx.errors
+        input_error = weight_error = error
+        if ctx.grad_bits is not None:
+            quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim)
+            input_error = quantized if errors.quantizes_input_gradient else error
+            weight_error = quantized if errors.quantizes_weight_gradient else error
+        compute_dtype = error.dtype
+        x = _rebuilt_operand(saved[:3], x_dtype).to(compute_dtype)
+        weight = _rebuilt_operand(saved[3:], weight_dtype).to(compute_dtype)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = layer.input_gradient(input_error, x.to(error.dtype), weight.to(error.dtype)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_weight = layer.weight_gradient(weight_error, x.to(error.dtype), weight.to(error.dtype))
-            grad_weight = grad_weight.to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_x = layer.input_gradient(input_error, x, weight).to(x_dtype)
+        if ctx.needs_input_grad[3]:
+            grad_weight = layer.weight_gradient(weight_error, x, weight).to(weight_dtype)
+        if bias_dtype is not None and ctx.needs_input_grad[6]:
             feature_dim = layer.output_feature_dim % weight_error.dim()
-            grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None
+            grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
+        return grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None
 
 
 class QuantLinear(QuantLayerMixin, nn.Linear):

@@ -77,10 +77,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def fake_quantize(
+def quantization_codes(
     x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
-) -> torch.Tensor:
-    """Deterministic quantize-dequantize of ``x`` over ``[minimum, maximum]`` (broadcastable)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scale, minimum) of ``x`` over ``[minimum, maximum]``: codes are integral floats in the compute
+    dtype (float32 for half inputs), and ``codes * scale + minimum`` is the fake-quantized value."""
     source = _compute_dtype(x)
     levels = num_levels(bits).to(source.dtype)
     minimum, maximum = minimum.to(source.dtype), maximum.to(source.dtype)
@@ -88,7 +89,33 @@ def fake_quantize(
     # clamp_min_ + clamp_max_: the same values as clamp_(min, max), but clamp with two tensor bounds
     # takes a slow unvectorized path on CPU (about 10x slower).
     codes = (source - minimum).div_(scale).clamp_min_(0.0).clamp_max_(levels).round_()
+    return codes, scale, minimum
+
+
+def fake_quantize(
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
+) -> torch.Tensor:
+    """Deterministic quantize-dequantize of ``x`` over ``[minimum, maximum]`` (broadcastable)."""
+    codes, scale, minimum = quantization_codes(x, minimum, maximum, bits)
     return codes.mul_(scale).add_(minimum).to(x.dtype)
+
+
+def fake_quantize_compact(
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`fake_quantize`, and the same values kept compact: (uint8 codes, scale, minimum), for at most 8 bits.
+
+    ``restore_compact(*compact, x.dtype)`` gives back the fake-quantized tensor bit for bit (the same
+    ``codes * scale + minimum`` in the same dtype): what a layer's backward saves instead of a float copy.
+    """
+    codes, scale, minimum = quantization_codes(x, minimum, maximum, bits)
+    compact = (codes.to(torch.uint8), scale, minimum)
+    return codes.mul_(scale).add_(minimum).to(x.dtype), compact
+
+
+def restore_compact(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum."""
+    return codes.to(scale.dtype).mul_(scale).add_(minimum).to(dtype)
 
 
 def channel_ranges(weight: torch.Tensor, channel_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

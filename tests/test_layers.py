@@ -222,3 +222,33 @@ def test_quantized_embeddings_per_row_with_a_tied_head_and_no_macs():
                                    + meter.totals.rotation_bitops)
     set_precision(model, None, None)
     assert torch.equal(wte(ids), torch.nn.functional.embedding(ids, wte.weight))  # bits None: the original
+
+
+@pytest.mark.parametrize("scheme", ["paper", "rotated-per-token"])
+def test_training_saves_uint8_codes_and_the_backward_is_the_float_one_bit_for_bit(scheme):
+    """The backward rebuilds each quantized operand from its codes: same gradients as saving the float copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 6))
+    quantize_model(model, CPTConfig(include_modules=["2"], quant_scheme=scheme, fused_error_quantizer=False))
+    model.train()
+    x = torch.randn(5, 7, 12)
+    grads = {}
+    for compact in (True, False):
+        set_precision(model, 6, 8)
+        model[0].cpt_precision.compact_codes = compact
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = model(x)
+        torch.manual_seed(1)  # the same stochastic rounding of the errors
+        out.pow(2).sum().backward()
+        grads[compact] = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        float_inputs = [t for t in saved if t.dtype == torch.float32 and t.shape == (5, 7, 24)]
+        codes = [t for t in saved if t.dtype == torch.uint8]
+        if compact:  # both layers' inputs and weights are saved as codes; no float copy of a quantized input
+            assert {tuple(t.shape) for t in codes} == {(5, 7, 12), (24, 12), (5, 7, 24), (6, 24)}
+            assert not any(t.shape == (5, 7, 12) for t in saved if t.dtype == torch.float32)
+        else:
+            assert not codes and float_inputs
+    for compact_grad, float_grad in zip(grads[True], grads[False]):
+        assert torch.equal(compact_grad, float_grad)
