@@ -56,7 +56,9 @@ def finetune_section(finetune: dict, settings: dict) -> list[str]:
              f"{settings.get('train_size', 8000)} pairs of `mnli/dev.jsonl` to train, the other "
              f"{settings.get('eval_size', 9815 - settings.get('train_size', 8000))} to evaluate "
              "(split by `random.Random(0)`), one epoch, "
-             "batch 32, lr 1e-4 with 10% warm-up, default `CPTConfig` settings (`quant_scheme=\"auto\"`: rotated "
+             "batch 32, lr 1e-4 with 10% warm-up, `CPTConfig` defaults except one range per error tensor "
+             "(`error_granularity=\"tensor\"`, the default before the backward ablation; the default per-row "
+             "errors and every other error option: [backward.md](backward.md)), `quant_scheme=\"auto\"` (rotated "
              "per-token activations in every Linear), evaluated at 8 bits (FP32 for the FP32 run). Accuracy is the "
              "mean ± half the range over the seeds; cost figures come from the library's cost meter.", "",
              "| run | seeds | accuracy % | GBitOPs | cost vs static 8/8 | cost vs FP32 | rotation share of cost "
