@@ -13,6 +13,7 @@ This module knows nothing about layers, schedules or the Trainer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -257,7 +258,25 @@ def _quantize_error_rows_hashed_levels(grad: torch.Tensor, levels: torch.Tensor,
 
 
 _compiled_error_kernels: dict[str, Callable] = {}
+_warmed_error_kernels: set[str] = set()
 _fused_disabled_reason: str | None = None
+
+
+@contextlib.contextmanager
+def _quiet_cuda_probe(kernel: str):
+    """The first call of a compiled kernel compiles it; on a machine without a GPU, torch's C++ toolchain probe
+    then warns that no CUDA runtime exists, which is no concern of a CPU run: silenced for that call only."""
+    if kernel in _warmed_error_kernels or torch.cuda.is_available():
+        yield
+        return
+    probe = logging.getLogger("torch.utils.cpp_extension")
+    level = probe.level
+    probe.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        probe.setLevel(level)
+        _warmed_error_kernels.add(kernel)
 
 
 def _fused_error_kernel(granularity: str) -> Callable | None:
@@ -378,14 +397,16 @@ def _quantize_error_unrotated(
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
         levels = num_levels(bits.to(grad.device))
         try:
-            if per_row:  # rows over the last dimension: a view, so one compiled graph serves every layout
-                rows = (_quantize_error_rows_hashed_levels if in_graph else kernel)(
-                    grad.movedim(feature_dim, -1), levels, seed)
-                return rows.movedim(-1, feature_dim)
             if in_graph:
+                if per_row:
+                    return _quantize_error_rows_hashed_levels(grad.movedim(feature_dim, -1), levels, seed).movedim(
+                        -1, feature_dim)
                 return _quantize_error_hashed_levels(grad, levels, seed)
-            # Flat input: one compiled graph serves tensors of every rank.
-            return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
+            with _quiet_cuda_probe(scheme.granularity):
+                if per_row:  # rows over the last dimension: a view, so one compiled graph serves every layout
+                    return kernel(grad.movedim(feature_dim, -1), levels, seed).movedim(-1, feature_dim)
+                # Flat input: one compiled graph serves tensors of every rank.
+                return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
         except Exception as error:  # compiler missing or failing: keep training, eagerly
             if in_graph:
                 raise

@@ -367,3 +367,25 @@ def test_fused_per_row_error_quantizer_is_unbiased_on_each_rows_grid():
     draws = torch.stack([quantize_error(grad, torch.tensor(3.0), scheme) for _ in range(200)])
     assert not torch.equal(draws[0], draws[1])
     assert bool(((draws.mean(0) - grad).abs() <= 5 * step / 2 / 200**0.5 + 1e-9).all())
+
+
+@pytest.mark.slow
+def test_compiling_the_error_kernels_on_a_cpu_machine_prints_no_cuda_warning(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("the warning concerns machines without a GPU")
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}  # a CUDA toolkit path without a CUDA runtime
+    probe = "import torch.utils.cpp_extension"
+    control = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert "No CUDA runtime is found" in control.stderr  # what torch prints when nothing silences it
+    code = ("import torch; from hf_cpt.quantizer import ErrorQuantization, quantize_error\n"
+            "for g in ('tensor', 'token'):\n"
+            "    quantize_error(torch.randn(256, 512), torch.tensor(8.0), ErrorQuantization(g))\n"
+            "import hf_cpt.quantizer as q; print(sorted(q._warmed_error_kernels))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "['tensor', 'token']" in run.stdout  # both compiled kernels really ran
+    assert "No CUDA runtime is found" not in run.stderr
