@@ -98,14 +98,20 @@ def test_a_product_left_with_the_full_precision_error_is_priced_at_32_bit_errors
     assert bitops_per_mac(None, None, "input") == bitops_per_mac(None, None)
 
 
-@pytest.mark.parametrize("products", ["input", "weight"])
-def test_meter_prices_each_product_at_the_bits_it_ran(products):
-    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 4))
-    quantize_model(model, CPTConfig(exclude_modules=["2"], quant_scheme="paper", error_products=products))
+def _metered_step(hidden, **errors):
+    """A two-layer model (the head in FP32) metered over one step at 4-bit forward, 8-bit errors."""
+    model = nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 4))
+    quantize_model(model, CPTConfig(exclude_modules=["2"], quant_scheme="paper", **errors))
     meter = CostMeter(model, static_bits=8, static_grad_bits=8)
     set_precision(model, 4, 8)
     model(torch.randn(6, 10)).sum().backward()
     meter.end_step(4, 8)
+    return model, meter
+
+
+@pytest.mark.parametrize("products", ["input", "weight"])
+def test_meter_prices_each_product_at_the_bits_it_ran(products):
+    _, meter = _metered_step(20, error_products=products)
     q_macs, f_macs = 6 * 10 * 20, 6 * 20 * 4
     expected = {"input": 16 + 8 * 4 + 32 * 4, "weight": 16 + 32 * 4 + 8 * 4}[products]
     assert meter.totals.bitops == q_macs * expected + f_macs * 3072
@@ -116,12 +122,7 @@ def test_meter_prices_each_product_at_the_bits_it_ran(products):
 def test_error_rotation_is_priced_on_steps_that_quantize_errors(rotation):
     from hf_cpt.rotation import get_rotation
 
-    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
-    quantize_model(model, CPTConfig(exclude_modules=["2"], quant_scheme="paper", error_rotation=rotation))
-    meter = CostMeter(model, static_bits=8, static_grad_bits=8)
-    set_precision(model, 4, 8)
-    model(torch.randn(6, 10)).sum().backward()
-    meter.end_step(4, 8)
+    model, meter = _metered_step(16, error_rotation=rotation)
     adds, mults = get_rotation(16).operations_per_value if rotation == "features" else (6, 0)  # log2(64) adds
     per_value = 2 * (adds * 32 + mults * 32 * 32)
     assert per_value > 0 and meter.totals.rotation_bitops == 6 * 16 * per_value
