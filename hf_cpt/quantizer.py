@@ -403,8 +403,10 @@ def _quantize_error_unrotated(
                         -1, feature_dim)
                 return _quantize_error_hashed_levels(grad, levels, seed)
             with _quiet_cuda_probe(scheme.granularity):
-                if per_row:  # rows over the last dimension: a view, so one compiled graph serves every layout
-                    return kernel(grad.movedim(feature_dim, -1), levels, seed).movedim(-1, feature_dim)
+                if per_row:  # as (rows, features): one compiled graph serves every rank and layout
+                    rows = grad.movedim(feature_dim, -1)
+                    flat = kernel(rows.reshape(-1, rows.shape[-1]), levels, seed)
+                    return flat.view(rows.shape).movedim(-1, feature_dim)
                 # Flat input: one compiled graph serves tensors of every rank.
                 return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
         except Exception as error:  # compiler missing or failing: keep training, eagerly
