@@ -24,7 +24,8 @@ def method(config: dict) -> str:
             else f"CPT {config['bits_min']}-{config['bits_max']}/{config['grad_bits']}")
     if config.get("quant_scheme", "auto") != "auto":
         name += f" ({config['quant_scheme']} activations)"
-    return name + (" + attention" if config.get("quantize_attention") else "")
+    name += " + attention" if config.get("quantize_attention") else ""
+    return name + "".join(f" + {module}" for module in config.get("include_modules") or [])
 
 
 def errors(config: dict) -> tuple[str, str, str, str]:

@@ -75,6 +75,9 @@ BACKWARD_RUNS = {
     "cpt-4-8/8-error-token": {**CPT_4_8, **PER_ROW},
     "cpt-5-8/8-error-token": {**CPT_5_8, **PER_ROW},
     "cpt-4-8/8-error-token-attention": {**CPT_4_8, **PER_ROW, "quantize_attention": True},
+    # everything quantized: the attention products and the classifier head too
+    "cpt-4-8/8-error-token-attention-head": {**CPT_4_8, **PER_ROW, "quantize_attention": True,
+                                             "include_modules": ["classifier"]},
     # SwitchBack: per-row errors for the input gradient, the weight gradient from the full-precision error
     "static-8/8-error-token-input": {**STATIC, **PER_ROW, "error_products": "input"},
     # HALO-like: one range per tensor after mixing tokens in Hadamard blocks
