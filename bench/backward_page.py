@@ -97,7 +97,7 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
         if name == "FP32":
             continue
         target = (STATIC_TARGET if name.startswith("static") else
-                  ATTENTION_TARGET if name.endswith("+ attention") else CPT_TARGET)
+                  ATTENTION_TARGET if "+ attention" in name else CPT_TARGET)
         gap = _points(entries) - fp32_points
         seeds = len(entries)
         verdict = "meets" if gap >= -target else "misses"
