@@ -316,7 +316,8 @@ class CPTConfig:
                 f"CPTConfig.fidelity_threshold must be a cosine similarity in [-1, 1] or None, "
                 f"got {self.fidelity_threshold!r}."
             )
-        for name, choices in (("error_granularity", ("auto", *ERROR_GRANULARITIES)), ("error_rounding", ERROR_ROUNDINGS),
+        for name, choices in (("error_granularity", ("auto", *ERROR_GRANULARITIES)),
+                              ("error_rounding", ERROR_ROUNDINGS),
                               ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"CPTConfig.{name} must be one of {choices}, got {getattr(self, name)!r}.")

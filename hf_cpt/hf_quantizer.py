@@ -90,7 +90,8 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
     ``shared_weights`` (tied weights, ``{module: module_it_shares_with}``), ``guard_tensor``,
     ``activation_ranges`` (portable only), the activation-quantizer settings
     (``activation_momentum``, ``activation_ema_init``, ``fused_error_quantizer``, ``error_granularity``,
-    ``error_rounding``, ``error_products``, ``error_rotation``: what further training of the loaded model uses) and, for the record,
+    ``error_rounding``, ``error_products``, ``error_rotation``: what further training of the loaded model uses)
+    and, for the record,
     the run's ``cpt_config`` and ``hf_cpt_version``. Format 2 adds ``layer_schemes``
     (``{layer: [granularity, rotation seed or null]}`` for per-token, rotated and weight-only layers;
     absent layers are per tensor without rotation, as in format 1) and, for a lossy export,

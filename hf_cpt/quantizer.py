@@ -114,7 +114,9 @@ def fake_quantize_compact(
     return codes.mul_(scale).add_(minimum).to(x.dtype), compact
 
 
-def restore_compact(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def restore_compact(
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum."""
     return codes.to(scale.dtype).mul_(scale).add_(minimum).to(dtype)
 

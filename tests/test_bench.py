@@ -128,13 +128,16 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     ablation = {"finetune": {
         "static-8/8-error-token/seed0": _entry(0, 0.595, 1.0, **token),
         "renamed/seed1": _entry(1, 0.585, 1.0, **token),  # grouped by its config, not its name
-        "cpt-4-8/8-error-token-input/seed0": _entry(0, 0.57, 0.80, schedule="cpt", **{**token, "error_products": "input"}),
+        "cpt-4-8/8-error-token-input/seed0": _entry(0, 0.57, 0.80, schedule="cpt",
+                                                    **{**token, "error_products": "input"}),
     }}
     ablation["finetune"]["renamed/seed1"]["cost"].pop("full_precision_mac_share")
     page = backward_page.backward_page(ablation, pretrained, ("token", "stochastic", "both", "none"))
     assert "| FP32 | - | 0, 1 | 59.00 ± 1.00 | - |" in page
-    assert "| static 8/8 | one range per tensor, stochastic rounding, both products | 0, 1 | 54.00 ± 1.00 | -5.00 |" in page
-    row = "| static 8/8 | one range per row (token), stochastic rounding, both products (default) | 0, 1 | 59.00 ± 0.50 |"
+    per_tensor = "one range per tensor, stochastic rounding, both products"
+    assert f"| static 8/8 | {per_tensor} | 0, 1 | 54.00 ± 1.00 | -5.00 |" in page
+    per_row = "one range per row (token), stochastic rounding, both products"
+    row = f"| static 8/8 | {per_row} (default) | 0, 1 | 59.00 ± 0.50 |"
     assert row in page and "0.0625 †" in page  # a run without the attention count is marked
     assert "CPT 4-8/8 | one range per row (token), stochastic rounding, input gradient only" in page
     assert "- static 8/8, one range per row (token), stochastic rounding, both products: +0.00 points" in page

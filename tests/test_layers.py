@@ -236,8 +236,13 @@ def test_training_saves_uint8_codes_and_the_backward_is_the_float_one_bit_for_bi
     for compact in (True, False):
         set_precision(model, 6, 8)
         model[0].cpt_precision.compact_codes = compact
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        saved: list[torch.Tensor] = []
+
+        def keep(t, saved=saved):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             out = model(x)
         torch.manual_seed(1)  # the same stochastic rounding of the errors
         out.pow(2).sum().backward()
