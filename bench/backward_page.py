@@ -107,7 +107,8 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
     cpt = [(entries, option) for (name, option), entries in grouped.items() if name == "CPT 4-8/8"]
     for entries, option in cpt:
         cost = mean(e["cost"]["cost_vs_static"] for e in entries)
-        lines.append(f"- CPT 4-8/8 ({describe(option)}) costs {cost:.3f} of static 8/8 "
+        uncounted = " without the attention products (†)" if _uncounted_attention(entries) else ""
+        lines.append(f"- CPT 4-8/8 ({describe(option)}) costs {cost:.3f} of static 8/8{uncounted} "
                      f"({'within' if cost <= COST_TARGET else 'above'} the {COST_TARGET} target).")
     lines.append(f"- The library's default errors (`CPTConfig()`): {describe(default_errors)}.")
     return lines
