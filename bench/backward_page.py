@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from results_page import mean, spread
 
+from hf_cpt.quantizer import PAPER_ERRORS
+
 STATIC_TARGET = 0.5  # points below FP32
 CPT_TARGET = 1.0
 ATTENTION_TARGET = 1.5
 COST_TARGET = 0.75  # CPT 4-8/8 cost vs static 8/8
-ERROR_DEFAULTS = {"error_granularity": "tensor", "error_rounding": "stochastic", "error_products": "both",
-                  "error_rotation": "none"}  # what runs recorded before these settings existed used
+# What runs recorded before these settings existed used: the paper's errors.
+ERROR_DEFAULTS = {"error_granularity": PAPER_ERRORS.granularity, "error_rounding": PAPER_ERRORS.rounding,
+                  "error_products": PAPER_ERRORS.products, "error_rotation": PAPER_ERRORS.rotation}
 
 
 def method(config: dict) -> str:

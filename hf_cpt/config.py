@@ -18,6 +18,13 @@ logger = logging.getLogger(__name__)
 AUTO_STEPS_PER_CYCLE = 100
 AUTO_MAX_CYCLES = 32
 
+
+
+def auto_cycles(schedule_steps: int) -> int:
+    """``num_cycles="auto"``: one cycle per `AUTO_STEPS_PER_CYCLE` steps of the schedule, 1 to `AUTO_MAX_CYCLES`."""
+    return min(AUTO_MAX_CYCLES, max(1, schedule_steps // AUTO_STEPS_PER_CYCLE))
+
+
 EVAL_PRECISIONS = ("max", "current", "fp32")
 EMA_INITS = ("zeros", "first_batch")
 PRT_METRICS = ("loss", "accuracy")
@@ -40,8 +47,8 @@ class CPTConfig:
         default=4,
         metadata={
             "help": "Lower bound of the forward precision (bits), or 'auto' (the precision range test). 4 by "
-            "default: the lowest that keeps a pretrained model's output (cosine >= 0.8, docs/pretrained.md); "
-            "the CPT paper's from-scratch runs use 3."
+            "default: the lowest at which every model of docs/pretrained.md passes the fidelity check (cosine "
+            ">= 0.8); the CPT paper's from-scratch runs use 3."
         },
     )
     bits_max: int = field(default=8, metadata={"help": "Upper bound of the forward precision (bits)."})
@@ -342,7 +349,7 @@ class CPTConfig:
         """The number of cycles over a run of ``total_steps`` optimizer steps (resolves ``num_cycles='auto'``)."""
         if self.num_cycles != "auto":
             return self.num_cycles
-        return min(AUTO_MAX_CYCLES, max(1, self._schedule_steps(total_steps) // AUTO_STEPS_PER_CYCLE))
+        return auto_cycles(self._schedule_steps(total_steps))
 
     def check_total_steps(self, total_steps: int) -> None:
         """Raise if the run is too short for the requested number of cycles; warn if its cycles are too short
@@ -372,7 +379,7 @@ class CPTConfig:
                 "fewer than the %d bit-widths from bits_min=%d to bits_max=%d each cycle should visit; "
                 "num_cycles='auto' gives %d.",
                 cycles, schedule_steps / cycles, schedule_steps, after_delay, levels, self.bits_min, self.bits_max,
-                dataclasses.replace(self, num_cycles="auto").cycles_for(total_steps),
+                auto_cycles(schedule_steps),
             )
 
     @property

@@ -377,6 +377,10 @@ class QuantLayerMixin:
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    # Whether `input_gradient` reads the input's values: if not, training does not keep the input for it and
+    # passes a meta tensor of its shape.
+    input_gradient_reads_input = True
+
     def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``d(compute)/dx`` applied to ``error`` (generic: by autograd through ``compute``; subclasses write
         the product directly)."""
@@ -410,22 +414,27 @@ class QuantLayerMixin:
             return snapped if rotated else self.rotate_weight(snapped, inverse=True)
 
 
+_NOT_SAVED = (None, None, None)
+
+
 def _quantized_operand(
     t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor | None,
-    compact: bool,
+    compact: bool, keep: bool,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
-    """(the operand as the product uses it, what the backward saves to rebuild it)."""
+    """(the operand as the product uses it, what the backward saves to rebuild it: nothing unless ``keep``)."""
     if minimum is None:
-        return t, (t, None, None)
-    if compact:
-        value, saved = fake_quantize_compact(t, minimum, maximum, bits)
-        return value, saved
+        return t, ((t, None, None) if keep else _NOT_SAVED)
+    if compact and keep:
+        return fake_quantize_compact(t, minimum, maximum, bits)
     value = fake_quantize(t, minimum, maximum, bits)
-    return value, (value, None, None)
+    return value, ((value, None, None) if keep else _NOT_SAVED)
 
 
-def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> torch.Tensor:
+def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read)."""
     codes, scale, minimum = saved
+    if codes is None:
+        return torch.empty(shape, dtype=dtype, device="meta")
     return codes if scale is None else restore_compact(codes, scale, minimum, dtype)
 
 
@@ -433,8 +442,10 @@ class _QuantizedProducts(torch.autograd.Function):
     """A quantized layer's GEMM in training (docs/method.md §2).
 
     Forward: the input and weight fake-quantized over the given ranges (an operand without a range is used
-    as it is), then the layer's product. Saved for backward: the integer codes of each quantized operand
-    (uint8 with its scale and minimum, up to 8 bits), not a float copy, rebuilt bit for bit in backward.
+    as it is), then the layer's product. Saved for backward: only the operands a needed gradient reads (the
+    input for the weight gradient, the weight for the input gradient, as autograd itself does), each as the
+    integer codes of its quantized values (uint8 with its scale and minimum, up to 8 bits), not a float
+    copy, rebuilt bit for bit in backward.
     Backward: straight-through for both operands; with error bits, the error is quantized once and each
     product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
     follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
@@ -443,12 +454,15 @@ class _QuantizedProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors):
-        x_value, x_saved = _quantized_operand(x, x_min, x_max, bits, compact)
-        weight_value, weight_saved = _quantized_operand(weight, weight_min, weight_max, bits, compact)
+        needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        keep_x = needs_weight or (needs_x and layer.input_gradient_reads_input)
+        x_value, x_saved = _quantized_operand(x, x_min, x_max, bits, compact, keep_x)
+        weight_value, weight_saved = _quantized_operand(weight, weight_min, weight_max, bits, compact, needs_x)
         ctx.save_for_backward(*x_saved, *weight_saved)
         ctx.layer, ctx.errors = layer, errors
         ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.shapes = (x.shape, weight.shape)
         return layer.compute(x_value, weight_value)
 
     @staticmethod
@@ -462,8 +476,8 @@ class _QuantizedProducts(torch.autograd.Function):
             input_error = quantized if errors.quantizes_input_gradient else error
             weight_error = quantized if errors.quantizes_weight_gradient else error
         compute_dtype = error.dtype
-        x = _rebuilt_operand(saved[:3], x_dtype).to(compute_dtype)
-        weight = _rebuilt_operand(saved[3:], weight_dtype).to(compute_dtype)
+        x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0]).to(compute_dtype)
+        weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1]).to(compute_dtype)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = layer.input_gradient(input_error, x, weight).to(x_dtype)
@@ -480,6 +494,8 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight, self.bias)
+
+    input_gradient_reads_input = False
 
     def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return error.matmul(weight)
@@ -504,6 +520,10 @@ class QuantConv2d(QuantLayerMixin, nn.Conv2d):
 
     def _direct_gradients(self) -> bool:
         return self.padding_mode == "zeros" and not isinstance(self.padding, str)
+
+    @property
+    def input_gradient_reads_input(self) -> bool:  # the direct product reads only the input's shape
+        return not self._direct_gradients()
 
     def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self._direct_gradients():
@@ -531,6 +551,8 @@ if Conv1D is not None:
         def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             size_out = x.size()[:-1] + (self.nf,)
             return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), weight).view(size_out)
+
+        input_gradient_reads_input = False
 
         def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return error.matmul(weight.t())

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from .config import CPTConfig, json_safe
+from .config import AUTO_STEPS_PER_CYCLE, CPTConfig, json_safe
 from .schedules import schedule_from_config
 from .version import INSTALL_HINT
 
@@ -309,7 +309,8 @@ def render_model_card(
             f"Forward bits (weights and activations) follow the `{json_safe(cpt_config.schedule)}` schedule between "
             f"{cost_report.get('bits_min', cpt_config.bits_min) if cost_report else cpt_config.bits_min} and "
             f"{cpt_config.bits_max} bits over "
-            f"{cpt_config.cycles_for(total_steps) if total_steps else cpt_config.num_cycles} cycles"
+            + (f"{cpt_config.cycles_for(total_steps)} cycles" if total_steps or cpt_config.num_cycles != "auto"
+               else f"one cycle per {AUTO_STEPS_PER_CYCLE} optimizer steps")
             + (f" of a {total_steps}-step run" if total_steps else "")
             + f"; {grad}."
         )

@@ -291,21 +291,17 @@ def _fused_error_kernel(granularity: str) -> Callable | None:
     return _compiled_error_kernels[granularity]
 
 
-def quantize_error_per_row(
-    grad: torch.Tensor, bits: torch.Tensor, feature_dim: int = -1, stochastic: bool = True
-) -> torch.Tensor:
-    """Quantization of an error tensor with one range per row (each token's own min / max over ``feature_dim``).
+def quantize_error_per_row(grad: torch.Tensor, bits: torch.Tensor, feature_dim: int = -1) -> torch.Tensor:
+    """Per-row stochastic quantization (each token's own min / max over ``feature_dim``), noise from the
+    global RNG: the eager twin of the per-row kernel.
 
     A row of zeros (padding, a token the loss never reached) stays exactly zero; no range is degenerate
-    into a division by zero (the scale is clamped as everywhere). ``stochastic=False`` rounds to nearest.
+    into a division by zero (the scale is clamped as everywhere).
     """
     source = _compute_dtype(grad)
     minimum, maximum = token_range(source, feature_dim)
-    bits = bits.to(source.device)
-    if not stochastic:
-        return fake_quantize(source, minimum, maximum, bits).to(grad.dtype)
     noise = torch.empty_like(source).uniform_(-0.5, 0.5)
-    return _stochastic_quantize(source, minimum, maximum, bits, noise).to(grad.dtype)
+    return _stochastic_quantize(source, minimum, maximum, bits.to(source.device), noise).to(grad.dtype)
 
 
 # ----------------------------------------------------------------------------- error rotations

@@ -9,6 +9,7 @@ entry. ``resave`` saves the loaded model again (a second hop), after a few more 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -38,6 +39,8 @@ def main(manifest_path: str) -> None:
             "training": model.training,
             "layers_frozen": sum(1 for _, layer in quant_layers(model) if "_frozen" in layer.__dict__),
             "format_version": model.config.quantization_config.format_version,
+            # how the loaded model would quantize errors if trained further
+            "errors": list(dataclasses.astuple(hf_cpt.find_precision_state(model).errors)),
         }
         if entry.get("train_more"):
             result.update(train_further(model, inputs, entry))

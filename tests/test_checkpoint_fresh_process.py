@@ -11,6 +11,7 @@ first one saved again (a second hop), including one written after further traini
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import sys
 import pytest
 import torch
 
+import hf_cpt
 from hf_cpt import CPTConfig, CPTTrainer, set_eval_precision
 from hf_cpt.quantizer import quantize_codes
 from hf_cpt.surgery import quant_layers
@@ -87,6 +89,8 @@ CASES = [
       for scheme in ("paper", "per-token", "rotated", "rotated-per-token")],
     ("gpt2-paper-attention", "gpt2", {"quant_scheme": "paper", "quantize_attention": True}, "save_model"),
     ("bert-default-hub", "bert", {}, "push_to_hub"),
+    ("bert-errors-input-tokens", "bert", {"error_products": "input", "error_rotation": "tokens",
+                                          "error_rounding": "nearest"}, "save_model"),
 ]
 
 
@@ -169,7 +173,8 @@ def _train_and_save(name, family, fields, how, root, monkeypatch) -> tuple[list[
             trainer.save_model(str(path), bits=bits)
         torch.save({"inputs": inputs, "expected": expected}, out / f"io-{bits}.pt")
         entries.append({"name": f"{name}@{bits}", "path": str(path), "io": str(out / f"io-{bits}.pt"),
-                        "auto_class": auto_class, "bits": bits})
+                        "auto_class": auto_class, "bits": bits,
+                        "errors": list(dataclasses.astuple(hf_cpt.find_precision_state(model).errors))})
     # share of the 8-bit codes that moved in training, on the first quantized layer that takes inputs
     layer_name, layer = next((n, m) for n, m in quant_layers(model) if m.quantizes_inputs)
     before = quantize_codes(layer.rotate_weight(initial[f"{layer_name}.weight"]), 8, layer.weight_channel_dim)[0]
@@ -247,6 +252,11 @@ def test_trained_checkpoints_reload_exactly_in_a_fresh_process(trained_checkpoin
     bad = {name: row["max_rel_diff"] for name, row in results.items() if row["max_rel_diff"] > TOLERANCE}
     assert not bad, bad
     assert all(row["layers_frozen"] > 0 and not row["training"] for row in results.values())
+    # the loaded model would train further with the error settings the trained one used
+    wrong_errors = {e["name"]: results[e["name"]]["errors"] for e in first
+                    if "train_more" not in e and results[e["name"]]["errors"] != e["errors"]}
+    assert not wrong_errors, wrong_errors
+    assert results["bert-errors-input-tokens@8"]["errors"][3:] == ["input", "tokens"]
     assert results["bert-default@8 written as format 2"]["format_version"] == 2  # older files keep loading
     # bf16 is documented: a CPT checkpoint rebuilds FP32 masters (and says so), so it stays exact
     bf16 = results["bert-default@8 torch_dtype=bfloat16"]

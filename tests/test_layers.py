@@ -231,7 +231,7 @@ def test_training_saves_uint8_codes_and_the_backward_is_the_float_one_bit_for_bi
     model = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 6))
     quantize_model(model, CPTConfig(include_modules=["2"], quant_scheme=scheme, fused_error_quantizer=False))
     model.train()
-    x = torch.randn(5, 7, 12)
+    x = torch.randn(5, 7, 12, requires_grad=True)  # so that both products of both layers are needed
     grads = {}
     for compact in (True, False):
         set_precision(model, 6, 8)
@@ -257,3 +257,37 @@ def test_training_saves_uint8_codes_and_the_backward_is_the_float_one_bit_for_bi
             assert not codes and float_inputs
     for compact_grad, float_grad in zip(grads[True], grads[False]):
         assert torch.equal(compact_grad, float_grad)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv2d"])
+def test_training_keeps_only_what_the_needed_gradients_read(kind):
+    """A frozen weight (peft's base layers) needs no saved input; an input without grad needs no saved weight."""
+    torch.manual_seed(0)
+    if kind == "linear":
+        layer, shape, weight_shape = nn.Sequential(nn.Linear(12, 24)), (5, 12), (24, 12)
+    else:
+        layer, shape, weight_shape = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1)), (2, 3, 9, 9), (8, 3, 3, 3)
+    quantize_model(layer, CPTConfig(include_modules=["0"], fused_error_quantizer=False))
+    set_precision(layer, 8, 8)
+    layer.train()
+
+    def saved_shapes(x):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            out = layer(x)
+        torch.manual_seed(1)  # the same stochastic rounding of the errors in every call
+        out.sum().backward()
+        return shapes
+
+    x = torch.randn(shape, requires_grad=True)
+    saved_shapes(x)  # the weight trains: the input is kept, the input gradient is the reference
+    reference = x.grad.clone()
+    layer[0].weight.requires_grad_(False)
+    x.grad = None
+    shapes = saved_shapes(x)
+    assert weight_shape in shapes and shape not in shapes
+    assert torch.equal(x.grad, reference)  # computed from the input's shape alone
+    layer[0].weight.grad = None
+    layer[0].weight.requires_grad_(True)
+    shapes = saved_shapes(torch.randn(shape))
+    assert shape in shapes and weight_shape not in shapes and layer[0].weight.grad is not None
