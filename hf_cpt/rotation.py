@@ -9,8 +9,9 @@ outlier over every channel before quantizing, as QuaRot / SpinQuant do for infer
 (entries ±1): a power of two split into factors of at most `MAX_FACTOR`, and for feature sizes with
 an odd part (384 = 12 x 32, 1536 = 12 x 128, 3072 = 12 x 256) a Paley Hadamard matrix of order
 ``q + 1`` (``q`` a prime, ``q = 3 mod 4``). An odd part with no such matrix gets a dense random
-orthogonal factor. The rotation is applied factor by factor (``sum(factor sizes)`` operations per
-value instead of ``d`` for a dense matrix) and is a deterministic function of ``(d, seed)``, so a
+orthogonal factor. The rotation is applied over its factors (the trailing ones merged into one block
+of at most 256, each other factor on its own axis: far fewer operations per value than ``d`` for a
+dense matrix) and is a deterministic function of ``(d, seed)``, so a
 reloaded checkpoint rebuilds the same one (packed checkpoints also store the tensors themselves, so a
 loaded layer computes with the very rotation it trained with). Every tensor is built on an explicit CPU
 device: transformers builds models under a meta-device context before loading weights, and a rotation
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_FACTOR = 32  # largest power-of-two Hadamard factor applied as one small matmul
+MAX_FACTOR = 32  # largest power-of-two Hadamard factor stored (the rotation's definition)
+MAX_MERGED_BLOCK = 256  # trailing factors merged into one block of at most this size when applied (speed only)
 MAX_PALEY_ORDER = 64  # larger Paley factors cost more than a dense factor for the odd part
 MAX_DENSE_FACTOR = 256  # largest odd part handled by a dense orthogonal factor
 DEFAULT_SEED = 0
@@ -142,27 +144,63 @@ class Rotation:
         )
 
     def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False) -> torch.Tensor:
-        """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable."""
+        """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable in ``x`` (the rotation is
+        fixed: its backward is ``grad R^T`` and keeps nothing but the rotation)."""
         if x.shape[dim] != self.features:
             raise ValueError(f"rotation of {self.features} features applied to a tensor of shape {tuple(x.shape)}")
-        moved = x.movedim(dim, -1) if dim not in (-1, x.dim() - 1) else x
-        lead = moved.shape[:-1]
-        if not transpose:
-            moved = moved * self.signs
-        sizes = [f.shape[0] for f in self.factors]
-        y = moved.reshape(-1, *sizes)
-        for axis, factor in enumerate(self.factors, start=1):
-            matrix = factor.t() if transpose else factor
-            y = torch.matmul(y.movedim(axis, -1), matrix).movedim(-1, axis)
-        y = y.reshape(*lead, self.features)
-        if transpose:
-            y = y * self.signs
-        return y.movedim(-1, dim) if dim not in (-1, x.dim() - 1) else y
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _Rotate.apply(x, dim, transpose, self.signs, *self.factors)
+        return _rotate(x, dim, transpose, self.signs, self.factors)
 
     def matrix(self) -> torch.Tensor:
         """The dense ``d x d`` matrix (for tests and inspection)."""
         eye = torch.eye(self.features, dtype=self.signs.dtype, device=self.signs.device)
         return self.apply(eye)
+
+
+def _rotate(
+    x: torch.Tensor, dim: int, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """``x diag(s) (F_1 ⊗ F_2 ⊗ ...)`` along ``dim`` (its transpose with ``transpose=True``).
+
+    The trailing factors are merged into one block of at most `MAX_MERGED_BLOCK` (one matrix product over the
+    contiguous last axis); each remaining factor contracts its own axis as a batched product over a view, so
+    no step copies the tensor to move an axis (docs/method.md, "Rotation").
+    """
+    moved = x.movedim(dim, -1) if dim not in (-1, x.dim() - 1) else x
+    if not transpose:
+        moved = moved * signs
+    remaining = [(f.t() if transpose else f).contiguous() for f in factors]
+    block = remaining.pop()
+    while remaining and block.shape[0] * remaining[-1].shape[0] <= MAX_MERGED_BLOCK:
+        block = torch.kron(remaining.pop(), block)
+    trailing = block.shape[0]
+    y = moved.reshape(-1, trailing) @ block
+    for factor in reversed(remaining):  # (F^T @ y) over the factor's axis, every other axis batched
+        size = factor.shape[0]
+        y = torch.matmul(factor.t(), y.view(-1, size, trailing))
+        trailing *= size
+    y = y.reshape(moved.shape)
+    if transpose:
+        y = y * signs
+    return y.movedim(-1, dim) if dim not in (-1, x.dim() - 1) else y
+
+
+class _Rotate(torch.autograd.Function):
+    """A fixed rotation with a backward that keeps only the rotation (autograd's own would keep an expanded
+    copy of each factor per batched product)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, transpose, signs, *factors):
+        ctx.dim, ctx.transpose, ctx.signs, ctx.factors = dim, transpose, signs, factors
+        return _rotate(x, dim, transpose, signs, factors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The gradient's dtype rules (bf16 when the forward ran under autocast; autograd casts it to x's).
+        signs, factors = ctx.signs.to(grad.dtype), tuple(f.to(grad.dtype) for f in ctx.factors)
+        rotated = _rotate(grad, ctx.dim, not ctx.transpose, signs, factors)
+        return (rotated, None, None, None, *(None for _ in ctx.factors))
 
 
 def _orthonormal(kind: str, size: int, generator: torch.Generator) -> torch.Tensor:
@@ -171,7 +209,7 @@ def _orthonormal(kind: str, size: int, generator: torch.Generator) -> torch.Tens
     if kind == "sylvester":
         return sylvester_hadamard(size) / math.sqrt(size)
     q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+    return (q * torch.sign(torch.diagonal(r)).unsqueeze(0)).contiguous()
 
 
 @functools.lru_cache(maxsize=64)

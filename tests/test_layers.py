@@ -259,6 +259,21 @@ def test_training_saves_uint8_codes_and_the_backward_is_the_float_one_bit_for_bi
         assert torch.equal(compact_grad, float_grad)
 
 
+def test_rotated_layer_keeps_codes_and_ranges_only():
+    """The default scheme rotates the input and weight: the rotation's backward keeps nothing per token."""
+    layer = nn.Sequential(nn.Linear(384, 96))  # 384 = 12 x 32: a Paley factor on its own axis
+    quantize_model(layer, CPTConfig(fused_error_quantizer=False))
+    set_precision(layer, 8, 8)
+    assert layer[0].rotation is not None
+    tokens = 40
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(torch.randn(tokens, 384, requires_grad=True)).sum().backward()
+    large_floats = [tuple(t.shape) for t in saved if t.is_floating_point() and t.numel() > max(tokens, 96)]
+    assert not large_floats
+    assert {tuple(t.shape) for t in saved if t.dtype == torch.uint8} == {(tokens, 384), (96, 384)}
+
+
 @pytest.mark.parametrize("kind", ["linear", "conv2d"])
 def test_training_keeps_only_what_the_needed_gradients_read(kind):
     """A frozen weight (peft's base layers) needs no saved input; an input without grad needs no saved weight."""

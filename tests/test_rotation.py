@@ -26,10 +26,19 @@ def test_hadamard_constructions(order):
     assert torch.equal(matrix @ matrix.T, order * torch.eye(order, dtype=matrix.dtype))
 
 
+def kronecker_reference(rotation):
+    """``diag(s) (F_1 ⊗ F_2 ⊗ ...)`` built densely, independently of how `Rotation.apply` orders its products."""
+    dense = torch.ones(1, 1, dtype=rotation.signs.dtype)
+    for factor in rotation.factors:
+        dense = torch.kron(dense, factor.contiguous())
+    return rotation.signs[:, None] * dense
+
+
 @pytest.mark.parametrize("features", SIZES)
 def test_rotation_is_orthogonal_and_matches_its_dense_matrix(features):
     rotation = get_rotation(features, dtype=torch.float64)
     dense = rotation.matrix()
+    assert torch.allclose(dense, kronecker_reference(rotation), atol=1e-12)
     assert torch.allclose(dense @ dense.T, torch.eye(features, dtype=torch.float64), atol=1e-12)
     x = torch.randn(3, 5, features, dtype=torch.float64)
     assert torch.allclose(rotation.apply(x), x @ dense, atol=1e-12)
@@ -38,6 +47,23 @@ def test_rotation_is_orthogonal_and_matches_its_dense_matrix(features):
     # along another dimension: each column vector is rotated
     y = torch.randn(features, 4, dtype=torch.float64)
     assert torch.allclose(rotation.apply(y, dim=0), dense.T @ y, atol=1e-12)
+
+
+@pytest.mark.parametrize("features", [384, 768, 3072, 100])
+def test_rotation_gradient_is_the_transposed_rotation(features):
+    rotation = get_rotation(features, dtype=torch.float64)
+    dense = kronecker_reference(rotation)
+    x = torch.randn(6, features, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(6, features, dtype=torch.float64)
+    for transpose, matrix in ((False, dense), (True, dense.T)):
+        (grad,) = torch.autograd.grad(rotation.apply(x, transpose=transpose), x, upstream)
+        assert torch.allclose(grad, upstream @ matrix.T, atol=1e-12)
+    # along dim 0 (a Conv1D weight's input features), in float32 with a bf16 upstream gradient (autocast)
+    y = torch.randn(features, 5, requires_grad=True)
+    rotation32 = get_rotation(features)
+    (grad,) = torch.autograd.grad(rotation32.apply(y, dim=0), y, torch.ones(features, 5, dtype=torch.bfloat16))
+    expected = dense.float() @ torch.ones(features, 5)
+    assert grad.dtype == torch.float32 and torch.allclose(grad, expected, atol=0.05, rtol=0.02)
 
 
 def test_rotation_spreads_an_outlier_and_is_deterministic():
