@@ -347,12 +347,18 @@ class QuantLayerMixin:
         if bits is None and not quantize_backward:
             return super().forward(x)  # exactly the original layer
         weight = self.weight
+        training_products = self.training and torch.is_grad_enabled()
         x_range = weight_range = (None, None)  # None: the operand is used as it is
+        rotated_weight = weight_rotation = None  # in training: W R, computed once, and R for the weight gradient
         if bits is not None:
             frozen = self._frozen_weight()
             rotation = self.rotation if self.quantizes_inputs else None
             if frozen is not None:
                 weight = frozen  # the loaded codes, already in the rotated basis
+            elif rotation is not None and training_products:
+                rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim)
+                weight_rotation = rotation
+                weight_range = channel_ranges(rotated_weight, self.weight_channel_dim)
             else:
                 if rotation is not None:
                     weight = rotation.apply(weight, self.weight_feature_dim)
@@ -363,10 +369,10 @@ class QuantLayerMixin:
                         rotation = rotation.to(x.device, x.dtype)
                     x = rotation.apply(x, self.input_feature_dim)
                 x_range = self.input_range(x)
-        if self.training and torch.is_grad_enabled():
+        if training_products:
             return _QuantizedProducts.apply(
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
-                precision.grad_bits if quantize_backward else None, precision.errors,
+                precision.grad_bits if quantize_backward else None, precision.errors, rotated_weight, weight_rotation,
             )
         if x_range[0] is not None:
             x = quantize_ste(x, *x_range, bits)
@@ -449,17 +455,20 @@ class _QuantizedProducts(torch.autograd.Function):
     Backward: straight-through for both operands; with error bits, the error is quantized once and each
     product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
     follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
-    under autocast.
+    under autocast. A rotated layer passes ``W R`` computed once outside autograd, and its weight gradient is
+    rotated back here (`_weight_gradient`), not by autograd through a second rotation of the weight.
     """
 
     @staticmethod
-    def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors):
+    def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
+                rotated_weight, weight_rotation):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         keep_x = needs_weight or (needs_x and layer.input_gradient_reads_input)
         x_value, x_saved = _quantized_operand(x, x_min, x_max, bits, compact, keep_x)
-        weight_value, weight_saved = _quantized_operand(weight, weight_min, weight_max, bits, compact, needs_x)
+        operand = weight if rotated_weight is None else rotated_weight
+        weight_value, weight_saved = _quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
         ctx.save_for_backward(*x_saved, *weight_saved)
-        ctx.layer, ctx.errors = layer, errors
+        ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
         ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.shapes = (x.shape, weight.shape)
@@ -482,11 +491,26 @@ class _QuantizedProducts(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = layer.input_gradient(input_error, x, weight).to(x_dtype)
         if ctx.needs_input_grad[3]:
-            grad_weight = layer.weight_gradient(weight_error, x, weight).to(weight_dtype)
+            grad_weight = _weight_gradient(layer, weight_error, x, weight, ctx.weight_rotation).to(weight_dtype)
         if bias_dtype is not None and ctx.needs_input_grad[6]:
             feature_dim = layer.output_feature_dim % weight_error.dim()
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
-        return grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None
+        return grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None
+
+
+def _weight_gradient(
+    layer: QuantLayerMixin, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rotation: Rotation | None
+) -> torch.Tensor:
+    """The gradient of the layer's own weight ``W`` when it computed with ``W R``: ``dL/d(W R)`` rotated back by
+    ``R^T``, or, the same product since the layer is linear in its input's features, the product with the input
+    rotated back (``Q(x R) R^T``), whichever rotates fewer values (few tokens: the input)."""
+    if rotation is None:
+        return layer.weight_gradient(error, x, weight)
+    if rotation.signs.dtype != x.dtype:
+        rotation = rotation.to(x.device, x.dtype)
+    if x.numel() <= weight.numel():
+        return layer.weight_gradient(error, rotation.apply(x, layer.input_feature_dim, transpose=True), weight)
+    return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True)
 
 
 class QuantLinear(QuantLayerMixin, nn.Linear):

@@ -163,27 +163,27 @@ def _rotate(
 ) -> torch.Tensor:
     """``x diag(s) (F_1 ⊗ F_2 ⊗ ...)`` along ``dim`` (its transpose with ``transpose=True``).
 
-    The trailing factors are merged into one block of at most `MAX_MERGED_BLOCK` (one matrix product over the
-    contiguous last axis); each remaining factor contracts its own axis as a batched product over a view, so
-    no step copies the tensor to move an axis (docs/method.md, "Rotation").
+    The trailing factors are merged into one block of at most `MAX_MERGED_BLOCK`; each step contracts one axis
+    of a view of ``x`` as ``(lead, size, trailing)`` by a (batched) matrix product, along any ``dim``, so no
+    step copies the tensor to move an axis (docs/method.md, "Rotation").
     """
-    moved = x.movedim(dim, -1) if dim not in (-1, x.dim() - 1) else x
-    if not transpose:
-        moved = moved * signs
+    dim = dim % x.dim()
+    trailing = math.prod(x.shape[dim + 1:])
+    signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
+    y = x if transpose else x * signs
     remaining = [(f.t() if transpose else f).contiguous() for f in factors]
     block = remaining.pop()
     while remaining and block.shape[0] * remaining[-1].shape[0] <= MAX_MERGED_BLOCK:
         block = torch.kron(remaining.pop(), block)
-    trailing = block.shape[0]
-    y = moved.reshape(-1, trailing) @ block
-    for factor in reversed(remaining):  # (F^T @ y) over the factor's axis, every other axis batched
+    for factor in [*remaining, block][::-1]:
         size = factor.shape[0]
-        y = torch.matmul(factor.t(), y.view(-1, size, trailing))
+        if trailing == 1:  # the last axis: one plain matrix product
+            y = y.reshape(-1, size) @ factor
+        else:  # F^T @ y over this axis, every other axis batched
+            y = torch.matmul(factor.t(), y.reshape(-1, size, trailing))
         trailing *= size
-    y = y.reshape(moved.shape)
-    if transpose:
-        y = y * signs
-    return y.movedim(-1, dim) if dim not in (-1, x.dim() - 1) else y
+    y = y.reshape(x.shape)
+    return y * signs if transpose else y
 
 
 class _Rotate(torch.autograd.Function):

@@ -259,6 +259,38 @@ def test_training_saves_uint8_codes_and_the_backward_is_the_float_one_bit_for_bi
         assert torch.equal(compact_grad, float_grad)
 
 
+def _reference_codes_value(t, dim):
+    """Per-row (``dim``) 8-bit quantize-dequantize in float32, written out."""
+    lo, hi = t.amin(dim, keepdim=True), t.amax(dim, keepdim=True)
+    scale = torch.clamp((hi - lo) / 255, min=1e-8)
+    return torch.round(torch.clamp((t - lo) / scale, 0, 255)) * scale + lo
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("tokens", [3, 64])  # fewer values in the input than in the weight, and more
+def test_rotated_layer_gradients_match_a_dense_reference(kind, tokens):
+    """A rotated layer computes with Q(x R) and Q(W R); its gradients are the straight-through ones of W and x:
+    dW = (E^T Q(x R)) R^T and dx = (E Q(W R)) R^T, whichever way the layer orders the products."""
+    torch.manual_seed(0)
+    layer = nn.Linear(384, 16) if kind == "linear" else Conv1D(16, 384)
+    model = nn.Sequential(layer)
+    quantize_model(model, CPTConfig(quant_scheme="rotated-per-token", fused_error_quantizer=False))
+    set_precision(model, 8, None)  # full-precision errors: a deterministic backward
+    q = model[0]
+    dense = q.rotation.matrix()
+    x = torch.randn(tokens, 384, requires_grad=True)
+    upstream = torch.randn(tokens, 16)
+    model(x).backward(upstream)
+    weight = q.weight.detach() if kind == "linear" else q.weight.detach().t()  # (out, in)
+    qx = _reference_codes_value(q.rotation.apply(x.detach()), -1)
+    qw = _reference_codes_value(q.rotation.apply(weight), -1)
+    grad_w = (upstream.t() @ qx) @ dense.t()
+    grad_x = (upstream @ qw) @ dense.t()
+    got_w = q.weight.grad if kind == "linear" else q.weight.grad.t()
+    assert torch.allclose(got_w, grad_w, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(x.grad, grad_x, atol=1e-4, rtol=1e-4)
+
+
 def test_rotated_layer_keeps_codes_and_ranges_only():
     """The default scheme rotates the input and weight: the rotation's backward keeps nothing per token."""
     layer = nn.Sequential(nn.Linear(384, 96))  # 384 = 12 x 32: a Paley factor on its own axis

@@ -92,25 +92,29 @@ def _reference_forward(layer, x, bits, granularity, rotated=None):
     """Independent reference: explicit min/max, plain float layers; ``rotated``: the rotated (x, w), if any."""
     w = layer.weight.detach().double()
     x = x.double()
-    if rotated is not None:
+    quantize = reference_quantize
+    if rotated is not None:  # float32, quantized in float32 as the layer does, then compared in float64
         x, w = rotated
+
+        def quantize(t, lo, hi, bits):
+            return reference_quantize(t, lo, hi, bits).double()
     if isinstance(layer, Conv1D):
         lo = x.amin(-1, keepdim=True) if granularity == "token" else x.min()
         hi = x.amax(-1, keepdim=True) if granularity == "token" else x.max()
-        qx = reference_quantize(x, lo, hi, bits)
-        qw = reference_quantize(w, w.amin(0, keepdim=True), w.amax(0, keepdim=True), bits)
+        qx = quantize(x, lo, hi, bits)
+        qw = quantize(w, w.amin(0, keepdim=True), w.amax(0, keepdim=True), bits)
         return qx @ qw + layer.bias.double()
     if isinstance(layer, nn.Conv2d):
         lo = x.amin(1, keepdim=True) if granularity == "token" else x.min()
         hi = x.amax(1, keepdim=True) if granularity == "token" else x.max()
-        qx = reference_quantize(x, lo, hi, bits)
+        qx = quantize(x, lo, hi, bits)
         flat = w.reshape(w.shape[0], -1)
-        qw = reference_quantize(w, flat.min(1).values.view(-1, 1, 1, 1), flat.max(1).values.view(-1, 1, 1, 1), bits)
+        qw = quantize(w, flat.min(1).values.view(-1, 1, 1, 1), flat.max(1).values.view(-1, 1, 1, 1), bits)
         return nn.functional.conv2d(qx, qw, layer.bias.double(), padding=1)
     lo = x.amin(-1, keepdim=True) if granularity == "token" else x.min()
     hi = x.amax(-1, keepdim=True) if granularity == "token" else x.max()
-    qx = reference_quantize(x, lo, hi, bits)
-    qw = reference_quantize(w, w.amin(1, keepdim=True), w.amax(1, keepdim=True), bits)
+    qx = quantize(x, lo, hi, bits)
+    qw = quantize(w, w.amin(1, keepdim=True), w.amax(1, keepdim=True), bits)
     return qx @ qw.T + layer.bias.double()
 
 
@@ -137,12 +141,12 @@ def test_schemes_match_an_independent_reference(scheme, make_layer, make_input, 
                                 torch.einsum("ochw,cd->odhw", w, r))
         else:
             dense_x, dense_w = x.double() @ r, w @ r
-        ours_x = layer.rotation.apply(x, layer.input_feature_dim).double()
-        ours_w = layer.rotate_weight(layer.weight.detach()).double()
+        ours_x = layer.rotation.apply(x, layer.input_feature_dim)
+        ours_w = layer.rotate_weight(layer.weight.detach())
         for ours, dense in ((ours_x, dense_x), (ours_w, dense_w)):
-            assert (ours - dense).abs().max() <= 1e-5 * dense.abs().max()
-        # ... then the quantization of those float32 rotated tensors, exactly (a float64 rotation could move a
-        # value across a rounding boundary: that is float rounding, not a property of the scheme).
+            assert (ours.double() - dense).abs().max() <= 1e-5 * dense.abs().max()
+        # ... then the quantization of those float32 rotated tensors in float32, exactly (a float64 rotation or
+        # quantization could move a value across a rounding boundary: float rounding, not a property of the scheme).
         rotated = (ours_x, ours_w)
     set_precision(model, bits, None)
     got = model(x).double()
