@@ -169,8 +169,8 @@ def minilm() -> tuple[Callable[[], nn.Module], dict]:
     from transformers import AutoModelForSequenceClassification
 
     path = minilm_path()
-    batch = {"input_ids": torch.randint(1000, 30000, (32, 128)), "attention_mask": torch.ones(32, 128, dtype=torch.long),
-             "labels": torch.randint(0, 3, (32,))}
+    batch = {"input_ids": torch.randint(1000, 30000, (32, 128)),
+             "attention_mask": torch.ones(32, 128, dtype=torch.long), "labels": torch.randint(0, 3, (32,))}
     return lambda: AutoModelForSequenceClassification.from_pretrained(path, num_labels=3), batch
 
 

@@ -162,10 +162,10 @@ def overhead_summary(overhead: dict) -> list[str]:
         first_ok = "" if extra <= targets["first_step_extra_s"] else " (missed)"
         imports = startup["import_hf_cpt_s"] - startup["import_transformers_s"]
         import_ok = "" if imports <= targets["import_extra_s"] else " (missed)"
-        lines += ["", f"- First CPT step of a `{startup['first_step_kind']}` fine-tune in a fresh process with an empty "
-                  f"compile cache: {startup['first_step_s']:.2f} s against {startup['second_step_s']:.2f} s for the "
-                  f"second (+{extra:.2f} s{first_ok}; target +{targets['first_step_extra_s']:.1f} s); CUDA mentioned "
-                  f"on stderr: {'yes' if startup['cuda_warning'] else 'no'}.",
+        lines += ["", f"- First CPT step of a `{startup['first_step_kind']}` fine-tune in a fresh process with an "
+                  f"empty compile cache: {startup['first_step_s']:.2f} s against {startup['second_step_s']:.2f} s "
+                  f"for the second (+{extra:.2f} s{first_ok}; target +{targets['first_step_extra_s']:.1f} s); "
+                  f"CUDA mentioned on stderr: {'yes' if startup['cuda_warning'] else 'no'}.",
                   f"- `import hf_cpt` {startup['import_hf_cpt_s']:.2f} s against `import transformers` "
                   f"{startup['import_transformers_s']:.2f} s in fresh processes (+{imports:.2f} s{import_ok}; target "
                   f"+{targets['import_extra_s']:.1f} s)."]
