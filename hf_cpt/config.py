@@ -19,7 +19,6 @@ AUTO_STEPS_PER_CYCLE = 100
 AUTO_MAX_CYCLES = 32
 
 
-
 def auto_cycles(schedule_steps: int) -> int:
     """``num_cycles="auto"``: one cycle per `AUTO_STEPS_PER_CYCLE` steps of the schedule, 1 to `AUTO_MAX_CYCLES`."""
     return min(AUTO_MAX_CYCLES, max(1, schedule_steps // AUTO_STEPS_PER_CYCLE))

@@ -28,7 +28,7 @@ from torch import nn
 
 from .attention import find_attention_quantizer
 from .layers import QUANT_LAYER_CLASSES, QuantLayerMixin
-from .quantizer import error_rotation_operations
+from .quantizer import ErrorQuantization, error_rotation_operations
 
 FULL_PRECISION_BITS = 32
 
@@ -41,8 +41,9 @@ def bitops_per_mac(bits: int | None, grad_bits: int | None, error_products: str 
     """
     weight_bits = activation_bits = bits if bits is not None else FULL_PRECISION_BITS
     error_bits = grad_bits if grad_bits is not None else FULL_PRECISION_BITS
-    input_error_bits = error_bits if error_products in ("both", "input") else FULL_PRECISION_BITS
-    weight_error_bits = error_bits if error_products in ("both", "weight") else FULL_PRECISION_BITS
+    errors = ErrorQuantization(products=error_products)
+    input_error_bits = error_bits if errors.quantizes_input_gradient else FULL_PRECISION_BITS
+    weight_error_bits = error_bits if errors.quantizes_weight_gradient else FULL_PRECISION_BITS
     return weight_bits * activation_bits + input_error_bits * weight_bits + weight_error_bits * activation_bits
 
 

@@ -306,10 +306,6 @@ class QuantLayerMixin:
         """The forward bit-width now in force for this layer, None for full precision."""
         return self.cpt_precision.forward_bits(self.training)
 
-    def quantize_input(self, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        """``x`` fake-quantized over `input_range` (straight-through gradient)."""
-        return quantize_ste(x, *self.input_range(x), bits)
-
     def input_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: each row's own range. Per tensor: batch range in training (tracked by EMA), EMA in eval."""
         if self.cpt_granularity == "token":

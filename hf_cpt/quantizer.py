@@ -176,11 +176,8 @@ def quantize_codes(
     Returns codes (uint8, ``[C, K]`` with ``C = w.shape[channel_dim]``), scale and zero point (float32, ``[C]``).
     """
     source = weight.detach().float()
-    minimum, maximum = channel_ranges(source, channel_dim)
     bits = bits if isinstance(bits, torch.Tensor) else torch.tensor(float(bits))
-    levels = num_levels(bits.to(device=source.device, dtype=source.dtype))
-    scale = quantization_scale(minimum, maximum, levels)
-    codes = (source - minimum).div_(scale).clamp_min_(0.0).clamp_max_(levels).round_()
+    codes, scale, minimum = quantization_codes(source, *channel_ranges(source, channel_dim), bits.to(source.device))
     channels = weight.shape[channel_dim]
     codes = codes.movedim(channel_dim, 0).reshape(channels, -1).to(torch.uint8)
     return codes, scale.reshape(channels), minimum.reshape(channels)
@@ -235,28 +232,29 @@ def quantize_error_hashed(grad: torch.Tensor, bits: torch.Tensor, seed: torch.Te
     return _quantize_error_hashed_levels(grad, num_levels(bits), seed)
 
 
-def _quantize_error_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    # Takes 2^b - 1 precomputed: with exp2 in the graph, the generated loop calls exp2 per vector.
-    source = _compute_dtype(grad)
-    flat = source.reshape(-1)
-    minimum, maximum = torch.aminmax(flat)
-    noise = hashed_uniform_noise(flat.numel(), seed, flat.device)
-    levels = levels.to(flat.dtype)
-    scale = quantization_scale(minimum, maximum, levels)
-    codes = torch.round(torch.minimum(((flat - minimum) / scale + noise).clamp_min(0.0), levels))
-    return (codes * scale + minimum).view(grad.shape).to(grad.dtype)
-
-
-def _quantize_error_rows_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    # Per row over the last dimension, hashed noise: the per-row twin of the per-tensor kernel above.
-    source = _compute_dtype(grad)
-    minimum = source.amin(dim=-1, keepdim=True)
-    maximum = source.amax(dim=-1, keepdim=True)
+def _hashed_stochastic_round(
+    source: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor
+) -> torch.Tensor:
+    # The compiled kernels' shared formula: stochastic rounding over [minimum, maximum] with hashed noise.
     noise = hashed_uniform_noise(source.numel(), seed, source.device).view(source.shape)
     levels = levels.to(source.dtype)
     scale = quantization_scale(minimum, maximum, levels)
     codes = torch.round(torch.minimum(((source - minimum) / scale + noise).clamp_min(0.0), levels))
-    return (codes * scale + minimum).to(grad.dtype)
+    return codes * scale + minimum
+
+
+def _quantize_error_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    # Takes 2^b - 1 precomputed: with exp2 in the graph, the generated loop calls exp2 per vector.
+    flat = _compute_dtype(grad).reshape(-1)
+    minimum, maximum = torch.aminmax(flat)
+    return _hashed_stochastic_round(flat, minimum, maximum, levels, seed).view(grad.shape).to(grad.dtype)
+
+
+def _quantize_error_rows_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    # Per row over the last dimension: the per-row twin of the per-tensor kernel above.
+    source = _compute_dtype(grad)
+    minimum, maximum = source.amin(dim=-1, keepdim=True), source.amax(dim=-1, keepdim=True)
+    return _hashed_stochastic_round(source, minimum, maximum, levels, seed).to(grad.dtype)
 
 
 _compiled_error_kernels: dict[str, Callable] = {}
@@ -388,19 +386,18 @@ def _quantize_error_unrotated(
         source = _compute_dtype(grad)
         minimum, maximum = token_range(source, feature_dim) if per_row else tensor_range(source)
         return fake_quantize(source, minimum, maximum, bits.to(source.device)).to(grad.dtype)
-    in_graph = torch.compiler.is_compiling()  # inside a compiled graph the compiler fuses the plain formula
-    kernel = None if in_graph or not scheme.fused or grad.numel() < FUSED_MIN_NUMEL else _fused_error_kernel(
-        scheme.granularity)
-    if in_graph or kernel is not None:
+    # Inside a compiled graph the compiler fuses the plain formula; outside, the compiled kernel runs it.
+    in_graph = torch.compiler.is_compiling()
+    kernel = None
+    if in_graph:
+        kernel = _quantize_error_rows_hashed_levels if per_row else _quantize_error_hashed_levels
+    elif scheme.fused and grad.numel() >= FUSED_MIN_NUMEL:
+        kernel = _fused_error_kernel(scheme.granularity)
+    if kernel is not None:
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
         levels = num_levels(bits.to(grad.device))
         try:
-            if in_graph:
-                if per_row:
-                    return _quantize_error_rows_hashed_levels(grad.movedim(feature_dim, -1), levels, seed).movedim(
-                        -1, feature_dim)
-                return _quantize_error_hashed_levels(grad, levels, seed)
-            with _quiet_cuda_probe(scheme.granularity):
+            with contextlib.nullcontext() if in_graph else _quiet_cuda_probe(scheme.granularity):
                 if per_row:  # as (rows, features): one compiled graph serves every rank and layout
                     rows = grad.movedim(feature_dim, -1)
                     flat = kernel(rows.reshape(-1, rows.shape[-1]), levels, seed)
