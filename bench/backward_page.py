@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from results_page import mean, spread
 
-from hf_cpt.quantizer import PAPER_ERRORS
+from hf_cpt.quantizer import PAPER_ERRORS, ErrorQuantization
 
 STATIC_TARGET = 0.5  # points below FP32
 CPT_TARGET = 1.0
@@ -59,7 +59,15 @@ def _points(entries: list[dict]) -> float:
     return 100 * mean(e["metric"] for e in entries)
 
 
-def backward_page(ablation: dict, pretrained: dict, default_errors: tuple[str, str, str, str]) -> str:
+def resolved_option(errors: ErrorQuantization, activations: str) -> tuple[str, str, str, str]:
+    """The (granularity, rounding, products, rotation) ``errors`` give a layer with ``activations`` ranges."""
+    resolved = errors.for_activations(activations)
+    return resolved.granularity, resolved.rounding, resolved.products, resolved.rotation
+
+
+def backward_page(ablation: dict, pretrained: dict, default: ErrorQuantization,
+                  from_scratch: list[tuple[str, dict, str, tuple, str]] | None = None) -> str:
+    default_errors = resolved_option(default, "token")  # MiniLM's layers: rotated, per-token activations
     grouped = groups(pretrained.get("finetune", {}), ablation.get("finetune", {}))
     fp32 = next((entries for (name, _), entries in grouped.items() if name == "FP32"), None)
     fp32_points = _points(fp32) if fp32 else None
@@ -89,7 +97,52 @@ def backward_page(ablation: dict, pretrained: dict, default_errors: tuple[str, s
     lines += ["", "† measured before the cost meter counted the attention products (in FP32 there): both cost "
               "ratios of that row leave them out, so they read lower than a row that counts them.",
               "", "## Findings", ""] + findings(grouped, fp32_points, default_errors)
+    for title, results, command, metric, activations in from_scratch or []:
+        lines += [""] + scratch_section(title, results, command, metric, resolved_option(default, activations))
     return "\n".join(lines).rstrip() + "\n"
+
+
+# (title, results file, the command that adds its per-row runs, (metric name, higher is better, scale), the
+# activation ranges of its quantized layers under the default scheme)
+FROM_SCRATCH = (
+    ("CIFAR-10, ResNet-20 from scratch (4 epochs)", "vision.json",
+     "python bench/cifar10.py --runs static-8/8-error-token cpt-3-8/8-error-token", ("accuracy %", True, 100),
+     "tensor"),
+    ("WikiText-2, GPT-2-shaped language model from scratch (2 epochs)", "language_model.json",
+     "python bench/language_model.py --runs static-8/8-error-token cpt-4-8/8-error-token", ("perplexity", False, 1),
+     "token"),
+)
+
+
+def scratch_section(title: str, results: dict, command: str, metric: tuple[str, bool, float],
+                    default_errors: tuple) -> list[str]:
+    """One from-scratch task: each method with the paper's per-tensor errors and with the default."""
+    name, higher_is_better, scale = metric
+    grouped = groups(results.get("runs", {}))
+    fp32 = next((entries for (method_name, _), entries in grouped.items() if method_name == "FP32"), None)
+    lines = [f"## {title}", "", f"Same settings as docs/RESULTS.md; the per-row runs added by `{command}`.", "",
+             f"| run | errors | seeds | {name} | vs FP32 | cost vs static |", "|---|---|---|---|---|---|"]
+    base = scale * mean(e["metric"] for e in fp32) if fp32 else None
+    for (method_name, option), entries in sorted(grouped.items(), key=lambda kv: (kv[0][0] != "FP32", kv[0])):
+        values = [scale * e["metric"] for e in entries]
+        gap = "-" if base is None or method_name == "FP32" else f"{mean(values) - base:+.2f}"
+        cost = "-" if method_name == "FP32" else f"{mean(e['cost']['cost_vs_static'] for e in entries):.3f}"
+        marker = " (default)" if option == default_errors else ""
+        lines.append(f"| {method_name} | {describe(option) + marker if option else '-'} | "
+                     f"{', '.join(str(e['seed']) for e in sorted(entries, key=lambda e: e['seed']))} | "
+                     f"{mean(values):.2f} ± {spread(values):.2f} | {gap} | {cost} |")
+    paper = tuple(ERROR_DEFAULTS.values())
+    per_row = ("token", *paper[1:])
+    pairs = [(method_name, grouped[(method_name, paper)], grouped[(method_name, per_row)])
+             for (method_name, option) in grouped if option == paper and (method_name, per_row) in grouped]
+    lines.append("")
+    for method_name, paper_entries, row_entries in sorted(pairs, key=lambda p: p[0]):
+        change = scale * (mean(e["metric"] for e in row_entries) - mean(e["metric"] for e in paper_entries))
+        better = (change > 0) == higher_is_better
+        lines.append(f"- {method_name}: per-row errors {'improve' if better else 'worsen'} {name} by "
+                     f"{abs(change):.2f} against per-tensor errors ({len(row_entries)} against "
+                     f"{len(paper_entries)} seed(s)).")
+    return lines
 
 
 def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) -> list[str]:
@@ -113,7 +166,9 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
         uncounted = " without the attention products (†)" if _uncounted_attention(entries) else ""
         lines.append(f"- CPT 4-8/8 ({describe(option)}) costs {cost:.3f} of static 8/8{uncounted} "
                      f"({'within' if cost <= COST_TARGET else 'above'} the {COST_TARGET} target).")
-    lines.append(f"- The library's default errors (`CPTConfig()`): {describe(default_errors)}.")
+    lines.append(f"- The library's default errors (`CPTConfig()`, `error_granularity='auto'`) in these per-token "
+                 f"layers: {describe(default_errors)}; in layers with per-tensor activations (Conv2d under the "
+                 f"default scheme) one range per tensor.")
     return lines
 
 

@@ -212,14 +212,16 @@ def main() -> None:
     if ablation and pretrained:
         from hf_cpt import CPTConfig
 
-        default = CPTConfig().errors
-        default_errors = (default.granularity, default.rounding, default.products, default.rotation)
+        default = CPTConfig().errors  # granularity "auto": resolved per task by the activations of its layers
         path = os.path.join(args.docs, "backward.md")
         with open(path, "w") as f:
-            f.write(backward_page.backward_page(ablation, pretrained, default_errors))
+            scratch = [(title, results_page.load(args.results, file), command, metric, activations)
+                       for title, file, command, metric, activations in backward_page.FROM_SCRATCH]
+            f.write(backward_page.backward_page(ablation, pretrained, default,
+                                                [section for section in scratch if section[1]]))
         print(f"wrote {path}")
         replace_block(args.readme, "backward-summary",
-                      backward_page.readme_summary(ablation, pretrained, default_errors))
+                      backward_page.readme_summary(ablation, pretrained, backward_page.resolved_option(default, "token")))
     path = os.path.join(args.docs, "RESULTS.md")
     with open(path, "w") as f:
         f.write(results_page.results_page(args.results, os.path.join(args.docs, "results")))

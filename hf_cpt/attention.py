@@ -101,7 +101,7 @@ def cpt_attention_forward(
         key = _quantize(key, bits, state.granularity, -1)
     scores = torch.matmul(query, key.transpose(2, 3))
     if quantize_backward:
-        scores = precision.quantize_error_on_backward(scores, attention=True)
+        scores = precision.quantize_error_on_backward(scores, attention=True, granularity=state.granularity)
     scores = scores * scaling
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
@@ -113,7 +113,7 @@ def cpt_attention_forward(
         value = _quantize(value, bits, state.granularity, -2)
     output = torch.matmul(probabilities, value)
     if quantize_backward:
-        output = precision.quantize_error_on_backward(output, attention=True)
+        output = precision.quantize_error_on_backward(output, attention=True, granularity=state.granularity)
     return output.transpose(1, 2).contiguous(), weights
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .bits import check_bits
-from .quantizer import ERROR_GRANULARITIES, ERROR_PRODUCTS, ERROR_ROTATIONS, ERROR_ROUNDINGS, ErrorQuantization
+from .quantizer import ERROR_GRANULARITY_CHOICES, ERROR_PRODUCTS, ERROR_ROTATIONS, ERROR_ROUNDINGS, ErrorQuantization
 from .schedules import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,8 @@ class CPTConfig:
             "help": "Ranges of the quantized errors (output gradients): 'tensor' (one per error tensor, the CPT "
             "paper), 'token' (one per row: each token's own range over the output features, per pixel for "
             "Conv2d; keeps tokens whose error is small from falling below one quantization step) or 'auto' "
-            "(the default: 'token', and 'tensor' under quant_scheme='paper'; docs/backward.md)."
+            "(the default: per row in layers with per-token activations, per tensor in the others, e.g. Conv2d "
+            "and every layer under quant_scheme='paper'; docs/backward.md)."
         },
     )
     error_rounding: str = field(
@@ -322,7 +323,7 @@ class CPTConfig:
                 f"CPTConfig.fidelity_threshold must be a cosine similarity in [-1, 1] or None, "
                 f"got {self.fidelity_threshold!r}."
             )
-        for name, choices in (("error_granularity", ("auto", *ERROR_GRANULARITIES)),
+        for name, choices in (("error_granularity", ERROR_GRANULARITY_CHOICES),
                               ("error_rounding", ERROR_ROUNDINGS),
                               ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS)):
             if getattr(self, name) not in choices:
@@ -334,11 +335,9 @@ class CPTConfig:
 
     @property
     def errors(self) -> ErrorQuantization:
-        """How errors are quantized, with ``error_granularity='auto'`` resolved."""
-        granularity = self.error_granularity
-        if granularity == "auto":
-            granularity = "tensor" if self.quant_scheme == "paper" else "token"
-        return ErrorQuantization(granularity, self.error_rounding, self.fused_error_quantizer, self.error_products,
+        """How errors are quantized (``error_granularity='auto'`` is resolved per layer, by
+        `ErrorQuantization.for_activations`)."""
+        return ErrorQuantization(self.error_granularity, self.error_rounding, self.fused_error_quantizer, self.error_products,
                                  self.error_rotation)
 
     def _schedule_steps(self, total_steps: int) -> int:

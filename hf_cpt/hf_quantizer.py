@@ -61,7 +61,7 @@ from .packing import (
     weight_channel_dim,
 )
 from .quantizer import (
-    ERROR_GRANULARITIES,
+    ERROR_GRANULARITY_CHOICES,
     ERROR_PRODUCTS,
     ERROR_ROTATIONS,
     ERROR_ROUNDINGS,
@@ -227,7 +227,7 @@ class CPTQuantizationConfig(QuantizationConfigMixin):
                 f"got {self.attention_routing!r}."
             )
         for field, choices in (("quantized_attention", (None, *ACTIVATION_GRANULARITIES)),
-                               ("error_granularity", ERROR_GRANULARITIES), ("error_rounding", ERROR_ROUNDINGS),
+                               ("error_granularity", ERROR_GRANULARITY_CHOICES), ("error_rounding", ERROR_ROUNDINGS),
                                ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS),
                                ("activation_ema_init", EMA_INITS)):
             if getattr(self, field) not in choices:

@@ -79,12 +79,12 @@ class PrecisionState:
         return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors)
 
     def quantize_error_on_backward(
-        self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False
+        self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False, granularity: str = "tensor"
     ) -> torch.Tensor:
         """Mark ``output`` so that the error arriving at it is quantized at the error bits, with these settings
-        (``attention=True``: the attention products' settings)."""
+        (``attention=True``: the attention products' settings) for activations quantized with ``granularity``."""
         scheme = self.attention_errors if attention else self.errors
-        return quantize_error_on_backward(output, self.grad_bits, scheme, feature_dim)
+        return quantize_error_on_backward(output, self.grad_bits, scheme.for_activations(granularity), feature_dim)
 
     def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""
@@ -368,7 +368,8 @@ class QuantLayerMixin:
         if training_products:
             return _QuantizedProducts.apply(
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
-                precision.grad_bits if quantize_backward else None, precision.errors, rotated_weight, weight_rotation,
+                precision.grad_bits if quantize_backward else None,
+                precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation,
             )
         if x_range[0] is not None:
             x = quantize_ste(x, *x_range, bits)

@@ -14,6 +14,7 @@ This module knows nothing about layers, schedules or the Trainer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -30,8 +31,10 @@ logger = logging.getLogger(__name__)
 MIN_SCALE = 1e-8
 # Below this many elements the eager error quantizer is as fast as the compiled one.
 FUSED_MIN_NUMEL = 1 << 16
-# How errors are quantized (docs/method.md §2): one range per tensor (the CPT paper) or per row (token).
+# How errors are quantized (docs/method.md §2): one range per tensor (the CPT paper) or per row (token); "auto"
+# follows each layer's activations (per row where they are per token, per tensor elsewhere).
 ERROR_GRANULARITIES = ("tensor", "token")
+ERROR_GRANULARITY_CHOICES = ("auto", *ERROR_GRANULARITIES)
 ERROR_ROUNDINGS = ("stochastic", "nearest")
 # Which backward products use the quantized error: both, the input gradient only (the weight gradient
 # from the full-precision error, as SwitchBack does), or the weight gradient only.
@@ -47,11 +50,19 @@ ERROR_ROTATION_SEED = 1  # a rotation of the error independent of the layers' in
 class ErrorQuantization:
     """How errors (output gradients) are quantized: ranges, rounding, rotation, which products use them."""
 
-    granularity: str = "tensor"
+    granularity: str = "tensor"  # or "token", or "auto": resolved per layer by `for_activations`
     rounding: str = "stochastic"
     fused: bool = True  # compiled kernels for stochastic rounding (per tensor and per row)
     products: str = "both"
     rotation: str = "none"
+
+    def for_activations(self, activation_granularity: str) -> ErrorQuantization:
+        """These settings for a layer whose activations are quantized with ``activation_granularity``: granularity
+        "auto" becomes per row ("token") for per-token activations and per tensor otherwise (docs/backward.md:
+        per-row errors keep a fine-tuned transformer near FP32; a CNN trained from scratch does better per tensor)."""
+        if self.granularity != "auto":
+            return self
+        return dataclasses.replace(self, granularity="token" if activation_granularity == "token" else "tensor")
 
     @property
     def quantizes_input_gradient(self) -> bool:
@@ -441,6 +452,9 @@ def quantize_error(
     ``scheme.fused`` runs one compiled kernel (range, hashed noise, rounding) for large tensors and falls
     back to the eager path, with one warning, if compilation is unavailable.
     """
+    if scheme.granularity not in ERROR_GRANULARITIES:
+        raise ValueError(f"error granularity must be one of {ERROR_GRANULARITIES} when quantizing, got "
+                         f"{scheme.granularity!r} (resolve 'auto' with ErrorQuantization.for_activations)")
     if grad.numel() == 0:
         return grad
     if scheme.rotation == "none":

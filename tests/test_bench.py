@@ -132,7 +132,21 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
                                                     **{**token, "error_products": "input"}),
     }}
     ablation["finetune"]["renamed/seed1"]["cost"].pop("full_precision_mac_share")
-    page = backward_page.backward_page(ablation, pretrained, ("token", "stochastic", "both", "none"))
+    from hf_cpt.quantizer import ErrorQuantization
+
+    vision = {"runs": {
+        "fp32/seed0": _entry(0, 0.57, 2.0, schedule="fp32"),
+        "static-8/8/seed0": _entry(0, 0.59, 1.0, error_granularity="tensor"),
+        "static-8/8-error-token/seed0": _entry(0, 0.56, 1.0, **token),
+    }}
+    scratch = [("CIFAR-10", vision, "python bench/cifar10.py --runs static-8/8-error-token", ("accuracy %", True, 100),
+                "tensor")]
+    page = backward_page.backward_page(ablation, pretrained, ErrorQuantization("auto"), scratch)
+    # the from-scratch section: the CNN's default errors are per tensor (its activations are), judged against FP32
+    assert "| static 8/8 | one range per tensor, stochastic rounding, both products (default) | 0 | 59.00 ± 0.00 | " \
+           "+2.00 | 1.000 |" in page
+    assert "- static 8/8: per-row errors worsen accuracy % by 3.00 against per-tensor errors (1 against 1 seed(s))." \
+        in page
     assert "| FP32 | - | 0, 1 | 59.00 ± 1.00 | - |" in page
     per_tensor = "one range per tensor, stochastic rounding, both products"
     assert f"| static 8/8 | {per_tensor} | 0, 1 | 54.00 ± 1.00 | -5.00 |" in page

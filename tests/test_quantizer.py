@@ -276,6 +276,40 @@ def test_layer_backward_uses_the_per_row_error_for_both_products():
     torch.testing.assert_close(layer[0].weight.grad, expected_weight_grad, rtol=1e-5, atol=1e-6)
 
 
+def test_auto_error_ranges_follow_each_layers_activations():
+    """error_granularity='auto' (the default): per row in a per-token layer, per tensor in a Conv2d (whose
+    activations the auto scheme quantizes per tensor)."""
+    from hf_cpt import CPTConfig, quantize_model, set_precision
+
+    torch.manual_seed(0)
+    linear = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    quantize_model(linear, CPTConfig(include_modules=["0"], quant_scheme="per-token", error_rounding="nearest"))
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1))
+    quantize_model(conv, CPTConfig(include_modules=["0"], error_rounding="nearest"))
+    for model in (linear, conv):
+        set_precision(model, 8, 6)
+        model.train()
+
+    x = torch.randn(4, 5, 16, requires_grad=True)
+    error = torch.randn(4, 5, 8) * torch.logspace(-3, 0, 5).view(1, 5, 1)
+    linear(x).backward(error)
+    weight = quantize_weight(linear[0].weight.detach(), torch.tensor(8.0))
+    torch.testing.assert_close(x.grad, reference_per_row(error, 6) @ weight, rtol=1e-5, atol=1e-7)
+
+    image = torch.randn(2, 3, 6, 6, requires_grad=True)
+    error = torch.randn(2, 4, 6, 6) * torch.logspace(-3, 0, 6).view(1, 1, 6, 1)
+    conv(image).backward(error)
+    per_tensor = reference_quantize(error, error.min(), error.max(), 6)
+    weight = quantize_weight(conv[0].weight.detach(), torch.tensor(8.0))
+    expected = torch.nn.grad.conv2d_input(image.shape, weight, per_tensor, padding=1)
+    torch.testing.assert_close(image.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_quantizing_with_unresolved_auto_ranges_is_refused():
+    with pytest.raises(ValueError, match="resolve 'auto' with ErrorQuantization.for_activations"):
+        quantize_error(torch.randn(4, 4), torch.tensor(8.0), ErrorQuantization("auto"))
+
+
 def test_error_settings_are_validated_with_the_field_named():
     from hf_cpt import CPTConfig
 
