@@ -221,7 +221,8 @@ def main() -> None:
                                                 [section for section in scratch if section[1]]))
         print(f"wrote {path}")
         replace_block(args.readme, "backward-summary",
-                      backward_page.readme_summary(ablation, pretrained, backward_page.resolved_option(default, "token")))
+                      backward_page.readme_summary(ablation, pretrained,
+                                                   backward_page.resolved_option(default, "token")))
     path = os.path.join(args.docs, "RESULTS.md")
     with open(path, "w") as f:
         f.write(results_page.results_page(args.results, os.path.join(args.docs, "results")))

@@ -337,8 +337,8 @@ class CPTConfig:
     def errors(self) -> ErrorQuantization:
         """How errors are quantized (``error_granularity='auto'`` is resolved per layer, by
         `ErrorQuantization.for_activations`)."""
-        return ErrorQuantization(self.error_granularity, self.error_rounding, self.fused_error_quantizer, self.error_products,
-                                 self.error_rotation)
+        return ErrorQuantization(self.error_granularity, self.error_rounding, self.fused_error_quantizer,
+                                 self.error_products, self.error_rotation)
 
     def _schedule_steps(self, total_steps: int) -> int:
         return total_steps - int(self.delay * total_steps)
