@@ -1,6 +1,7 @@
 """The ``cpt`` quantization method of ``transformers``: load CPT checkpoints with ``from_pretrained``.
 
-``import hf_cpt`` registers `CPTQuantizationConfig` and `CPTHfQuantizer` under ``quant_method="cpt"``.
+After ``import hf_cpt``, `CPTQuantizationConfig` and `CPTHfQuantizer` are registered under ``quant_method="cpt"``
+as soon as transformers loads its quantizer registry (`hf_cpt.registration`).
 A checkpoint written by `hf_cpt.save_quantized` (packed) or `hf_cpt.export_portable` then loads with
 any ``AutoModelFor....from_pretrained(path)``:
 
@@ -28,7 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import register_quantization_config, register_quantizer
+from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .attention import install_attention
@@ -667,11 +669,11 @@ class CPTHfQuantizer(HfQuantizer):
 
 def _register() -> None:
     """Register the ``cpt`` method with transformers (idempotent: a second import replaces the entry)."""
-    from transformers.quantizers import auto
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
-    if auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not None:
-        auto.AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = CPTQuantizationConfig
-        auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = CPTHfQuantizer
+    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not None:
+        AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = CPTQuantizationConfig
+        AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = CPTHfQuantizer
         return
     register_quantization_config(QUANT_METHOD)(CPTQuantizationConfig)
     register_quantizer(QUANT_METHOD)(CPTHfQuantizer)

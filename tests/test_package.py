@@ -48,3 +48,26 @@ def test_import_does_not_load_the_trainer_until_it_is_used():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["[]", "hf_cpt.trainer", "hf_cpt.trainer", "True"], result.stderr[-2000:]
+
+
+def test_import_loads_neither_torch_nor_transformers_and_cpt_registers_when_transformers_needs_it():
+    """`import hf_cpt` is as light as `import transformers`; the `cpt` quantization method is registered when
+    transformers loads its quantizer registry (after hf_cpt, as `from_pretrained` does) or at once (before)."""
+    import subprocess
+    import sys
+
+    lookup = ("from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING as c, "
+              "AUTO_QUANTIZER_MAPPING as q; print(c['cpt'].__name__, q['cpt'].__name__)")
+    after = f"import sys, hf_cpt; print(sorted({{'torch', 'transformers'}} & set(sys.modules))); {lookup}"
+    before = f"import transformers.quantizers.auto; import hf_cpt; {lookup}"
+    outputs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+               for script in (after, before)]
+    assert outputs[0].stdout.split() == ["[]", "CPTQuantizationConfig", "CPTHfQuantizer"], outputs[0].stderr[-2000:]
+    assert outputs[1].stdout.split() == ["CPTQuantizationConfig", "CPTHfQuantizer"], outputs[1].stderr[-2000:]
+
+
+def test_unknown_names_raise_attribute_error():
+    import pytest
+
+    with pytest.raises(AttributeError, match="has no attribute 'CPTTrainerr'"):
+        hf_cpt.CPTTrainerr  # noqa: B018
