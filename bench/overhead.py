@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
-from hf_cpt.quantizer import wait_for_error_kernels
 
 Step = Callable[[], None]
 
@@ -217,41 +216,36 @@ def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2, env
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def first_steps(kind: str, fused: bool, steps_after_ready: int = 3, max_steps: int = 40) -> dict:
-    """The start of a CPT fine-tune of ``kind`` in a fresh process with an empty compile cache (a new machine).
-
-    The error kernels compile in the background while the first steps run them eagerly, so the first step is
-    not the whole story: this also times every step until the compiled kernels are ready and a few after,
-    and reports the extra time of the whole start against steady steps. Also: whether stderr mentions CUDA.
-    """
+def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
+    """The start of a CPT fine-tune of ``kind`` in a fresh process with an empty compile cache (a new machine):
+    the first and second step, the steady step (median of the later ones) and how much longer the first two
+    took than two steady steps; then the same extra time in a second fresh process that finds the compiled
+    kernels in the cache (every later run on that machine); also whether stderr mentions CUDA."""
     import json
     import subprocess
     import tempfile
 
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
-        f"import json, statistics, sys, time, torch; sys.path.insert(0, {here!r}); import overhead as o; "
-        "from hf_cpt.quantizer import wait_for_error_kernels; "
+        f"import json, sys, time, torch; sys.path.insert(0, {here!r}); import overhead as o; "
         f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; build, batch = o.{kind}(); torch.manual_seed(0); "
-        f"step = o.training_step(o.cpt_copy(build(), {fused}), batch); times = []; compiling = 0\n"
-        f"while len(times) < {max_steps}:\n"
+        f"step = o.training_step(o.cpt_copy(build(), {fused}), batch); times = []\n"
+        f"for _ in range({steps}):\n"
         "    start = time.perf_counter(); step(); times.append(time.perf_counter() - start)\n"
-        "    if wait_for_error_kernels(timeout=0): break\n"
-        "    compiling += 1\n"
-        f"for _ in range({steps_after_ready}):\n"
-        "    start = time.perf_counter(); step(); times.append(time.perf_counter() - start)\n"
-        "print(json.dumps({'times': times, 'compiling': compiling}))"
+        "print(json.dumps(times))"
     )
+    runs = []
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    record = json.loads(out.stdout.strip().splitlines()[-1])
-    times, compiling = record["times"], record["compiling"]
-    steady = statistics.median(times[-steps_after_ready:])
-    start = times[: len(times) - steps_after_ready]
+        for _ in ("empty cache", "warm cache"):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+            times = json.loads(out.stdout.strip().splitlines()[-1])
+            runs.append((times, statistics.median(times[2:]), out.stderr))
+    (times, steady, stderr), (warm_times, warm_steady, _) = runs
     return {"first_step_s": times[0], "second_step_s": times[1], "steady_step_s": steady,
-            "steps_while_compiling": compiling, "start_extra_s": sum(start) - steady * len(start),
-            "cuda_warning": "cuda" in out.stderr.lower()}
+            "start_extra_s": times[0] + times[1] - 2 * steady,
+            "warm_start_extra_s": warm_times[0] + warm_times[1] - 2 * warm_steady,
+            "cuda_warning": "cuda" in stderr.lower()}
 
 
 def import_seconds(repeats: int) -> dict:
@@ -276,8 +270,7 @@ def time_per_step(step: Step, iters: int) -> float:
 
 def run_case(case: Case, repeats: int) -> dict[str, float]:
     start = time.perf_counter()
-    case.quantized()  # first call: starts compiling the fused error kernels (run eagerly until they are ready)
-    wait_for_error_kernels()
+    case.quantized()  # first call: compiles the fused error kernels
     warmup = time.perf_counter() - start
     case.plain()
     case.quantized()
@@ -403,8 +396,8 @@ def main() -> None:
         extra = startup["first_step_s"] - startup["second_step_s"]
         print(f"first CPT step ({kind}, fresh process, empty compile cache): {startup['first_step_s']:.2f} s, "
               f"second {startup['second_step_s']:.2f} s (+{extra:.2f} s, target +{FIRST_STEP_TARGET_S} s), steady "
-              f"{startup['steady_step_s']:.2f} s; {startup['steps_while_compiling']} steps ran while the error "
-              f"kernels compiled, the start took {startup['start_extra_s']:+.2f} s more than steady steps; "
+              f"{startup['steady_step_s']:.2f} s; the first two steps took {startup['start_extra_s']:+.2f} s more "
+              f"than two steady steps ({startup['warm_start_extra_s']:+.2f} s with a warm compile cache); "
               f"CUDA mentioned on stderr: {startup['cuda_warning']}")
         print(f"import transformers {startup['import_transformers_s']:.2f} s, import hf_cpt "
               f"{startup['import_hf_cpt_s']:.2f} s (target +{IMPORT_TARGET_S} s)")

@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import logging
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -232,7 +231,7 @@ def hashed_uniform_noise(numel: int, seed: torch.Tensor, device: torch.device) -
     that consumes it. int32 products wrap; shifts are masked to act as logical shifts.
     """
     # In place on one fresh tensor: the same values as the out-of-place formula, fewer full-size allocations
-    # when it runs eagerly (before its compiled kernel is ready).
+    # when it runs eagerly.
     h = torch.arange(numel, device=device, dtype=torch.int32).bitwise_xor_(seed)
     h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
     h.mul_(0x7FEB352D)
@@ -293,68 +292,19 @@ def _quiet_cuda_probe(kernel: str):
         _warmed_error_kernels.add(kernel)
 
 
-class BackgroundCompiledKernel:
-    """An error kernel compiled off the training thread, so that the first steps never wait for the compiler.
-
-    The first call for an input dtype and device starts ``torch.compile`` in a daemon thread (on copies of the
-    arguments) and returns the same function run eagerly; calls keep running it eagerly until the compiled
-    kernel is ready. Both compute the same values bit for bit (one formula, counter-based noise that depends
-    only on the seed), so when the compiler finishes changes a run's speed, never its numbers.
-    """
-
-    def __init__(self, name: str, source: Callable) -> None:
-        self.name, self.source = name, source
-        self.compiled = torch.compile(source, dynamic=True)
-        self.failure: str | None = None  # why compilation failed, once it has
-        self._ready: set[tuple] = set()
-        self._threads: dict[tuple, threading.Thread] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, x: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-        key = (x.dtype, x.device.type)
-        if key in self._ready:
-            return self.compiled(x, levels, seed)
-        with self._lock:
-            if key not in self._threads and self.failure is None:
-                copies = (x.detach().clone(), levels.detach().clone(), seed.detach().clone())
-                thread = threading.Thread(target=self._compile, args=(key, *copies), daemon=True,
-                                          name=f"hf_cpt-compile-{self.name}")
-                self._threads[key] = thread
-                thread.start()
-        return self.source(x, levels, seed)
-
-    def _compile(self, key: tuple, *example: torch.Tensor) -> None:
-        try:
-            with _quiet_cuda_probe(self.name):
-                self.compiled(*example)
-            self._ready.add(key)
-        except Exception as error:  # compiler missing or failing: the caller falls back and says so
-            self.failure = f"{type(error).__name__}: {error}"
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the compilations started so far; True when none is still running."""
-        for thread in list(self._threads.values()):
-            thread.join(timeout)
-        return not any(thread.is_alive() for thread in self._threads.values())
+_compiled_error_kernels: dict[str, Callable] = {}
 
 
-_error_kernels: dict[str, BackgroundCompiledKernel] = {}
-
-
-def _fused_error_kernel(granularity: str) -> BackgroundCompiledKernel | None:
-    """The compiled stochastic error quantizer for ``granularity`` (compiling in the background from its first
-    use), None once compilation has failed (said once, in a warning)."""
-    global _fused_disabled_reason
+def _fused_error_kernel(granularity: str) -> Callable | None:
+    """The compiled stochastic error quantizer for ``granularity`` (compiled on first use, in the calling thread:
+    compiling in a background thread while the same kernel ran eagerly made the start of a CPU run slower, see
+    docs/benchmarks.md), None once compilation has failed."""
     if _fused_disabled_reason is not None:
         return None
-    if granularity not in _error_kernels:
+    if granularity not in _compiled_error_kernels:
         source = _quantize_error_rows_hashed_levels if granularity == "token" else _quantize_error_hashed_levels
-        _error_kernels[granularity] = BackgroundCompiledKernel(granularity, source)
-    kernel = _error_kernels[granularity]
-    if kernel.failure is not None:
-        _disable_fused(kernel.failure)
-        return None
-    return kernel
+        _compiled_error_kernels[granularity] = torch.compile(source, dynamic=True)
+    return _compiled_error_kernels[granularity]
 
 
 def _disable_fused(reason: str) -> None:
@@ -365,12 +315,6 @@ def _disable_fused(reason: str) -> None:
         "Set CPTConfig(fused_error_quantizer=False) to silence this.",
         reason.splitlines()[0],
     )
-
-
-def wait_for_error_kernels(timeout: float | None = None) -> bool:
-    """Wait until the error kernels being compiled in the background are ready (benchmarks, tests); True when
-    none is still compiling."""
-    return all([kernel.wait(timeout) for kernel in list(_error_kernels.values())])
 
 
 def quantize_error_per_row(grad: torch.Tensor, bits: torch.Tensor, feature_dim: int = -1) -> torch.Tensor:
@@ -473,7 +417,7 @@ def _quantize_error_unrotated(
         minimum, maximum = token_range(source, feature_dim) if per_row else tensor_range(source)
         return fake_quantize(source, minimum, maximum, bits.to(source.device)).to(grad.dtype)
     # Inside a compiled graph the compiler fuses the plain formula; outside, the compiled kernel runs it.
-    # (Not torch.compiler.is_compiling(): a process-wide flag, also set while a kernel compiles in the background.)
+    # (Not torch.compiler.is_compiling(): a process-wide flag, also set while another thread compiles.)
     in_graph = torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
     kernel = None
     if in_graph:
@@ -484,13 +428,14 @@ def _quantize_error_unrotated(
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
         levels = num_levels(bits.to(grad.device))
         try:
-            if per_row:  # as (rows, features): one compiled graph serves every rank and layout
-                rows = grad.movedim(feature_dim, -1)
-                flat = kernel(rows.reshape(-1, rows.shape[-1]), levels, seed)
-                return flat.view(rows.shape).movedim(-1, feature_dim)
-            # Flat input: one compiled graph serves tensors of every rank.
-            return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
-        except Exception as error:  # a compiled kernel failing when called: keep training, eagerly
+            with contextlib.nullcontext() if in_graph else _quiet_cuda_probe(scheme.granularity):
+                if per_row:  # as (rows, features): one compiled graph serves every rank and layout
+                    rows = grad.movedim(feature_dim, -1)
+                    flat = kernel(rows.reshape(-1, rows.shape[-1]), levels, seed)
+                    return flat.view(rows.shape).movedim(-1, feature_dim)
+                # Flat input: one compiled graph serves tensors of every rank.
+                return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
+        except Exception as error:  # compiler missing or failing: keep training, eagerly
             if in_graph:
                 raise
             _disable_fused(f"{type(error).__name__}: {error}")
