@@ -196,24 +196,33 @@ def vit_small() -> tuple[Callable[[], nn.Module], dict]:
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2, env: dict | None = None) -> float:
-    """Peak resident memory of a fresh process that builds one side of a model case and trains ``steps``
-    (``env``: extra environment, e.g. `FIXED_MMAP_THRESHOLD`)."""
+def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: str, env: dict | None = None):
+    """Build one side of model case ``kind`` in a fresh Python process (``step`` = one training step), run
+    ``body`` there and return (the JSON value its last line prints, the process's stderr)."""
     import json
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
-        f"import json, sys, torch; sys.path.insert(0, {here!r}); import overhead as o; "
+        f"import json, sys, time, torch; sys.path.insert(0, {here!r}); import overhead as o; "
         f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; build, batch = o.{kind}(); torch.manual_seed(0); model = build(); "
-        f"model = o.cpt_copy(model, {fused}) if {quantized} else model; step = o.training_step(model, batch); "
-        f"[step() for _ in range({steps})]; "
-        # VmHWM: this process's own peak (ru_maxrss would carry the forking parent's over exec)
-        "print(json.dumps([int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')][0] / 1024))"
+        f"model = o.cpt_copy(model, {fused}) if {quantized} else model; step = o.training_step(model, batch)\n"
+        + body
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, **(env or {})})
-    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2, env: dict | None = None) -> float:
+    """Peak resident memory of a fresh process that builds one side of a model case and trains ``steps``
+    (``env``: extra environment, e.g. `FIXED_MMAP_THRESHOLD`)."""
+    body = (
+        f"[step() for _ in range({steps})]\n"
+        # VmHWM: this process's own peak (ru_maxrss would carry the forking parent's over exec)
+        "print(json.dumps([int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')][0] / 1024))"
+    )
+    return float(_run_case_in_fresh_process(kind, quantized, fused, body, env)[0])
 
 
 def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
@@ -221,27 +230,18 @@ def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
     the first and second step, the steady step (median of the later ones) and how much longer the first two
     took than two steady steps; then the same extra time in a second fresh process that finds the compiled
     kernels in the cache (every later run on that machine); also whether stderr mentions CUDA."""
-    import json
-    import subprocess
     import tempfile
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (
-        f"import json, sys, time, torch; sys.path.insert(0, {here!r}); import overhead as o; "
-        f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; build, batch = o.{kind}(); torch.manual_seed(0); "
-        f"step = o.training_step(o.cpt_copy(build(), {fused}), batch); times = []\n"
-        f"for _ in range({steps}):\n"
+    body = (
+        f"times = []\nfor _ in range({steps}):\n"
         "    start = time.perf_counter(); step(); times.append(time.perf_counter() - start)\n"
         "print(json.dumps(times))"
     )
-    runs = []
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        for _ in ("empty cache", "warm cache"):
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-            times = json.loads(out.stdout.strip().splitlines()[-1])
-            runs.append((times, statistics.median(times[2:]), out.stderr))
-    (times, steady, stderr), (warm_times, warm_steady, _) = runs
+        (times, stderr), (warm_times, _) = (
+            _run_case_in_fresh_process(kind, True, fused, body, {"TORCHINDUCTOR_CACHE_DIR": cache}) for _ in range(2)
+        )
+    steady, warm_steady = statistics.median(times[2:]), statistics.median(warm_times[2:])
     return {"first_step_s": times[0], "second_step_s": times[1], "steady_step_s": steady,
             "start_extra_s": times[0] + times[1] - 2 * steady,
             "warm_start_extra_s": warm_times[0] + warm_times[1] - 2 * warm_steady,

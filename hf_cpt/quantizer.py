@@ -60,9 +60,7 @@ class ErrorQuantization:
         "auto" becomes per row ("token") for per-token activations and per tensor otherwise (docs/backward.md:
         per-row errors bring a fine-tuned transformer near FP32; on a CNN trained from scratch they made no
         consistent difference, so its layers keep the paper's per-tensor errors)."""
-        if self.granularity != "auto":
-            return self
-        return dataclasses.replace(self, granularity="token" if activation_granularity == "token" else "tensor")
+        return _resolve_errors(self, activation_granularity)
 
     @property
     def quantizes_input_gradient(self) -> bool:
@@ -74,6 +72,14 @@ class ErrorQuantization:
 
 
 PAPER_ERRORS = ErrorQuantization()  # the CPT paper: one range per tensor, stochastic rounding
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_errors(errors: ErrorQuantization, activation_granularity: str) -> ErrorQuantization:
+    # Cached: every training forward of a layer asks, and the answer is fixed for the run.
+    if errors.granularity != "auto":
+        return errors
+    return dataclasses.replace(errors, granularity="token" if activation_granularity == "token" else "tensor")
 
 
 def num_levels(bits: torch.Tensor) -> torch.Tensor:
