@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from results_page import mean, spread
 
-from hf_cpt.quantizer import PAPER_ERRORS, ErrorQuantization
+from hf_cpt.numerics.errors import PAPER_ERRORS, ErrorQuantization
 
 STATIC_TARGET = 0.5  # points below FP32
 CPT_TARGET = 1.0

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import hf_cpt  # noqa: E402
-from hf_cpt.checkpoint import checkpoint_size, plain_model  # noqa: E402
+from hf_cpt.serialization.save import checkpoint_size, plain_model
 
 TARGETS = {8: 0.27, 4: 0.15}
 

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from hf_cpt import CPTConfig, CPTTrainer, quantize_model  # noqa: E402
-from hf_cpt.fidelity import output_fidelity  # noqa: E402
+from hf_cpt.diagnostics.fidelity import output_fidelity
 
 DEFAULT_OUTPUT = os.path.join(harness.RESULTS_DIR, "pretrained.json")
 LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}

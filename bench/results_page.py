@@ -11,7 +11,8 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from hf_cpt.schedules import FOLLOW_UP_SCHEDULES, cost_group
+from hf_cpt.schedules.schedule import cost_group
+from hf_cpt.schedules.shapes import FOLLOW_UP_SCHEDULES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cifar10  # noqa: E402
 import harness  # noqa: E402
 
-from hf_cpt.schedules import FOLLOW_UP_SCHEDULES  # noqa: E402
+from hf_cpt.schedules.shapes import FOLLOW_UP_SCHEDULES
 
 DEFAULT_OUTPUT = os.path.join(harness.RESULTS_DIR, "schedule_sweep.json")
 RUNS = {

@@ -12,15 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .schedules import (
-    DELAY_PRECISIONS,
-    LARGE_COST_ABOVE,
-    ROUNDING_MODES,
-    SMALL_COST_BELOW,
-    PrecisionSchedule,
-    available_schedules,
-    get_schedule,
-)
+from .schedules.schedule import LARGE_COST_ABOVE, SMALL_COST_BELOW, PrecisionSchedule, get_schedule
+from .schedules.shapes import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
 
 PLOT_POINTS = 2000  # points per panel for the smooth profile and the rounded bits
 

@@ -8,7 +8,7 @@ lookup has no MACs. MACs are measured from the real input
 shapes of each layer's forward pass, so any batch size or sequence length is counted exactly.
 
 The two attention products (``Q Kᵀ`` and ``P V``) of a model that runs the ``"cpt"`` attention
-function (`hf_cpt.attention`) are counted the same way: at the step's bits when
+function (`hf_cpt.nn.attention`) are counted the same way: at the step's bits when
 ``quantize_attention`` is on, else at 32 bits. Models whose attention the library cannot see (the
 `QuantizationReport` says so) leave it out of every total.
 
@@ -20,46 +20,18 @@ included in the totals (and in the static counterfactual, which would rotate too
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .attention import find_attention_quantizer
-from .layers import QUANT_LAYER_CLASSES, QuantLayerMixin
-from .quantizer import ErrorQuantization, error_rotation_operations
-
-FULL_PRECISION_BITS = 32
-
-
-def bitops_per_mac(bits: int | None, grad_bits: int | None, error_products: str = "both") -> int:
-    """Bit products per forward MAC over one training step (forward + two backward GEMMs).
-
-    ``error_products`` (`hf_cpt.CPTConfig.error_products`): a product whose error is not quantized
-    ("input": the weight gradient; "weight": the input gradient) takes the full-precision error, 32 bits.
-    """
-    weight_bits = activation_bits = bits if bits is not None else FULL_PRECISION_BITS
-    error_bits = grad_bits if grad_bits is not None else FULL_PRECISION_BITS
-    errors = ErrorQuantization(products=error_products)
-    input_error_bits = error_bits if errors.quantizes_input_gradient else FULL_PRECISION_BITS
-    weight_error_bits = error_bits if errors.quantizes_weight_gradient else FULL_PRECISION_BITS
-    return weight_bits * activation_bits + input_error_bits * weight_bits + weight_error_bits * activation_bits
-
-
-def relative_cost(bits: int | None, grad_bits: int | None) -> float:
-    """Cost of a training step at (bits, grad_bits) relative to FP32: ``(b^2 + 2bg) / (3 * 32^2)``."""
-    return bitops_per_mac(bits, grad_bits) / bitops_per_mac(None, None)
-
-
-def rotation_bitops_per_value(rotation) -> int:
-    """Bit operations to rotate one value, forward and backward (`hf_cpt.rotation.Rotation`)."""
-    return _rotation_bitops(*rotation.operations_per_value)
-
-
-def _rotation_bitops(adds: int, mults: int) -> int:
-    # There and back, in full precision: additions at 32 bits, multiplications at 32 x 32.
-    return 2 * (adds * FULL_PRECISION_BITS + mults * FULL_PRECISION_BITS * FULL_PRECISION_BITS)
+from .nn.attention import find_attention_quantizer
+from .nn.base import QuantLayerMixin
+from .nn.layers import QUANT_LAYER_CLASSES
+from .numerics.bitops import bitops_per_mac, rotation_bitops, rotation_bitops_per_value
+from .numerics.errors import error_rotation_operations
 
 
 def layer_macs(module: nn.Module, output: torch.Tensor) -> int:
@@ -70,9 +42,6 @@ def layer_macs(module: nn.Module, output: torch.Tensor) -> int:
     if isinstance(module, nn.Linear):
         return output.numel() * module.in_features
     return output.numel() * module.weight.shape[0]  # Conv1D: weight is (in, out)
-
-
-_TOTALS = ("bitops", "rotation_bitops", "static_bitops", "fp32_bitops", "steps", "quantized_macs", "float_macs")
 
 
 @dataclass
@@ -114,14 +83,18 @@ class CostTotals:
         }
 
 
+    @classmethod
+    def _scalar_fields(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "steps_at_bits"]
+
     def state_dict(self) -> dict:
         """The totals as JSON, to save with a Trainer checkpoint (`load_state_dict` restores them)."""
-        state = {k: getattr(self, k) for k in _TOTALS}
+        state = {k: getattr(self, k) for k in self._scalar_fields()}
         state["steps_at_bits"] = {("fp32" if k is None else str(k)): v for k, v in self.steps_at_bits.items()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key in _TOTALS:
+        for key in self._scalar_fields():
             setattr(self, key, type(getattr(self, key))(state.get(key, 0)))
         self.steps_at_bits = Counter({(None if k == "fp32" else int(k)): v for k, v in state["steps_at_bits"].items()})
 
@@ -170,7 +143,7 @@ class CostMeter:
             if self._error_rotation != "none":
                 features = output.shape[module.output_feature_dim]
                 if features not in self._error_rotation_price:
-                    self._error_rotation_price[features] = _rotation_bitops(
+                    self._error_rotation_price[features] = rotation_bitops(
                         *error_rotation_operations(self._error_rotation, features))
                 self._error_rotation_bitops += output.numel() * self._error_rotation_price[features]
         else:

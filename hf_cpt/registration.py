@@ -16,7 +16,7 @@ REGISTRY = "transformers.quantizers.auto"
 
 
 def _register() -> None:
-    importlib.import_module(f"{__package__}.hf_quantizer")  # registers on import
+    importlib.import_module(f"{__package__}.serialization.loader")  # registers on import
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

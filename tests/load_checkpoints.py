@@ -20,7 +20,7 @@ def main(manifest_path: str) -> None:
     import transformers
 
     import hf_cpt  # noqa: F401  (registers the cpt quantization method)
-    from hf_cpt.surgery import quant_layers
+    from hf_cpt.convert import quant_layers
 
     for entry in json.load(open(manifest_path)):
         auto_class = getattr(transformers, entry["auto_class"])
@@ -54,7 +54,7 @@ def main(manifest_path: str) -> None:
 def train_further(model, inputs, entry) -> dict:
     """A few CPT steps on the loaded model: weights move, the frozen codes give way to the master weights."""
     import hf_cpt
-    from hf_cpt.surgery import quant_layers
+    from hf_cpt.convert import quant_layers
 
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     hf_cpt.set_precision(model, 6, 8)

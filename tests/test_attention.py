@@ -6,9 +6,9 @@ from torch import nn
 from transformers import BertForSequenceClassification, GPT2LMHeadModel
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_eval_precision, set_precision
-from hf_cpt.attention import AttentionQuantizer, cpt_attention_forward
 from hf_cpt.cost import CostMeter
-from hf_cpt.layers import PrecisionState
+from hf_cpt.nn.attention import AttentionQuantizer, cpt_attention_forward
+from hf_cpt.nn.precision import PrecisionState
 
 from .helpers import tiny_bert_config, tiny_gpt2_config
 

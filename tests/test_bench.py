@@ -132,7 +132,7 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
                                                     **{**token, "error_products": "input"}),
     }}
     ablation["finetune"]["renamed/seed1"]["cost"].pop("full_precision_mac_share")
-    from hf_cpt.quantizer import ErrorQuantization
+    from hf_cpt.numerics.errors import ErrorQuantization
 
     vision = {"runs": {
         "fp32/seed0": _entry(0, 0.57, 2.0, schedule="fp32"),

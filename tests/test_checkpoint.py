@@ -22,18 +22,13 @@ from safetensors.torch import load_file, save_file
 
 import hf_cpt
 from hf_cpt import CPTConfig, CPTTrainer, export_portable, quantize_model, save_quantized, set_eval_precision
-from hf_cpt.checkpoint import checkpoint_size
-from hf_cpt.export import plan_export
-from hf_cpt.layers import QuantLayerMixin
-from hf_cpt.packing import (
-    FORMAT_VERSION,
-    REQUIRES_HF_CPT,
-    float_storage_bits,
-    pack_codes,
-    unpack_codes,
-    weight_channel_dim,
-)
-from hf_cpt.quantizer import dequantize_codes, quantize_codes
+from hf_cpt.nn.base import QuantLayerMixin
+from hf_cpt.nn.layers import weight_channel_dim
+from hf_cpt.numerics.fake_quant import dequantize_codes, quantize_codes
+from hf_cpt.serialization.export import plan_export
+from hf_cpt.serialization.format import FORMAT_VERSION, REQUIRES_HF_CPT, float_storage_bits
+from hf_cpt.serialization.packing import pack_codes, unpack_codes
+from hf_cpt.serialization.save import checkpoint_size
 from hf_cpt.version import INSTALL_HINT
 
 from .helpers import build_word_tokenizer, tiny_bert_config, tiny_gpt2_config
@@ -228,7 +223,7 @@ def test_size_ratios_at_realistic_proportions(tmp_path):
 
     for kind in ("bert", "gpt2", "timm"):  # tiny models: per-channel overhead dominates, printed only
         model, _, _ = calibrated(kind, quantize_embeddings=True)
-        with hf_cpt.checkpoint.plain_model(model):
+        with hf_cpt.serialization.save.plain_model(model):
             model.save_pretrained(tmp_path / kind / "fp32")
         for bits in (8, 4):
             save_quantized(model, tmp_path / kind / str(bits), bits, model_card=False)
@@ -322,7 +317,7 @@ def test_without_import_hf_cpt_packed_fails_loudly_and_portable_loads(tmp_path):
 def test_loaded_model_runs_the_trained_attention_function_and_frozen_codes(tmp_path):
     """The reloaded model computes with what the trained one used: the "cpt" attention function around the
     same kernel, the stored codes (not the re-rotated master), the stored rotation tensors."""
-    from hf_cpt.attention import find_attention_quantizer
+    from hf_cpt.nn.attention import find_attention_quantizer
 
     model, inputs, auto_class = calibrated("bert")
     save_quantized(model, tmp_path, 4, model_card=False)
@@ -346,7 +341,7 @@ def test_loaded_model_runs_the_trained_attention_function_and_frozen_codes(tmp_p
 def test_bits_max_above_what_a_checkpoint_stores_is_said_before_training(tmp_path, caplog):
     """CPTConfig(bits_max=16) trains; the Trainer says at construction that save_model writes FP32 masters, and
     an explicit packed export names the field and the way out (it used to fail only after training)."""
-    with caplog.at_level("WARNING", logger="hf_cpt.trainer"):
+    with caplog.at_level("WARNING", logger="hf_cpt.integrations.trainer"):
         trainer = _trainer(tmp_path, cpt=CPTConfig(bits_min=8, bits_max=16, num_cycles=1), max_steps=2)
     assert "CPTConfig.bits_max=16 is above the 8 bits a CPT checkpoint stores" in caplog.text
     trainer.train()
@@ -665,7 +660,7 @@ def test_opt_in_rounding_is_measured_on_eval_data_and_stated_in_the_card(tmp_pat
     trainer.save_model(str(tmp_path / "exact"))
     card = open(tmp_path / "exact" / "README.md").read()
     assert "This checkpoint is **exact**" in card and "rounded after training" not in card
-    with caplog.at_level("WARNING", logger="hf_cpt.export"):
+    with caplog.at_level("WARNING", logger="hf_cpt.serialization.export"):
         trainer.save_model(str(tmp_path / "lossy"), bits=4, float_weight_bits=2)
     effect = json.load(open(tmp_path / "lossy" / "config.json"))["quantization_config"]["rounding_effect"]
     assert effect["inputs"] == "evaluation batch" and effect["examples"] == 8

@@ -23,8 +23,8 @@ import torch
 
 import hf_cpt
 from hf_cpt import CPTConfig, CPTTrainer, set_eval_precision
-from hf_cpt.quantizer import quantize_codes
-from hf_cpt.surgery import quant_layers
+from hf_cpt.convert import quant_layers
+from hf_cpt.numerics.fake_quant import quantize_codes
 
 from .helpers import tiny_bert_config, tiny_gpt2_config
 
@@ -187,7 +187,7 @@ def _as_format_2(source, target) -> None:
     tensor (a format-2 file on the Hub: its rotations are rebuilt from the seed when it loads)."""
     from safetensors.torch import load_file, save_file
 
-    from hf_cpt.packing import REQUIRES_HF_CPT
+    from hf_cpt.serialization.format import REQUIRES_HF_CPT
 
     shutil.copytree(source, target)
     file = os.path.join(target, "model.safetensors")

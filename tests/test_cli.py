@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hf_cpt.cli import main
-from hf_cpt.schedules import FOLLOW_UP_SCHEDULES, available_schedules
+from hf_cpt.schedules.shapes import FOLLOW_UP_SCHEDULES, available_schedules
 
 
 def test_table_lists_every_schedule_with_its_group(capsys):

@@ -6,7 +6,7 @@ from transformers import BertForSequenceClassification, TrainingArguments
 
 import hf_cpt
 from hf_cpt import CPTConfig, CPTTrainer, quantize_model, save_quantized, set_eval_precision, set_precision
-from hf_cpt.layers import QuantLayerMixin
+from hf_cpt.nn.base import QuantLayerMixin
 
 from .helpers import tiny_bert_config
 

@@ -20,13 +20,13 @@ def test_auto_cycles_follow_the_run_length(steps, cycles):
 def test_cycles_too_short_to_visit_every_bit_width_are_warned_with_the_auto_value(caplog):
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="hf_cpt.config"):
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.config.cpt_config"):
         CPTConfig(num_cycles=32).check_total_steps(40)
     assert "num_cycles=32 gives cycles of 1.2 steps in a run of 40 optimizer steps" in caplog.text
     assert "fewer than the 5 bit-widths from bits_min=4 to bits_max=8" in caplog.text
     assert "num_cycles='auto' gives 1" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_cpt.config"):
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.config.cpt_config"):
         CPTConfig().check_total_steps(40)
         CPTConfig(num_cycles=8).check_total_steps(400)
     assert caplog.text == ""

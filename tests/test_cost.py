@@ -4,8 +4,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
-from hf_cpt.cost import CostMeter, bitops_per_mac, layer_macs, relative_cost, rotation_bitops_per_value
-from hf_cpt.schedules import PrecisionSchedule
+from hf_cpt.cost import CostMeter, layer_macs
+from hf_cpt.numerics.bitops import bitops_per_mac, relative_cost, rotation_bitops_per_value
+from hf_cpt.schedules.schedule import PrecisionSchedule
 
 
 def test_bitops_formula():
@@ -120,7 +121,7 @@ def test_meter_prices_each_product_at_the_bits_it_ran(products):
 
 @pytest.mark.parametrize("rotation", ["features", "tokens"])
 def test_error_rotation_is_priced_on_steps_that_quantize_errors(rotation):
-    from hf_cpt.rotation import get_rotation
+    from hf_cpt.numerics.rotation import get_rotation
 
     model, meter = _metered_step(16, error_rotation=rotation)
     adds, mults = get_rotation(16).operations_per_value if rotation == "features" else (6, 0)  # log2(64) adds

@@ -27,7 +27,7 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
         from transformers import BertForSequenceClassification
 
         from hf_cpt import CPTConfig, find_precision_state, quantize_model, set_precision
-        from hf_cpt.schedules import PrecisionSchedule
+        from hf_cpt.schedules.schedule import PrecisionSchedule
         from tests.helpers import tiny_bert_config
 
         torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
 
 from hf_cpt import CPTConfig, CPTTrainer, quantize_model
-from hf_cpt.fidelity import cosine_fidelity, output_fidelity
+from hf_cpt.diagnostics.fidelity import cosine_fidelity, output_fidelity
 
 OUTLIER_CHANNELS = [3, 17]
 
@@ -59,7 +59,7 @@ def _train(config, tmp_path, caplog):
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, logging_steps=1,
                              save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
     trainer = CPTTrainer(model=outlier_bert(), args=args, train_dataset=dataset, cpt_config=config)
-    with caplog.at_level(logging.WARNING, logger="hf_cpt.trainer"):
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.integrations.callback"):
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer.cpt_callback.fidelity, losses

@@ -6,8 +6,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
-from hf_cpt.layers import QuantConv1D, QuantConv2d, QuantLinear
-from hf_cpt.quantizer import quantize_error_eager
+from hf_cpt.nn.layers import QuantConv1D, QuantConv2d, QuantLinear
+from hf_cpt.numerics.errors import quantize_error_eager
 
 # The CPT paper's scheme (per-tensor running ranges, no rotation): bit-exact to the published quantizer.
 PAPER = CPTConfig(quant_scheme="paper")
@@ -189,7 +189,7 @@ def test_quantized_embeddings_per_row_with_a_tied_head_and_no_macs():
     from transformers import GPT2LMHeadModel
 
     from hf_cpt.cost import CostMeter
-    from hf_cpt.layers import QuantEmbedding
+    from hf_cpt.nn.layers import QuantEmbedding
 
     from .helpers import tiny_gpt2_config
 
@@ -216,7 +216,7 @@ def test_quantized_embeddings_per_row_with_a_tied_head_and_no_macs():
     config = model.config
     attention_macs = config.n_layer * 2 * (2 * 6 * 6 * config.n_embd)  # Q·Kᵀ and P·V, in full precision
     full = 3 * 32 * 32
-    from hf_cpt.cost import bitops_per_mac
+    from hf_cpt.numerics.bitops import bitops_per_mac
 
     assert meter.totals.bitops == (blocks * bitops_per_mac(4, 8) + (head_macs + attention_macs) * full
                                    + meter.totals.rotation_bitops)

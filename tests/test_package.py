@@ -42,12 +42,13 @@ def test_import_does_not_load_the_trainer_until_it_is_used():
     import sys
 
     script = (
-        "import sys, hf_cpt; before = {'hf_cpt.trainer', 'transformers.trainer'} & set(sys.modules); "
+        "import sys, hf_cpt; before = {'hf_cpt.integrations.trainer', 'transformers.trainer'} & set(sys.modules); "
         "trainer = hf_cpt.CPTTrainer; from hf_cpt import CPTCallback; "
         "print(sorted(before), trainer.__module__, CPTCallback.__module__, 'CPTTrainer' in dir(hf_cpt))"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.stdout.split() == ["[]", "hf_cpt.trainer", "hf_cpt.trainer", "True"], result.stderr[-2000:]
+    expected = ["[]", "hf_cpt.integrations.trainer", "hf_cpt.integrations.callback", "True"]
+    assert result.stdout.split() == expected, result.stderr[-2000:]
 
 
 def test_import_loads_neither_torch_nor_transformers_and_cpt_registers_when_transformers_needs_it():

@@ -11,7 +11,7 @@ from torch import nn
 
 import hf_cpt
 from hf_cpt import CPTConfig, precision_range_test
-from hf_cpt.prt import PrecisionRangeResult
+from hf_cpt.diagnostics.range_test import PrecisionRangeResult
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +155,7 @@ def test_prt_on_a_plain_model_converts_it_for_the_test_only():
     result = precision_range_test(model, loader(3), steps_per_precision=30, threshold=0.2, optimizer=adam,
                                   cpt_config=CPTConfig(quant_scheme="paper"))
     assert result.bits_min == 3
-    assert not hf_cpt.surgery.is_quantized(model) and type(model.hidden) is nn.Linear
+    assert not hf_cpt.convert.is_quantized(model) and type(model.hidden) is nn.Linear
 
 
 def test_no_precision_passing_falls_back_to_max_bits():

@@ -1,17 +1,14 @@
 import pytest
 import torch
 
-from hf_cpt.quantizer import (
+from hf_cpt.numerics.errors import (
     ErrorQuantization,
-    channel_ranges,
-    fake_quantize,
     hashed_uniform_noise,
     quantize_error,
     quantize_error_eager,
     quantize_error_hashed,
-    quantize_ste,
-    quantize_weight,
 )
+from hf_cpt.numerics.fake_quant import channel_ranges, fake_quantize, quantize_ste, quantize_weight
 
 
 def reference_quantize(x, minimum, maximum, bits):
@@ -133,7 +130,7 @@ def test_hashed_noise_is_the_lowbias32_hash_of_index_and_seed():
 def test_compiled_error_kernel_gives_the_eager_values_bit_for_bit(granularity, dtype):
     """The fused kernel and the formula a compiled model traces (eager here) agree exactly: the noise depends only
     on the element index and the seed."""
-    from hf_cpt import quantizer
+    from hf_cpt.numerics import errors as quantizer
 
     source = (quantizer._quantize_error_rows_hashed_levels if granularity == "token"
               else quantizer._quantize_error_hashed_levels)
@@ -148,7 +145,7 @@ def test_compiled_error_kernel_gives_the_eager_values_bit_for_bit(granularity, d
 
 
 def test_a_failing_compilation_falls_back_to_the_eager_quantizer_with_one_warning(monkeypatch, caplog):
-    from hf_cpt import quantizer
+    from hf_cpt.numerics import errors as quantizer
 
     def broken(*args):
         raise RuntimeError("no C++ compiler")
@@ -157,7 +154,7 @@ def test_a_failing_compilation_falls_back_to_the_eager_quantizer_with_one_warnin
     monkeypatch.setattr(quantizer, "_fused_disabled_reason", None)
     grad = torch.randn(512, 256)
     scheme = ErrorQuantization("token", fused=True)
-    with caplog.at_level("WARNING", logger="hf_cpt.quantizer"):
+    with caplog.at_level("WARNING", logger="hf_cpt.numerics.errors"):
         results = [quantize_error(grad, torch.tensor(8.0), scheme) for _ in range(3)]
     assert [r.getMessage().count("no C++ compiler") for r in caplog.records] == [1]
     assert quantizer._fused_disabled_reason == "RuntimeError: no C++ compiler"
@@ -423,7 +420,7 @@ def test_token_rotated_error_is_quantized_in_hadamard_blocks_and_rotated_back(gr
 
 
 def test_feature_rotated_error_is_quantized_in_the_rotated_basis_and_rotated_back():
-    from hf_cpt.rotation import get_rotation
+    from hf_cpt.numerics.rotation import get_rotation
 
     grad = _error_with_padding(torch.float32)
     got = quantize_error(grad, torch.tensor(6.0), ErrorQuantization("token", "nearest", rotation="features"))
@@ -477,7 +474,7 @@ def test_compiling_the_error_kernels_on_a_cpu_machine_prints_no_cuda_warning(tmp
     code = ("import torch; from hf_cpt.quantizer import ErrorQuantization, quantize_error\n"
             "for g in ('tensor', 'token'):\n"
             "    quantize_error(torch.randn(256, 512), torch.tensor(8.0), ErrorQuantization(g))\n"
-            "import hf_cpt.quantizer as q; print(sorted(q._warmed_error_kernels))")
+            "import hf_cpt.numerics.errors as q; print(sorted(q._warmed_error_kernels))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "['tensor', 'token']" in run.stdout  # both compiled kernels really ran

@@ -8,8 +8,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
-from hf_cpt import rotation as rotation_module
-from hf_cpt.rotation import factor_sizes, get_rotation, paley_hadamard, sylvester_hadamard
+from hf_cpt.numerics import rotation as rotation_module
+from hf_cpt.numerics.rotation import factor_sizes, get_rotation, paley_hadamard, sylvester_hadamard
 
 SIZES = [8, 12, 32, 100, 384, 768, 1536, 3072, 7]
 
@@ -217,7 +217,9 @@ def test_rotation_has_data_under_a_meta_device_context():
     with pytest.raises(ValueError, match="not 'meta'"):
         get_rotation(384, seed=3, device="meta")
 
-    from hf_cpt.layers import PrecisionState, convert_layer, rotation_buffers
+    from hf_cpt.nn.base import rotation_buffers
+    from hf_cpt.nn.layers import convert_layer
+    from hf_cpt.nn.precision import PrecisionState
 
     convert_layer(layer, PrecisionState(), "token", rotation_seed=3)  # a meta layer: placeholders to be loaded
     shapes = {name: tuple(layer.get_buffer(name).shape) for name in layer.rotation_buffer_names()}

@@ -8,16 +8,9 @@ import math
 import pytest
 
 from hf_cpt import CPTConfig, PrecisionSchedule, ScheduleShape, get_schedule, register_schedule
-from hf_cpt.cost import bitops_per_mac, relative_cost
-from hf_cpt.schedules import (
-    FOLLOW_UP_SCHEDULES,
-    available_schedules,
-    cost_group,
-    grad_schedule_from_config,
-    schedule_from_config,
-    training_precision,
-    unregister_schedule,
-)
+from hf_cpt.numerics.bitops import bitops_per_mac, relative_cost
+from hf_cpt.schedules.schedule import cost_group, grad_schedule_from_config, schedule_from_config, training_precision
+from hf_cpt.schedules.shapes import FOLLOW_UP_SCHEDULES, available_schedules, unregister_schedule
 
 # -- docs/method.md §5, written out independently of the library ----------------------------------------
 

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
-from hf_cpt.layers import QuantLayerMixin
-from hf_cpt.surgery import output_head_names
+from hf_cpt.convert import output_head_names
+from hf_cpt.nn.base import QuantLayerMixin
 
 
 def quantized_names(model):

@@ -7,9 +7,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_cpt import CPTCallback, CPTConfig, CPTTrainer, quantize_model
-from hf_cpt.layers import QuantLayerMixin
-from hf_cpt.schedules import PrecisionSchedule
-from hf_cpt.surgery import activation_ranges
+from hf_cpt.convert import activation_ranges
+from hf_cpt.nn.base import QuantLayerMixin
+from hf_cpt.schedules.schedule import PrecisionSchedule
 
 
 def training_args(tmp_path, **overrides):

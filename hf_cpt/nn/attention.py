@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .layers import PrecisionState
-from .quantizer import quantize_ste, tensor_range, token_range
+from ..numerics.fake_quant import quantize_ste, tensor_range, token_range
+from .precision import PrecisionState
 
 ATTENTION_NAME = "cpt"
 

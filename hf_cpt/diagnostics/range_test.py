@@ -32,31 +32,39 @@ result says so (``found=False``) and proposes ``max_bits``.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import math
-import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .bits import check_bits
-from .config import CPTConfig
-from .cost import CostMeter
-from .surgery import dequantize_model, find_precision_state, is_quantized, quantize_model, set_precision
+from ..config import CPTConfig
+from ..convert import dequantize_model, find_precision_state, is_quantized, quantize_model, set_precision
+from ..cost import CostMeter
+from ..numerics.bits import check_bits
+from ..utils import json_safe
+from .training_loop import (
+    BatchCycle,
+    OptimizerArg,
+    nanmean,
+    resolve_optimizer,
+    restore_snapshot,
+    rng_state,
+    set_rng_state,
+    take_snapshot,
+    train_step,
+    untrained_score,
+    use_initial_lr,
+)
 
 logger = logging.getLogger(__name__)
 
 PRT_METRICS = ("accuracy", "loss")
 DEFAULT_THRESHOLDS = {"accuracy": 0.05, "loss": 0.1}
-PRT_REPORT_FILE = "cpt_prt.json"
-PRT_PLOT_FILE = "cpt_prt.png"
 
-OptimizerArg = torch.optim.Optimizer | Callable[[list], torch.optim.Optimizer] | None
 
 
 @dataclass
@@ -94,7 +102,7 @@ class PrecisionRangeResult:
         values = asdict(self)
         for key in ("scores", "improvements", "curve"):
             values[key] = {str(bits): value for bits, value in values[key].items()}
-        return _json_safe(values)
+        return json_safe(values)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PrecisionRangeResult:
@@ -238,10 +246,10 @@ def precision_range_test(
     if not params:
         raise ValueError("precision_range_test: the model has no trainable parameters.")
     device = params[0].device
-    optimizer, make_optimizer = _resolve_optimizer(optimizer, params)
-    snapshot = _snapshot(model, optimizer) if restore_weights else None
-    lrs = _use_initial_lr(optimizer) if optimizer is not None else None
-    batches = _Batches(data, device, cache=steps_per_precision if restore_weights else None)
+    optimizer, make_optimizer = resolve_optimizer(optimizer, params)
+    snapshot = take_snapshot(model, optimizer) if restore_weights else None
+    lrs = use_initial_lr(optimizer) if optimizer is not None else None
+    batches = BatchCycle(data, device, cache=steps_per_precision if restore_weights else None)
     meter = CostMeter(model, max_bits, grad_bits)
 
     result = PrecisionRangeResult(
@@ -259,12 +267,12 @@ def precision_range_test(
     )
     try:
         model.train()
-        result.baseline = _baseline(model, batches, window, metric, loss_fn, precision)
+        result.baseline = untrained_score(model, batches, window, metric, loss_fn, precision)
         reference = result.baseline
         current_optimizer = optimizer
         for bits in range(start_bits, max_bits + 1):
             if restore_weights:
-                _restore(model, optimizer, snapshot)
+                restore_snapshot(model, optimizer, snapshot)
                 set_rng_state(rng)
                 batches.rewind()
             if current_optimizer is None or (restore_weights and make_optimizer is not None):
@@ -272,11 +280,11 @@ def precision_range_test(
             set_precision(model, bits, grad_bits)
             values = []
             for _ in range(steps_per_precision):
-                values.append(_train_step(model, batches.next(), metric, loss_fn, current_optimizer, params,
+                values.append(train_step(model, batches.next(), metric, loss_fn, current_optimizer, params,
                                           max_grad_norm))
                 meter.end_step(bits, grad_bits)
                 result.steps += 1
-            score = _nanmean(values[-window:])
+            score = nanmean(values[-window:])
             improvement = _improvement(metric, reference, score)
             result.curve[bits] = values
             result.scores[bits] = score
@@ -293,7 +301,7 @@ def precision_range_test(
         result.gbitops = meter.totals.bitops / 1e9
         model.zero_grad(set_to_none=True)
         if restore_weights:
-            _restore(model, optimizer, snapshot)
+            restore_snapshot(model, optimizer, snapshot)
             set_rng_state(rng)
         if lrs is not None:
             for group, lr in zip(optimizer.param_groups, lrs):
@@ -312,251 +320,11 @@ def precision_range_test(
     return result
 
 
-def run_precision_range_test_for_trainer(
-    config,
-    args,
-    state,
-    model: nn.Module,
-    train_dataloader: Iterable | None,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> PrecisionRangeResult:
-    """``CPTConfig(bits_min="auto")`` at the start of a Trainer run: run the test, save and log it.
-
-    Uses the Trainer's training batches and optimizer (at its peak learning rate), writes
-    ``cpt_prt.json`` and ``cpt_prt.png`` to the output directory, and on a resumed run reuses the
-    ``cpt_prt.json`` found there instead of testing again.
-    """
-    output_dir = getattr(args, "output_dir", None)
-    saved = os.path.join(output_dir, PRT_REPORT_FILE) if output_dir else None
-    if state.global_step > 0 and saved and os.path.exists(saved):
-        with open(saved) as f:
-            result = PrecisionRangeResult.from_dict(json.load(f))
-        logger.warning("Precision range test: resuming with bits_min = %d from %s", result.bits_min, saved)
-        return result
-    if train_dataloader is None:
-        raise ValueError(
-            "CPTConfig(bits_min='auto') needs the Trainer's train_dataloader for the precision range test."
-        )
-    result = precision_range_test(
-        model,
-        train_dataloader,
-        start_bits=config.prt_start_bits,
-        max_bits=config.bits_max,
-        steps_per_precision=config.prt_steps_per_precision,
-        threshold=config.prt_threshold,
-        metric=config.prt_metric,
-        window=config.prt_window,
-        optimizer=optimizer,
-        grad_bits=config.grad_bits,
-        restore_weights=config.prt_restore_weights,
-        max_grad_norm=getattr(args, "max_grad_norm", None) or None,
-    )
-    logger.warning("%s", result)
-    if output_dir and getattr(state, "is_world_process_zero", True):
-        os.makedirs(output_dir, exist_ok=True)
-        result.save_json(os.path.join(output_dir, PRT_REPORT_FILE))
-        try:
-            result.save_plot(os.path.join(output_dir, PRT_PLOT_FILE))
-        except Exception as error:  # a plot must never stop a training run
-            logger.warning("Precision range test: could not save the plot: %s", error)
-    return result
-
-
 # -- helpers -------------------------------------------------------------------------------------
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def _nanmean(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else float("nan")
-
-
 def _improvement(metric: str, reference: float, score: float) -> float:
     if metric == "accuracy":
         return score - reference
     return (reference - score) / max(abs(reference), 1e-12)
-
-
-class _Batches:
-    """Cycles through ``data``; with ``cache``, keeps the first batches so each precision sees the same."""
-
-    def __init__(self, data: Iterable, device: torch.device, cache: int | None) -> None:
-        self.data, self.device, self.cache = data, device, cache is not None
-        self.one_shot = isinstance(data, Iterator)  # cannot be iterated again
-        self.iterator: Iterator | None = None
-        self.cached: list = []
-        self.position = 0
-
-    def _draw(self):
-        for _ in range(2):
-            if self.iterator is None:
-                self.iterator = iter(self.data)
-            try:
-                return to_device(next(self.iterator), self.device)
-            except StopIteration:
-                self.iterator = None
-                if self.one_shot:
-                    break
-        raise ValueError("precision_range_test: data ran out of batches (an exhausted iterator or an empty dataset).")
-
-    def next(self):
-        if not self.cache:
-            return self._draw()
-        if self.position == len(self.cached):
-            self.cached.append(self._draw())
-        batch = self.cached[self.position]
-        self.position += 1
-        return batch
-
-    def rewind(self) -> None:
-        self.position = 0
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
-
-
-def _forward(model: nn.Module, batch: Any, loss_fn, metric: str):
-    """(loss, logits, labels) of one batch."""
-    if isinstance(batch, Mapping):
-        labels = batch.get("labels")
-        outputs = model(**batch)
-    elif isinstance(batch, (list, tuple)) and len(batch) == 2:
-        inputs, labels = batch
-        outputs = model(inputs)
-    else:
-        raise ValueError(
-            "precision_range_test: a batch must be a dict of model inputs or an (inputs, labels) pair, "
-            f"got {type(batch).__name__}."
-        )
-    loss, logits = None, None
-    if isinstance(outputs, torch.Tensor):
-        logits = outputs
-    elif isinstance(outputs, Mapping):
-        loss, logits = outputs.get("loss"), outputs.get("logits")
-    elif isinstance(outputs, (list, tuple)) and outputs:
-        if isinstance(batch, Mapping) and labels is not None and len(outputs) > 1:
-            loss, logits = outputs[0], outputs[1]
-        else:
-            logits = outputs[0]
-    if loss_fn is not None or loss is None:
-        if logits is None or labels is None:
-            raise ValueError(
-                "precision_range_test: the model returned no loss, and no logits and labels to compute one from."
-            )
-        loss = (loss_fn or nn.functional.cross_entropy)(logits, labels)
-    return loss, logits, labels
-
-
-def _metric_value(metric: str, loss: torch.Tensor, logits, labels) -> float:
-    if metric == "loss":
-        return float(loss.detach())
-    if logits is None or labels is None:
-        raise ValueError("precision_range_test: metric='accuracy' needs logits and labels; use metric='loss'.")
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"precision_range_test: metric='accuracy' needs logits shaped like labels plus a class dimension, "
-            f"got logits {tuple(logits.shape)} and labels {tuple(labels.shape)}; use metric='loss'."
-        )
-    mask = labels != -100
-    correct = (logits.detach().argmax(-1) == labels) & mask
-    return float(correct.sum()) / max(int(mask.sum()), 1)
-
-
-def _baseline(model, batches: _Batches, window: int, metric: str, loss_fn, precision) -> float:
-    """The untrained model's metric (full precision, no update) on the first ``window`` batches."""
-    precision.set(None, None)
-    values = []
-    with torch.no_grad():
-        for _ in range(window):
-            loss, logits, labels = _forward(model, batches.next(), loss_fn, metric)
-            values.append(_metric_value(metric, loss, logits, labels))
-    batches.rewind()
-    return _nanmean(values)
-
-
-def _train_step(model, batch, metric, loss_fn, optimizer, params, max_grad_norm) -> float:
-    loss, logits, labels = _forward(model, batch, loss_fn, metric)
-    value = _metric_value(metric, loss, logits, labels)
-    if torch.isfinite(loss.detach()).all():
-        loss.backward()
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return value
-
-
-def _resolve_optimizer(optimizer: OptimizerArg, params: list):
-    """(optimizer instance or None, factory or None)."""
-    if optimizer is None:
-        return None, lambda ps: torch.optim.Adam(ps, lr=1e-3)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
-        return (inner if isinstance(inner, torch.optim.Optimizer) else optimizer), None
-    if callable(optimizer):
-        return None, optimizer
-    raise ValueError(
-        f"precision_range_test: optimizer must be None, a torch optimizer or a function params -> optimizer, "
-        f"got {type(optimizer).__name__}."
-    )
-
-
-def _use_initial_lr(optimizer: torch.optim.Optimizer) -> list:
-    """Train at the scheduler's peak lr (a warmup would start at 0); returns the lrs to put back."""
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = group.get("initial_lr", group["lr"])
-    return lrs
-
-
-def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    # parameters and every buffer, non-persistent ones (activation ranges) included; kept on the CPU
-    tensors = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        tensors.setdefault(id(tensor), (tensor, tensor.detach().to("cpu", copy=True)))
-    flags = {id(m): m.__dict__["_act_range_initialized"] for m in model.modules()
-             if "_act_range_initialized" in m.__dict__}
-    modules = {id(m): m for m in model.modules()}
-    optimizer_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
-    return {"tensors": tensors, "flags": flags, "modules": modules, "optimizer": optimizer_state}
-
-
-@torch.no_grad()
-def _restore(model: nn.Module, optimizer: torch.optim.Optimizer | None, snapshot: dict) -> None:
-    for tensor, saved in snapshot["tensors"].values():
-        tensor.copy_(saved)
-    for key, flag in snapshot["flags"].items():
-        snapshot["modules"][key].__dict__["_act_range_initialized"] = flag
-    if optimizer is not None:
-        optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
-    model.zero_grad(set_to_none=True)
-
-
-def rng_state() -> dict:
-    state = {"cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.random.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _agree_across_processes(result: PrecisionRangeResult, model: nn.Module, restored: bool) -> PrecisionRangeResult:

@@ -10,9 +10,10 @@ from typing import Any
 
 from torch import nn
 
-from .config import AUTO_STEPS_PER_CYCLE, CPTConfig, json_safe
-from .schedules import schedule_from_config
-from .version import INSTALL_HINT
+from ..config import AUTO_STEPS_PER_CYCLE, CPTConfig
+from ..schedules.schedule import schedule_from_config
+from ..utils import json_safe
+from ..version import INSTALL_HINT
 
 logger = logging.getLogger(__name__)
 

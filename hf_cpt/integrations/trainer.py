@@ -2,39 +2,23 @@
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 import os
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_callback import CallbackHandler
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .bits import check_bits
-from .checkpoint import plain_model, write_checkpoint
-from .config import CPTConfig
-from .cost import CostMeter
-from .export import packed_state_dict, portable_state_dict, resolve_export_bits
-from .fidelity import output_fidelity
-from .layers import PrecisionState
-from .model_card import eval_metrics_from_log_history, write_model_card
-from .packing import MAX_EXPORT_BITS
-from .prt import PrecisionRangeResult, rng_state, run_precision_range_test_for_trainer, set_rng_state, to_device
-from .schedules import PrecisionSchedule, grad_schedule_from_config, schedule_from_config, training_precision
-from .surgery import (
-    QuantizationReport,
-    activation_ranges,
-    find_precision_state,
-    is_quantized,
-    load_activation_ranges,
-    quantize_model,
-)
+from ..config import CPTConfig
+from ..convert import QuantizationReport, find_precision_state, is_quantized, quantize_model
+from ..numerics.bits import check_bits
+from ..serialization.export import packed_state_dict, portable_state_dict, resolve_export_bits
+from ..serialization.format import MAX_EXPORT_BITS
+from ..serialization.model_card import eval_metrics_from_log_history, write_model_card
+from ..serialization.save import plain_model, write_checkpoint
+from .callback import CPTCallback
 
 logger = logging.getLogger(__name__)
 
@@ -43,240 +27,6 @@ COST_REPORT_FILE = "cpt_cost_report.json"
 ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
 # Also in each Trainer checkpoint: the cost meter's totals, so a resumed run reports the whole run's cost.
 COST_STATE_FILE = "cpt_cost_state.json"
-
-
-class CPTCallback(TrainerCallback):
-    """Sets the CPT precision at every optimizer step of a `transformers.Trainer` run.
-
-    The bits are a pure function of ``state.global_step`` and ``state.max_steps``, so gradient
-    accumulation (one setting per optimizer step) and resuming from a checkpoint are right. The
-    model must have been converted with `hf_cpt.quantize_model` before the Trainer was created.
-    ``cpt/bits``, ``cpt/grad_bits`` and the cost figures are added to the Trainer's logs.
-    """
-
-    def __init__(self, config: CPTConfig | None = None) -> None:
-        self.config = config if config is not None else CPTConfig()
-        self.schedule: PrecisionSchedule | None = None
-        self.grad_schedule: PrecisionSchedule | None = None  # None: fixed config.grad_bits
-        self.prt_result: PrecisionRangeResult | None = None  # set when bits_min="auto"
-        self.precision: PrecisionState | None = None
-        self.meter: CostMeter | None = None
-        self.bits: int | None = None
-        self.grad_bits: int | None = None
-        self.logs_injected_by_trainer = False  # CPTTrainer adds the values in Trainer.log itself
-        self.fidelity: dict[int, float] | None = None  # output fidelity at bits_min on the first batch
-
-    # -- schedule -----------------------------------------------------------------------------
-    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs):
-        if model is None or not is_quantized(model):
-            raise ValueError(
-                "CPTCallback: the model has no CPT layers. Call hf_cpt.quantize_model(model, config) before "
-                "creating the Trainer (so the optimizer and accelerator see the quantized layers), or use "
-                "hf_cpt.CPTTrainer."
-            )
-        self.precision = find_precision_state(model)
-        bits_min = None
-        if self.config.bits_min == "auto":  # precision range test (docs/method.md §6), before the meter starts
-            self.prt_result = run_precision_range_test_for_trainer(
-                self.config, args, state, model, kwargs.get("train_dataloader"), kwargs.get("optimizer")
-            )
-            bits_min = self.prt_result.bits_min
-        self.schedule = schedule_from_config(self.config, state.max_steps, bits_min=bits_min)
-        self.grad_schedule = grad_schedule_from_config(self.config, state.max_steps)
-        self.precision.set_eval(self.config.eval_precision, follow_training=self.config.eval_bits == "current")
-        quantized_run = self.config.schedule != "fp32"
-        if state.global_step == 0 and self.config.fidelity_threshold is not None and quantized_run:
-            visited = [b for b in self.schedule.steps_at_bits() if b is not None]
-            if visited:  # the lowest precision the run will actually train at
-                self.fidelity = check_fidelity_at_start(model, kwargs.get("train_dataloader"), min(visited),
-                                                        self.config)
-        static_bits = self.config.bits_max if quantized_run else None
-        if self.meter is not None:
-            self.meter.remove()
-        static_grad_bits = self.config.grad_bits if quantized_run else None  # an FP32 run's "static" is FP32
-        self.meter = CostMeter(model, static_bits, static_grad_bits, scale=max(1, args.world_size))
-        self._set_bits(state.global_step)
-        if state.global_step > 0:
-            self._restore_activation_ranges(args, state, model)
-            self._restore_cost(args, state)
-        if not self.logs_injected_by_trainer:
-            self._log_before_reporting_integrations()
-
-    def _set_bits(self, step: int) -> None:
-        grad_bits = self.grad_schedule if self.grad_schedule is not None else self.config.grad_bits
-        self.bits, self.grad_bits = training_precision(self.schedule(step), grad_bits, step)
-        self.precision.set(self.bits, self.grad_bits)
-
-    def on_save(self, args, state, control, model: nn.Module | None = None, **kwargs):
-        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if state.is_world_process_zero and model is not None and os.path.isdir(checkpoint):
-            save_file(activation_ranges(model), os.path.join(checkpoint, ACTIVATION_RANGES_FILE))
-            if self.meter is not None:
-                with open(os.path.join(checkpoint, COST_STATE_FILE), "w") as f:
-                    json.dump(self.meter.totals.state_dict(), f)
-
-    def _restore_cost(self, args, state) -> None:
-        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", COST_STATE_FILE)
-        if os.path.isfile(path):
-            with open(path) as f:
-                self.meter.totals.load_state_dict(json.load(f))
-        else:
-            logger.warning("hf_cpt: no %s to resume from; the cost report covers only the steps after the resume.",
-                           path)
-
-    @staticmethod
-    def _restore_activation_ranges(args, state, model: nn.Module) -> None:
-        # Resuming: the Trainer restored weights and state; the running ranges come from our own file.
-        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", ACTIVATION_RANGES_FILE)
-        if os.path.isfile(path):
-            load_activation_ranges(model, load_file(path))
-        else:
-            logger.info("hf_cpt: no %s to resume from; eval-mode activation ranges start afresh.", path)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._set_bits(state.global_step)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.meter.end_step(self.bits, self.grad_bits)
-
-    # -- logging ------------------------------------------------------------------------------
-    def log_values(self, logs: dict[str, Any]) -> dict[str, float]:
-        """The CPT values to add to a training log entry (none for evaluation logs)."""
-        if self.meter is None or not any(k == "loss" or k.startswith("train_") for k in logs):
-            return {}
-        values = {
-            "cpt/bits": float(self.bits) if self.bits is not None else 32.0,
-            "cpt/grad_bits": float(self.grad_bits) if self.grad_bits is not None else 32.0,
-        }
-        values.update(self.meter.totals.as_logs())
-        if any(k.startswith("train_") for k in logs):  # the run's final summary: the full cost report
-            values["cpt/static_gbitops"] = self.meter.totals.static_bitops / 1e9
-            values["cpt/fp32_gbitops"] = self.meter.totals.fp32_bitops / 1e9
-            values["cpt/bits_min"] = float(self.schedule.bits_min)
-            if self.prt_result is not None:
-                values["cpt/prt_steps"] = float(self.prt_result.steps)
-        return values
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.logs_injected_by_trainer or logs is None:
-            return
-        values = self.log_values(logs)
-        logs.update(values)
-        if state.log_history:
-            state.log_history[-1].update(values)
-
-    def _log_before_reporting_integrations(self) -> None:
-        # Values added in on_log reach only the callbacks after this one, and Trainer registers the
-        # report_to integrations (TensorBoard, W&B, ...) first; so move this callback to the front.
-        frame = inspect.currentframe()
-        while frame is not None:
-            handler = frame.f_locals.get("self")
-            if isinstance(handler, CallbackHandler):
-                if self in handler.callbacks:
-                    handler.callbacks.remove(self)
-                    handler.callbacks.insert(0, self)
-                return
-            frame = frame.f_back
-        logger.warning("CPTCallback: could not reach the callback handler; CPT values reach the console only.")
-
-    # -- end of training ----------------------------------------------------------------------
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.meter is None:
-            return
-        report = self.cost_report()
-        if state.is_world_process_zero:
-            logger.warning(format_cost_report(report))
-            if args.output_dir:
-                os.makedirs(args.output_dir, exist_ok=True)
-                with open(os.path.join(args.output_dir, COST_REPORT_FILE), "w") as f:
-                    json.dump(report, f, indent=2)
-        self.meter.remove()
-
-    def cost_report(self) -> dict[str, Any]:
-        """The run's cost figures and CPT settings, as written to ``cpt_cost_report.json``."""
-        report = {"cpt_config": self.config.to_dict(), **self.meter.totals.to_dict()}
-        report["bits_min"] = self.schedule.bits_min  # the bound trained with (the PRT's choice for "auto")
-        if self.prt_result is not None:
-            report["prt"] = self.prt_result.to_dict()
-        return report
-
-
-def check_fidelity_at_start(model: nn.Module, dataloader, bits_min: int, config: CPTConfig) -> dict[int, float] | None:
-    """Measure the output fidelity at ``bits_min`` (the run's lowest precision) on the first training batch;
-    warn when it is low.
-
-    The data order and every random number generator are left as they were, so the run is unchanged.
-    """
-    if dataloader is None:
-        return None
-    rng = rng_state()
-    try:
-        batch = to_device(next(iter(dataloader)), next(model.parameters()).device)
-        fidelity = output_fidelity(model, batch, bits_min)
-    except Exception as error:  # the check must never stop a run (an empty loader, an unusual batch)
-        logger.info("hf_cpt: output fidelity check skipped (%s: %s).", type(error).__name__, error)
-        return None
-    finally:
-        set_rng_state(rng)
-    score = fidelity[bits_min]
-    if score < config.fidelity_threshold:
-        passing = _lowest_passing_bits(model, batch, bits_min, config, fidelity)
-        fixes = []
-        if config.quant_scheme not in ("rotated-per-token", "auto"):
-            fixes.append("CPTConfig(quant_scheme='rotated-per-token') (the default, 'auto', for transformers)")
-        if passing is not None:
-            fixes.append(f"CPTConfig(bits_min={passing}) (cosine {fidelity[passing]:.3f} on this batch)")
-        else:
-            fixes.append(f"a higher CPTConfig.bits_max, or check the model's outlier features: no bits_min up to "
-                         f"bits_max={config.bits_max} passes")
-        fix = " or ".join(fixes)
-        logger.warning(
-            "hf_cpt: at bits_min=%d the model's output keeps a cosine similarity of only %.3f to full precision "
-            "on the first batch (threshold CPTConfig.fidelity_threshold=%.2f, quant_scheme=%r): training at this "
-            "precision can lose the model's representation (a pretrained model's outlier features). Use %s. "
-            "See docs/pretrained.md.",
-            bits_min, score, config.fidelity_threshold, config.quant_scheme, fix,
-        )
-    else:
-        logger.info("hf_cpt: output fidelity at bits_min=%d on the first batch: %.3f.", bits_min, score)
-    return fidelity
-
-
-def _lowest_passing_bits(model: nn.Module, batch, bits_min: int, config: CPTConfig,
-                         fidelity: dict[int, float]) -> int | None:
-    """The lowest bit-width above ``bits_min`` whose fidelity on ``batch`` passes the threshold (added to
-    ``fidelity``), None if none up to ``bits_max`` does."""
-    rng = rng_state()
-    try:
-        for bits in range(bits_min + 1, config.bits_max + 1):
-            fidelity.update(output_fidelity(model, batch, bits))
-            if fidelity[bits] >= config.fidelity_threshold:
-                return bits
-    finally:
-        set_rng_state(rng)
-    return None
-
-
-def format_cost_report(report: dict[str, Any]) -> str:
-    lines = [
-        "CPT training cost",
-        f"  GBitOPs spent            {report['gbitops']:.4g}",
-        f"    of which rotation      {report.get('rotation_gbitops', 0.0):.4g}",
-        f"  at static {report['cpt_config']['bits_max']}-bit           {report['static_gbitops']:.4g}"
-        f"  (ratio {report['cost_vs_static'] or float('nan'):.3f})",
-        f"  in FP32                  {report['fp32_gbitops']:.4g}"
-        f"  (ratio {report['cost_vs_fp32'] or float('nan'):.4f})",
-        f"  MACs in full precision   {100 * (report.get('full_precision_mac_share') or 0.0):.1f}%",
-        "  steps at each precision  "
-        + ", ".join(f"{bits}: {count}" for bits, count in report["steps_at_bits"].items()),
-    ]
-    if "prt" in report:
-        prt = report["prt"]
-        lines.append(
-            f"  precision range test     bits_min = {prt['bits_min']}{'' if prt['found'] else ' (none passed)'}, "
-            f"{prt['steps']} steps, {prt['gbitops']:.4g} GBitOPs"
-        )
-    return "\n".join(lines)
 
 
 class CPTTrainer(Trainer):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .surgery import find_precision_state
+from ..convert import find_precision_state
 
 
 def _output_tensor(model: nn.Module, batch: Any) -> torch.Tensor:

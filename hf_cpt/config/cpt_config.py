@@ -8,9 +8,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bits import check_bits
-from .quantizer import ERROR_GRANULARITY_CHOICES, ERROR_PRODUCTS, ERROR_ROTATIONS, ERROR_ROUNDINGS, ErrorQuantization
-from .schedules import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
+from ..numerics.bits import check_bits
+from ..numerics.errors import (
+    ERROR_GRANULARITY_CHOICES,
+    ERROR_PRODUCTS,
+    ERROR_ROTATIONS,
+    ERROR_ROUNDINGS,
+    ErrorQuantization,
+)
+from ..schedules.shapes import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
+from ..utils import callable_name
 
 logger = logging.getLogger(__name__)
 
@@ -394,7 +401,7 @@ class CPTConfig:
         values = dataclasses.asdict(self)
         for name in ("schedule", "grad_schedule"):
             if callable(values[name]):
-                values[name] = _callable_name(values[name])
+                values[name] = f"<callable {callable_name(values[name])}>"
         return values
 
     @classmethod
@@ -410,10 +417,6 @@ def _check_bits(name: str, value: Any) -> None:
     check_bits(f"CPTConfig.{name}", value)
 
 
-def _callable_name(fn: Any) -> str:
-    return f"<callable {getattr(fn, '__qualname__', None) or getattr(fn, '__name__', None) or type(fn).__name__}>"
-
-
 def _check_schedule(name: str, value: Any) -> None:
     if callable(value) and not isinstance(value, str):
         return
@@ -422,14 +425,3 @@ def _check_schedule(name: str, value: Any) -> None:
             f"CPTConfig.{name}={value!r} is unknown; choose one of {sorted(available_schedules())}, "
             "or pass a callable step -> bits."
         )
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with anything JSON cannot hold (a callable schedule, a tuple) made JSON-friendly."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)

@@ -38,11 +38,11 @@ from typing import Any
 
 from torch import nn
 
-from .config import CPTConfig
+from ..config import CPTConfig
 from .export import packed_state_dict, portable_state_dict, resolve_export_bits
-from .hf_quantizer import CPTQuantizationConfig
+from .format import QUANT_METHOD
 from .model_card import write_model_card
-from .packing import QUANT_METHOD
+from .quantization_config import CPTQuantizationConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,19 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .attention import attention_support, install_attention, uninstall_attention
-from .bits import check_bits
 from .config import CPTConfig
-from .layers import (
-    QUANT_EMBEDDING_CLASSES,
-    QUANT_LAYER_CLASSES,
-    PrecisionState,
-    QuantLayerMixin,
-    convert_layer,
-    input_features,
-    restore_layer,
-)
-from .rotation import can_rotate
+from .nn.attention import attention_support, install_attention, uninstall_attention
+from .nn.base import QuantLayerMixin, input_features
+from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
+from .nn.precision import PrecisionState
+from .numerics.bits import check_bits
+from .numerics.rotation import can_rotate
 
 # Module names that hold a model's output head in transformers and timm models.
 HEAD_MODULE_NAMES = ("lm_head", "classifier", "score", "head", "qa_outputs", "cls")

@@ -1,13 +1,11 @@
-"""Quantizer numerics (docs/method.md §2): asymmetric min/max uniform quantization.
+"""Quantization of errors, the output gradients of the backward pass (docs/method.md §2).
 
-``Q(x) = s * round(clamp((x - m) / s, 0, 2^b - 1)) + m`` with ``s = max((M - m) / (2^b - 1), 1e-8)``.
-Weights and input activations use deterministic rounding (round half to even) and are bit-exact
-with that formula; errors use stochastic rounding (uniform noise in [-1/2, 1/2) added before the
-clamp), which is unbiased inside the range, over one range per error tensor as in the CPT paper, or
-one range per row (token) with ``granularity="token"`` (docs/method.md §2). Forward quantizers pass
-gradients straight through.
+Errors use stochastic rounding (uniform noise in [-1/2, 1/2) added before the clamp), which is
+unbiased inside the range, over one range per error tensor as in the CPT paper, or one range per
+row (token) with ``granularity="token"``; optionally in a rotated basis, and with nearest rounding.
+`ErrorQuantization` says which, and for which backward products. Large tensors go through one
+compiled kernel with counter-based (hashed) noise.
 
-Bits are 0-d tensors so that a changing bit-width never makes ``torch.compile`` re-trace.
 This module knows nothing about layers, schedules or the Trainer.
 """
 
@@ -23,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .fake_quant import _compute_dtype, fake_quantize, num_levels, quantization_scale, tensor_range, token_range
 from .rotation import Rotation, can_rotate, get_rotation, sylvester_hadamard
 
 logger = logging.getLogger(__name__)
 
-MIN_SCALE = 1e-8
 # Below this many elements the eager error quantizer is as fast as the compiled one.
 FUSED_MIN_NUMEL = 1 << 16
 # How errors are quantized (docs/method.md §2): one range per tensor (the CPT paper) or per row (token); "auto"
@@ -80,137 +78,6 @@ def _resolve_errors(errors: ErrorQuantization, activation_granularity: str) -> E
     if errors.granularity != "auto":
         return errors
     return dataclasses.replace(errors, granularity="token" if activation_granularity == "token" else "tensor")
-
-
-def num_levels(bits: torch.Tensor) -> torch.Tensor:
-    """Largest integer code, ``2^b - 1``, exact for integer ``b`` up to 24."""
-    return torch.exp2(bits) - 1
-
-
-def quantization_scale(minimum: torch.Tensor, maximum: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    return ((maximum - minimum) / levels).clamp_min(MIN_SCALE)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
-    # Half-precision inputs are quantized in float32: bf16 cannot even hold 8-bit codes exactly.
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def quantization_codes(
-    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scale, minimum) of ``x`` over ``[minimum, maximum]``: codes are integral floats in the compute
-    dtype (float32 for half inputs), and ``codes * scale + minimum`` is the fake-quantized value."""
-    source = _compute_dtype(x)
-    levels = num_levels(bits).to(source.dtype)
-    minimum, maximum = minimum.to(source.dtype), maximum.to(source.dtype)
-    scale = quantization_scale(minimum, maximum, levels)
-    # clamp_min_ + clamp_max_: the same values as clamp_(min, max), but clamp with two tensor bounds
-    # takes a slow unvectorized path on CPU (about 10x slower).
-    codes = (source - minimum).div_(scale).clamp_min_(0.0).clamp_max_(levels).round_()
-    return codes, scale, minimum
-
-
-def fake_quantize(
-    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
-) -> torch.Tensor:
-    """Deterministic quantize-dequantize of ``x`` over ``[minimum, maximum]`` (broadcastable)."""
-    codes, scale, minimum = quantization_codes(x, minimum, maximum, bits)
-    return codes.mul_(scale).add_(minimum).to(x.dtype)
-
-
-def fake_quantize_compact(
-    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`fake_quantize`, and the same values kept compact: (uint8 codes, scale, minimum), for at most 8 bits.
-
-    ``restore_compact(*compact, x.dtype)`` gives back the fake-quantized tensor bit for bit (the same
-    ``codes * scale + minimum`` in the same dtype): what a layer's backward saves instead of a float copy.
-    """
-    codes, scale, minimum = quantization_codes(x, minimum, maximum, bits)
-    compact = (codes.to(torch.uint8), scale, minimum)
-    return codes.mul_(scale).add_(minimum).to(x.dtype), compact
-
-
-def restore_compact(
-    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum."""
-    return codes.to(scale.dtype).mul_(scale).add_(minimum).to(dtype)
-
-
-def channel_ranges(weight: torch.Tensor, channel_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel min and max of a weight, shaped to broadcast against it."""
-    weight = weight.detach()
-    dims = tuple(d for d in range(weight.dim()) if d != channel_dim % weight.dim())
-    if not dims:  # a 1-D tensor: every element is its own channel (and dim=() would reduce all)
-        return weight, weight
-    # amin + amax rather than aminmax(dim=...), which is an order of magnitude slower on CPU.
-    return weight.amin(dim=dims, keepdim=True), weight.amax(dim=dims, keepdim=True)
-
-
-def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor min and max."""
-    minimum, maximum = torch.aminmax(x.detach())
-    return minimum, maximum
-
-
-def token_range(x: torch.Tensor, feature_dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (per-row) min and max over the feature dimension, shaped to broadcast against ``x``."""
-    x = x.detach()
-    return x.amin(dim=feature_dim, keepdim=True), x.amax(dim=feature_dim, keepdim=True)
-
-
-class _FakeQuantizeSTE(torch.autograd.Function):
-    """Forward: deterministic fake quantization. Backward: the gradient passes unchanged."""
-
-    @staticmethod
-    def forward(ctx, x, minimum, maximum, bits):
-        return fake_quantize(x, minimum, maximum, bits)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output, None, None, None
-
-
-def quantize_ste(x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Fake quantization with a straight-through gradient."""
-    return _FakeQuantizeSTE.apply(x, minimum, maximum, bits)
-
-
-def quantize_weight(weight: torch.Tensor, bits: torch.Tensor, channel_dim: int = 0) -> torch.Tensor:
-    """Per-output-channel weight quantization (straight-through gradient)."""
-    minimum, maximum = channel_ranges(weight, channel_dim)
-    return quantize_ste(weight, minimum, maximum, bits)
-
-
-def quantize_codes(
-    weight: torch.Tensor, bits: int | torch.Tensor, channel_dim: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Integer codes of a weight at ``bits``, per output channel, with its scale and zero point.
-
-    The arithmetic of `fake_quantize` over `channel_ranges`, so that
-    ``dequantize_codes(*quantize_codes(w, b, d), w.shape, d)`` equals the fake-quantized weight bit for bit.
-    Returns codes (uint8, ``[C, K]`` with ``C = w.shape[channel_dim]``), scale and zero point (float32, ``[C]``).
-    """
-    source = weight.detach().float()
-    bits = bits if isinstance(bits, torch.Tensor) else torch.tensor(float(bits))
-    codes, scale, minimum = quantization_codes(source, *channel_ranges(source, channel_dim), bits.to(source.device))
-    channels = weight.shape[channel_dim]
-    codes = codes.movedim(channel_dim, 0).reshape(channels, -1).to(torch.uint8)
-    return codes, scale.reshape(channels), minimum.reshape(channels)
-
-
-def dequantize_codes(
-    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, shape: torch.Size, channel_dim: int = 0
-) -> torch.Tensor:
-    """``codes * scale + zero_point`` in float32, laid out back into ``shape``."""
-    values = codes.to(torch.float32).mul_(scale.float().unsqueeze(1)).add_(zero_point.float().unsqueeze(1))
-    moved = [shape[channel_dim]] + [s for d, s in enumerate(shape) if d != channel_dim]
-    return values.reshape(moved).movedim(0, channel_dim).contiguous()
-
-
-# ----------------------------------------------------------------------------- errors (backward)
 
 
 def _stochastic_quantize(

@@ -1,144 +1,32 @@
-"""Quantized layers that replace ``nn.Linear``, ``nn.Conv2d`` and GPT-2's ``Conv1D`` in place.
+"""`QuantLayerMixin`: the forward and backward every quantized layer shares (docs/method.md §2-§3).
 
-A layer is converted by changing its class (``convert_layer``): parameters, their names and the
-``state_dict`` keys stay exactly as they were, so optimizers, tied weights, peft and
+A layer is converted by changing its class (`hf_cpt.nn.layers.convert_layer`): parameters, their names
+and the ``state_dict`` keys stay exactly as they were, so optimizers, tied weights, peft and
 ``save_pretrained`` see the same model. The bit-widths are not stored in the layers: every layer of
 a model reads them from one shared `PrecisionState`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import weakref
-from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .quantizer import (
-    PAPER_ERRORS,
-    ErrorQuantization,
+from ..numerics.errors import quantize_error
+from ..numerics.fake_quant import (
     channel_ranges,
     dequantize_codes,
     fake_quantize,
     fake_quantize_compact,
     quantize_codes,
-    quantize_error,
-    quantize_error_on_backward,
     quantize_ste,
-    quantize_weight,
     restore_compact,
     tensor_range,
     token_range,
 )
-from .rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
-
-try:  # GPT-2 style layer (a Linear with a transposed weight)
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers is a dependency
-    Conv1D = None
-
-
-class PrecisionState:
-    """The bit-widths of one model, read by each of its quantized layers at every forward.
-
-    Bits are held in 0-d tensors updated in place, so a schedule can change them every step without
-    making a compiled model re-trace; ``None`` (full precision) is a Python flag.
-    """
-
-    def __init__(
-        self,
-        activation_momentum: float = 0.9,
-        activation_ema_init: str = "zeros",
-        errors: ErrorQuantization = PAPER_ERRORS,
-    ) -> None:
-        self.bits = torch.zeros(())
-        self.compact_codes = False
-        self.grad_bits = torch.zeros(())
-        self.eval_bits = torch.zeros(())
-        self.eval_bits_value: int | None = None  # eval_bits as a Python number (None: not enabled)
-        self.forward_enabled = False
-        self.backward_enabled = False
-        self.eval_enabled = False
-        self.eval_follows_training = False
-        # Eval-mode forwards that quantize per-tensor inputs over the batch's own range (without updating
-        # the running range): used to measure fidelity before training, when no running range exists yet.
-        self.batch_ranges_in_eval = False
-        self.errors = errors
-        # The attention products (two activations, no weight) quantize the errors of both their products,
-        # unrotated, with the layers' ranges and rounding.
-        self.attention_errors = dataclasses.replace(errors, products="both", rotation="none")
-        self.activation_momentum = activation_momentum
-        self.activation_ema_init = activation_ema_init
-
-    @classmethod
-    def from_settings(cls, settings) -> PrecisionState:
-        """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
-        return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors)
-
-    def quantize_error_on_backward(
-        self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False, granularity: str = "tensor"
-    ) -> torch.Tensor:
-        """Mark ``output`` so that the error arriving at it is quantized at the error bits, with these settings
-        (``attention=True``: the attention products' settings) for activations quantized with ``granularity``."""
-        scheme = self.attention_errors if attention else self.errors
-        return quantize_error_on_backward(output, self.grad_bits, scheme.for_activations(granularity), feature_dim)
-
-    def set(self, bits: int | None, grad_bits: int | None) -> None:
-        """Training precision: forward bits for weights and activations, backward bits for errors."""
-        self.forward_enabled = bits is not None
-        self.backward_enabled = grad_bits is not None
-        # Whether training codes fit in uint8: a flag, so that a compiled model does not re-trace per bit-width.
-        self.compact_codes = bits is not None and bits <= 8
-        if bits is not None:
-            self.bits.fill_(float(bits))
-        if grad_bits is not None:
-            self.grad_bits.fill_(float(grad_bits))
-
-    def set_eval(self, bits: int | None, follow_training: bool = False) -> None:
-        """Precision in eval mode: fixed ``bits`` (None: full precision) or the training bits."""
-        self.eval_follows_training = follow_training
-        self.eval_enabled = bits is not None
-        self.eval_bits_value = int(bits) if bits is not None else None
-        if bits is not None:
-            self.eval_bits.fill_(float(bits))
-
-    @property
-    def fixed_eval_bits(self) -> int | None:
-        """The eval bit-width when it is a fixed number (not following training), else None."""
-        return None if self.eval_follows_training else self.eval_bits_value
-
-    def forward_bits(self, training: bool) -> torch.Tensor | None:
-        """The forward bit-width in force for a module in training (or eval) mode; None: full precision."""
-        if training or self.eval_follows_training:
-            return self.bits if self.forward_enabled else None
-        return self.eval_bits if self.eval_enabled else None
-
-    @contextlib.contextmanager
-    def evaluating_at(self, bits: int | None, batch_ranges: bool = False) -> Iterator[None]:
-        """Temporarily evaluate at ``bits`` (None: full precision), optionally with per-tensor inputs
-        quantized over each batch's own range; the eval settings are restored afterwards."""
-        saved = (self.eval_bits_value, self.eval_follows_training, self.batch_ranges_in_eval)
-        self.set_eval(bits)
-        self.batch_ranges_in_eval = batch_ranges
-        try:
-            yield
-        finally:
-            self.set_eval(saved[0], follow_training=saved[1])
-            self.batch_ranges_in_eval = saved[2]
-
-    @property
-    def current(self) -> tuple[int | None, int | None]:
-        """(forward bits, grad bits) in training, as Python numbers."""
-        bits = int(self.bits.item()) if self.forward_enabled else None
-        grad_bits = int(self.grad_bits.item()) if self.backward_enabled else None
-        return bits, grad_bits
-
-    def __repr__(self) -> str:
-        bits, grad_bits = self.current
-        return f"PrecisionState(bits={bits}, grad_bits={grad_bits})"
+from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
+from .precision import PrecisionState
 
 
 def input_features(layer: nn.Module) -> int:
@@ -508,136 +396,3 @@ def _weight_gradient(
     if x.numel() <= weight.numel():
         return layer.weight_gradient(error, rotation.apply(x, layer.input_feature_dim, transpose=True), weight)
     return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True)
-
-
-class QuantLinear(QuantLayerMixin, nn.Linear):
-    """``nn.Linear`` with CPT fake quantization; weights quantized per output row."""
-
-    def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight, self.bias)
-
-    input_gradient_reads_input = False
-
-    def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return error.matmul(weight)
-
-    def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return error.reshape(-1, error.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-
-
-class QuantConv2d(QuantLayerMixin, nn.Conv2d):
-    """``nn.Conv2d`` with CPT fake quantization; weights quantized per output filter.
-
-    Per-token granularity means per pixel (the range over channels); rotation mixes input channels
-    (``groups == 1`` only).
-    """
-
-    weight_feature_dim = 1
-    input_feature_dim = 1
-    output_feature_dim = 1
-
-    def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._conv_forward(x, weight, self.bias)
-
-    def _direct_gradients(self) -> bool:
-        return self.padding_mode == "zeros" and not isinstance(self.padding, str)
-
-    @property
-    def input_gradient_reads_input(self) -> bool:  # the direct product reads only the input's shape
-        return not self._direct_gradients()
-
-    def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not self._direct_gradients():
-            return super().input_gradient(error, x, weight)
-        return torch.nn.grad.conv2d_input(x.shape, weight, error, self.stride, self.padding, self.dilation,
-                                          self.groups)
-
-    def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not self._direct_gradients():
-            return super().weight_gradient(error, x, weight)
-        return torch.nn.grad.conv2d_weight(x, weight.shape, error, self.stride, self.padding, self.dilation,
-                                           self.groups)
-
-
-QUANT_LAYER_CLASSES: dict[type, type] = {nn.Linear: QuantLinear, nn.Conv2d: QuantConv2d}
-
-if Conv1D is not None:
-
-    class QuantConv1D(QuantLayerMixin, Conv1D):
-        """transformers' ``Conv1D`` (GPT-2) with CPT fake quantization; weight is (in, out)."""
-
-        weight_channel_dim = 1
-        weight_feature_dim = 0
-
-        def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            size_out = x.size()[:-1] + (self.nf,)
-            return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), weight).view(size_out)
-
-        input_gradient_reads_input = False
-
-        def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return error.matmul(weight.t())
-
-        def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return x.reshape(-1, x.shape[-1]).t().matmul(error.reshape(-1, error.shape[-1]))
-
-    QUANT_LAYER_CLASSES[Conv1D] = QuantConv1D
-
-
-class QuantEmbedding(QuantLayerMixin, nn.Embedding):
-    """``nn.Embedding`` whose table is quantized per row at the forward bits (straight-through gradient).
-
-    The indices are not quantized and the lookup has no multiply (the cost meter counts no MACs); the
-    error of a lookup is not quantized. Converted only with ``CPTConfig(quantize_embeddings=True)``.
-    """
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        bits = self.forward_bits()
-        if bits is None:
-            return nn.Embedding.forward(self, input)
-        weight = self._frozen_weight()
-        weight = weight if weight is not None else quantize_weight(self.weight, bits, 0)
-        return F.embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
-                           self.sparse)
-
-
-# Embedding conversion is opt-in, so it is kept out of QUANT_LAYER_CLASSES (the layers converted by default).
-QUANT_EMBEDDING_CLASSES: dict[type, type] = {nn.Embedding: QuantEmbedding}
-
-
-def register_quant_layer(float_class: type, quant_class: type) -> None:
-    """Teach model surgery to convert ``float_class`` into ``quant_class`` (a `QuantLayerMixin` subclass)."""
-    if not (isinstance(quant_class, type) and issubclass(quant_class, QuantLayerMixin)):
-        raise TypeError(f"{quant_class!r} must subclass hf_cpt.layers.QuantLayerMixin")
-    if not issubclass(quant_class, float_class):
-        raise TypeError(f"{quant_class.__name__} must subclass {float_class.__name__} so isinstance checks hold")
-    QUANT_LAYER_CLASSES[float_class] = quant_class
-
-
-def convert_layer(
-    module: nn.Module, precision: PrecisionState, granularity: str = "tensor", rotation_seed: int | None = None
-) -> nn.Module:
-    """Turn a float layer into its quantized class in place (same object, same parameters).
-
-    ``granularity`` is the activation range ("tensor" or "token"); ``rotation_seed`` (None: no rotation)
-    picks the fixed rotation of the input features.
-    """
-    quant_class = QUANT_LAYER_CLASSES.get(type(module)) or QUANT_EMBEDDING_CLASSES[type(module)]
-    module.__dict__["_cpt_float_class"] = type(module)
-    module.__class__ = quant_class
-    try:
-        module._attach_precision(precision, granularity, rotation_seed)
-    except Exception:
-        module.__class__ = module.__dict__.pop("_cpt_float_class")
-        raise
-    return module
-
-
-def restore_layer(module: QuantLayerMixin) -> nn.Module:
-    """Undo `convert_layer`: the plain float layer with its current (trained) weights."""
-    float_class = module.__dict__.pop("_cpt_float_class", None) or next(
-        cls for cls in type(module).__mro__[1:] if cls in QUANT_LAYER_CLASSES or cls in QUANT_EMBEDDING_CLASSES
-    )
-    module._detach_precision()
-    module.__class__ = float_class
-    return module

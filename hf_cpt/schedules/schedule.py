@@ -1,51 +1,18 @@
-"""Precision schedules: the bit-width of every optimizer step (docs/method.md §5).
-
-A schedule is a *shape*, ``level(z, k, lo, hi) -> S`` giving the smooth precision at position ``z``
-of cycle ``k``, plus a rule for the cycle length. ``PrecisionSchedule`` rounds it into bits. This
-table is the one place the project defines what a schedule name means.
-
-Names registered here:
-
-- ``cpt``: the CPT paper's Eq. 1, a cosine rise from bits_min to bits_max in every cycle,
-  ``T = total_steps / N``.
-- ``cpt-triangular`` and ``cpt-cosine-anneal``: the two other cyclic patterns of the CPT paper's
-  ablation (its Table 6), also with ``T = total_steps / N``. The paper gives no formula for them;
-  see `triangular_wave` and `cosine_anneal` for how they are read here.
-- ``CR``, ``CT``, ``LR``, ``LT``, ``ER``, ``ET-V``, ``ET-H``, ``RR``, ``RT-V``, ``RT-H``: the ten
-  schedules of the follow-up study (Wolfe & Kyrillidis), with its code's ``T = int(total / n) + 1``.
-- ``progressive``: a linear ramp from bits_min to bits_max over the first half of training, then
-  held at bits_max (the progressive schedule of the CPT paper's Sec. 3.1, after Fu et al. 2020).
-- ``static`` (bits_max throughout) and ``fp32`` (full precision throughout): the baselines.
-
-Any schedule takes a delayed start (``delay``: the first fraction of training held at bits_max or in
-full precision; the schedule then runs its cycles over the remaining steps), and a user can pass
-any callable from step to bits, or register a new shape by name.
-
-Everything a schedule costs is computed exactly from its bits at every step with
-`hf_cpt.cost.bitops_per_mac` (docs/method.md §7).
-"""
+"""`PrecisionSchedule`: the bits of every optimizer step of one run, and what the run costs (docs/method.md §5, §7)."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from .bits import MAX_BITS, MIN_BITS, check_bits
-from .cost import FULL_PRECISION_BITS, bitops_per_mac
+from ..numerics.bitops import FULL_PRECISION_BITS, bitops_per_mac
+from ..numerics.bits import MAX_BITS, MIN_BITS, check_bits
+from ..utils import callable_name
+from .shapes import DELAY_PRECISIONS, ROUNDING_MODES, ScheduleShape, StepFn, available_schedules, cpt_cycle_length
 
-# How the smooth schedule becomes bits: round half to even (the CPT code) or up (the CPT paper).
-ROUNDING_MODES = ("nearest", "ceil")
-# The precision of a delayed start: bits_max or full precision.
-DELAY_PRECISIONS = ("max", "fp32")
-
-LevelFn = Callable[[float, int, float, float], float]  # (z, k, lo, hi) -> smooth bits
-CycleLengthFn = Callable[[int, int], float]
-StepFn = Callable[[int], float | None]  # step -> bits (or smooth bits), None = full precision
 GradBits = int | Callable[[int], int | None] | None
 
 COST_GROUPS = ("small", "medium", "large")
@@ -55,218 +22,6 @@ COST_GROUPS = ("small", "medium", "large")
 # CR, CT, LR, LT, ET-V, RT-V at f ~ 0.50; ER, ET-H at f ~ 0.77).
 SMALL_COST_BELOW = 1 / 3
 LARGE_COST_ABOVE = 2 / 3
-
-
-def cpt_cycle_length(total_steps: int, num_cycles: int) -> float:
-    """CPT paper: ``T = total_steps / N``."""
-    return total_steps / num_cycles
-
-
-def followup_cycle_length(total_steps: int, num_cycles: int) -> float:
-    """Follow-up study's code: ``T = int(total / n) + 1``."""
-    return int(total_steps / num_cycles) + 1
-
-
-# Growth and decay profiles, written as in docs/method.md §5 so that rounding ties match it exactly.
-def cosine_growth(z: float, lo: float, hi: float) -> float:
-    return lo + (hi - lo) / 2 * (1 - math.cos(math.pi * z))
-
-
-def cosine_decay(z: float, lo: float, hi: float) -> float:
-    return hi - (hi - lo) / 2 * (1 - math.cos(math.pi * z))
-
-
-def linear_growth(z: float, lo: float, hi: float) -> float:
-    return lo + (hi - lo) * z
-
-
-def linear_decay(z: float, lo: float, hi: float) -> float:
-    return hi - (hi - lo) * z
-
-
-def exponential_growth(z: float, lo: float, hi: float) -> float:
-    return hi - (hi - lo) * math.exp(-4 * z)
-
-
-def exponential_decay_vertical(z: float, lo: float, hi: float) -> float:
-    return lo + (hi - lo) * math.exp(-4 * z)
-
-
-def exponential_decay_horizontal(z: float, lo: float, hi: float) -> float:
-    return hi - (hi - lo) * math.exp(-4 * (1 - z))
-
-
-def _rex(u: float) -> float:
-    return u / (0.1 + 0.9 * u)
-
-
-def rex_growth(z: float, lo: float, hi: float) -> float:
-    return hi - (hi - lo) * _rex(1 - z)
-
-
-def rex_decay_vertical(z: float, lo: float, hi: float) -> float:
-    return lo + (hi - lo) * _rex(1 - z)
-
-
-def rex_decay_horizontal(z: float, lo: float, hi: float) -> float:
-    return hi - (hi - lo) * _rex(z)
-
-
-def triangular_wave(z: float, lo: float, hi: float) -> float:
-    """CPT paper's "triangular" variant, after Smith (2017)'s triangular cyclical learning rate:
-    a linear rise from bits_min to bits_max over the first half of each cycle, and back down."""
-    return lo + (hi - lo) * (1 - abs(2 * z - 1))
-
-
-def cosine_anneal(z: float, lo: float, hi: float) -> float:
-    """CPT paper's "cosine annealing" variant, the SGDR learning-rate shape (Loshchilov & Hutter)
-    applied to the bits: each cycle restarts at bits_max and anneals to bits_min,
-    ``lo + D/2 (1 + cos(pi z))`` (the mirror image of CPT's own cycle)."""
-    return lo + (hi - lo) / 2 * (1 + math.cos(math.pi * z))
-
-
-ProfileFn = Callable[[float, float, float], float]
-
-
-def repeated(growth: ProfileFn) -> LevelFn:
-    """Every cycle rises from bits_min to bits_max."""
-    return lambda z, k, lo, hi: growth(z, lo, hi)
-
-
-def triangular(decay: ProfileFn, growth: ProfileFn) -> LevelFn:
-    """Even cycles decay from bits_max to bits_min, odd cycles grow back (starts at bits_max)."""
-    return lambda z, k, lo, hi: decay(z, lo, hi) if k % 2 == 0 else growth(z, lo, hi)
-
-
-def progressive_shape(ramp_fraction: float = 0.5) -> ScheduleShape:
-    """A linear ramp from bits_min to bits_max over the first ``ramp_fraction`` of training, then held.
-
-    ``register_schedule("progressive-25", progressive_shape(0.25))`` makes a shorter ramp.
-    """
-    if not (isinstance(ramp_fraction, numbers.Real) and 0 < ramp_fraction <= 1):
-        raise ValueError(f"ramp_fraction must be in (0, 1], got {ramp_fraction!r}.")
-    return ScheduleShape(
-        lambda z, k, lo, hi: linear_growth(z, lo, hi) if k == 0 else hi,
-        lambda total_steps, num_cycles: total_steps * ramp_fraction,
-        f"linear ramp bits_min -> bits_max over the first {ramp_fraction:.0%} of training, then held",
-        cyclic=False,
-    )
-
-
-@dataclass(frozen=True)
-class ScheduleShape:
-    """A named schedule: its level over a cycle and how long a cycle is.
-
-    ``level(z, k, lo, hi)`` gives the smooth bits at position ``z`` in ``[0, 1)`` of cycle ``k``;
-    ``level=None`` is full precision throughout. ``step_fn`` (instead of ``level``) is a plain
-    function of the step, for schedules that ignore the bounds. ``cyclic=False`` marks shapes whose
-    length does not depend on ``num_cycles`` (no check that cycles are at least one step long).
-    """
-
-    level: LevelFn | None  # None: full precision throughout (unless step_fn is set)
-    cycle_length: CycleLengthFn = cpt_cycle_length
-    description: str = ""
-    cyclic: bool = True
-    step_fn: StepFn | None = None
-
-
-_SCHEDULES: dict[str, ScheduleShape] = {}
-
-
-def _positional_arity(fn: Callable) -> int | None:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
-        return None
-    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
-
-
-def register_schedule(name: str, shape: ScheduleShape | Callable, *, overwrite: bool = False) -> None:
-    """Make a schedule available by name (``CPTConfig(schedule=name)``, ``get_schedule(name, ...)``).
-
-    ``shape`` is a `ScheduleShape`, a level function ``(z, k, lo, hi) -> smooth bits`` (cycles of
-    ``total_steps / num_cycles`` steps), or a function of the step ``step -> bits`` (None: full
-    precision), which then ignores the bounds.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_schedule: name must be a non-empty string, got {name!r}.")
-    if name in _SCHEDULES and not overwrite:
-        raise ValueError(f"A schedule named {name!r} is already registered (pass overwrite=True to replace it).")
-    if not isinstance(shape, ScheduleShape):
-        if not callable(shape):
-            raise ValueError(
-                f"register_schedule({name!r}, ...): expected a ScheduleShape or a callable, got {type(shape).__name__}."
-            )
-        arity = _positional_arity(shape)
-        if arity == 4:
-            shape = ScheduleShape(shape, cpt_cycle_length, f"user level function {_callable_name(shape)}")
-        elif arity == 1:
-            shape = ScheduleShape(None, cpt_cycle_length, f"user step function {_callable_name(shape)}", False, shape)
-        else:
-            raise ValueError(
-                f"register_schedule({name!r}, ...): a callable must take (step) or (z, k, bits_min, bits_max); "
-                f"{_callable_name(shape)} takes {arity if arity is not None else 'a variable number of'} arguments."
-            )
-    _SCHEDULES[name] = shape
-
-
-def unregister_schedule(name: str) -> None:
-    """Remove a registered schedule (for tests and interactive use)."""
-    if name not in _SCHEDULES:
-        raise ValueError(f"No schedule named {name!r} is registered.")
-    del _SCHEDULES[name]
-
-
-def available_schedules() -> dict[str, ScheduleShape]:
-    return dict(_SCHEDULES)
-
-
-register_schedule(
-    "cpt",
-    ScheduleShape(repeated(cosine_growth), cpt_cycle_length, "CPT paper: cosine rise from min to max in every cycle"),
-)
-register_schedule(
-    "cpt-triangular",
-    ScheduleShape(
-        repeated(triangular_wave), cpt_cycle_length, "CPT paper ablation: linear rise to max and back in every cycle"
-    ),
-)
-register_schedule(
-    "cpt-cosine-anneal",
-    ScheduleShape(
-        repeated(cosine_anneal), cpt_cycle_length, "CPT paper ablation: SGDR-style cosine from max down to min"
-    ),
-)
-register_schedule("progressive", progressive_shape(0.5))
-register_schedule(
-    "static", ScheduleShape(lambda z, k, lo, hi: hi, cpt_cycle_length, "bits_max throughout", cyclic=False)
-)
-register_schedule("fp32", ScheduleShape(None, cpt_cycle_length, "full precision throughout", cyclic=False))
-
-_FOLLOW_UP = {
-    "CR": (repeated(cosine_growth), "cosine, repeated"),
-    "CT": (triangular(cosine_decay, cosine_growth), "cosine, triangular"),
-    "LR": (repeated(linear_growth), "linear, repeated"),
-    "LT": (triangular(linear_decay, linear_growth), "linear, triangular"),
-    "ER": (repeated(exponential_growth), "exponential, repeated"),
-    "ET-V": (triangular(exponential_decay_vertical, exponential_growth), "exponential, triangular, vertical flip"),
-    "ET-H": (triangular(exponential_decay_horizontal, exponential_growth), "exponential, triangular, horizontal flip"),
-    "RR": (repeated(rex_growth), "REX, repeated"),
-    "RT-V": (triangular(rex_decay_vertical, rex_growth), "REX, triangular, vertical flip"),
-    "RT-H": (triangular(rex_decay_horizontal, rex_growth), "REX, triangular, horizontal flip"),
-}
-FOLLOW_UP_SCHEDULES = tuple(_FOLLOW_UP)
-CPT_PAPER_SCHEDULES = ("cpt", "cpt-triangular", "cpt-cosine-anneal")
-for _name, (_level, _what) in _FOLLOW_UP.items():
-    register_schedule(_name, ScheduleShape(_level, followup_cycle_length, f"follow-up study: {_what}"))
-
-
-def _callable_name(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
 
 class PrecisionSchedule:
     """The bits of each optimizer step of one run: ``schedule(step) -> int`` (None = full precision).
@@ -293,13 +48,15 @@ class PrecisionSchedule:
         delay_precision: str = "max",
     ) -> None:
         if callable(name) and not isinstance(name, str):
-            self.shape = ScheduleShape(None, cpt_cycle_length, f"user function {_callable_name(name)}", False, name)
-            self.name = _callable_name(name)
-        elif isinstance(name, str) and name in _SCHEDULES:
-            self.shape = _SCHEDULES[name]
+            self.shape = ScheduleShape(None, cpt_cycle_length, f"user function {callable_name(name)}", False, name)
+            self.name = callable_name(name)
+        elif isinstance(name, str) and name in available_schedules():
+            self.shape = available_schedules()[name]
             self.name = name
         else:
-            raise ValueError(f"Unknown schedule {name!r}; choose one of {sorted(_SCHEDULES)} or pass a callable.")
+            raise ValueError(
+                f"Unknown schedule {name!r}; choose one of {sorted(available_schedules())} or pass a callable."
+            )
         check_bits("bits_min", bits_min)
         check_bits("bits_max", bits_max)
         if bits_min > bits_max:

@@ -15,10 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import find_attention_quantizer
-from .config import CPTConfig, json_safe
-from .layers import QuantLayerMixin
-from .packing import (
+from ..config import CPTConfig
+from ..convert import quant_layers
+from ..nn.attention import find_attention_quantizer
+from ..nn.base import QuantLayerMixin
+from ..nn.layers import Conv1D, weight_channel_dim
+from ..numerics.fake_quant import dequantize_codes, quantize_codes
+from ..utils import json_safe
+from ..version import __version__
+from .format import (
     ACT_MAX,
     ACT_MIN,
     FORMAT_VERSION,
@@ -28,16 +33,11 @@ from .packing import (
     REQUIRES_HF_CPT,
     SCALE,
     ZERO_POINT,
-    Conv1D,
-    check_bits,
+    check_export_bits,
     check_float_weight_bits,
     float_storage_bits,
-    pack_codes,
-    weight_channel_dim,
 )
-from .quantizer import dequantize_codes, quantize_codes
-from .surgery import quant_layers
-from .version import __version__
+from .packing import pack_codes
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def packed_state_dict(
     that changed in ``fields["rounding_effect"]``, with a warning when predictions flip.
     """
     _check_model(model)
-    check_bits("bits", bits)
+    check_export_bits("bits", bits)
     plan = plan_export(model, bits, float_weight_bits)
     _warn_unset_activation_ranges(plan)
     rounding_effect = measure_rounding(model, plan, measure_inputs) if plan.float_packed else None
@@ -303,7 +303,7 @@ def portable_state_dict(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Float state dict with every CPT layer's weight snapped to its ``bits`` grid (plain keys)."""
     _check_model(model)
-    check_bits("bits", bits)
+    check_export_bits("bits", bits)
     plan = plan_export(model, bits, float_weight_bits=None)
     _warn_unset_activation_ranges(plan)
     state_dict = dict(model.state_dict())
@@ -350,4 +350,4 @@ def resolve_export_bits(model: nn.Module, bits: int | None, cpt_config: CPTConfi
             bits = int(precision.eval_bits.item())
     if bits is None:
         raise ValueError("Cannot tell the export precision: pass bits=... (or cpt_config=CPTConfig(...)).")
-    return check_bits("bits", bits)
+    return check_export_bits("bits", bits)

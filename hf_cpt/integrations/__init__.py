@@ -1,0 +1,1 @@
+"""Integrations with training frameworks: the transformers `Trainer` (`CPTCallback`, `CPTTrainer`)."""

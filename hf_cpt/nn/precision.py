@@ -1,0 +1,111 @@
+"""`PrecisionState`: the bit-widths of one model, shared by all its quantized layers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from ..numerics.errors import PAPER_ERRORS, ErrorQuantization, quantize_error_on_backward
+
+
+class PrecisionState:
+    """The bit-widths of one model, read by each of its quantized layers at every forward.
+
+    Bits are held in 0-d tensors updated in place, so a schedule can change them every step without
+    making a compiled model re-trace; ``None`` (full precision) is a Python flag.
+    """
+
+    def __init__(
+        self,
+        activation_momentum: float = 0.9,
+        activation_ema_init: str = "zeros",
+        errors: ErrorQuantization = PAPER_ERRORS,
+    ) -> None:
+        self.bits = torch.zeros(())
+        self.compact_codes = False
+        self.grad_bits = torch.zeros(())
+        self.eval_bits = torch.zeros(())
+        self.eval_bits_value: int | None = None  # eval_bits as a Python number (None: not enabled)
+        self.forward_enabled = False
+        self.backward_enabled = False
+        self.eval_enabled = False
+        self.eval_follows_training = False
+        # Eval-mode forwards that quantize per-tensor inputs over the batch's own range (without updating
+        # the running range): used to measure fidelity before training, when no running range exists yet.
+        self.batch_ranges_in_eval = False
+        self.errors = errors
+        # The attention products (two activations, no weight) quantize the errors of both their products,
+        # unrotated, with the layers' ranges and rounding.
+        self.attention_errors = dataclasses.replace(errors, products="both", rotation="none")
+        self.activation_momentum = activation_momentum
+        self.activation_ema_init = activation_ema_init
+
+    @classmethod
+    def from_settings(cls, settings) -> PrecisionState:
+        """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
+        return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors)
+
+    def quantize_error_on_backward(
+        self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False, granularity: str = "tensor"
+    ) -> torch.Tensor:
+        """Mark ``output`` so that the error arriving at it is quantized at the error bits, with these settings
+        (``attention=True``: the attention products' settings) for activations quantized with ``granularity``."""
+        scheme = self.attention_errors if attention else self.errors
+        return quantize_error_on_backward(output, self.grad_bits, scheme.for_activations(granularity), feature_dim)
+
+    def set(self, bits: int | None, grad_bits: int | None) -> None:
+        """Training precision: forward bits for weights and activations, backward bits for errors."""
+        self.forward_enabled = bits is not None
+        self.backward_enabled = grad_bits is not None
+        # Whether training codes fit in uint8: a flag, so that a compiled model does not re-trace per bit-width.
+        self.compact_codes = bits is not None and bits <= 8
+        if bits is not None:
+            self.bits.fill_(float(bits))
+        if grad_bits is not None:
+            self.grad_bits.fill_(float(grad_bits))
+
+    def set_eval(self, bits: int | None, follow_training: bool = False) -> None:
+        """Precision in eval mode: fixed ``bits`` (None: full precision) or the training bits."""
+        self.eval_follows_training = follow_training
+        self.eval_enabled = bits is not None
+        self.eval_bits_value = int(bits) if bits is not None else None
+        if bits is not None:
+            self.eval_bits.fill_(float(bits))
+
+    @property
+    def fixed_eval_bits(self) -> int | None:
+        """The eval bit-width when it is a fixed number (not following training), else None."""
+        return None if self.eval_follows_training else self.eval_bits_value
+
+    def forward_bits(self, training: bool) -> torch.Tensor | None:
+        """The forward bit-width in force for a module in training (or eval) mode; None: full precision."""
+        if training or self.eval_follows_training:
+            return self.bits if self.forward_enabled else None
+        return self.eval_bits if self.eval_enabled else None
+
+    @contextlib.contextmanager
+    def evaluating_at(self, bits: int | None, batch_ranges: bool = False) -> Iterator[None]:
+        """Temporarily evaluate at ``bits`` (None: full precision), optionally with per-tensor inputs
+        quantized over each batch's own range; the eval settings are restored afterwards."""
+        saved = (self.eval_bits_value, self.eval_follows_training, self.batch_ranges_in_eval)
+        self.set_eval(bits)
+        self.batch_ranges_in_eval = batch_ranges
+        try:
+            yield
+        finally:
+            self.set_eval(saved[0], follow_training=saved[1])
+            self.batch_ranges_in_eval = saved[2]
+
+    @property
+    def current(self) -> tuple[int | None, int | None]:
+        """(forward bits, grad bits) in training, as Python numbers."""
+        bits = int(self.bits.item()) if self.forward_enabled else None
+        grad_bits = int(self.grad_bits.item()) if self.backward_enabled else None
+        return bits, grad_bits
+
+    def __repr__(self) -> str:
+        bits, grad_bits = self.current
+        return f"PrecisionState(bits={bits}, grad_bits={grad_bits})"

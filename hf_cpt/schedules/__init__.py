@@ -1,0 +1,27 @@
+"""Precision schedules: named shapes (`shapes`) and the bits and cost of one run (`schedule`)."""
+
+from .schedule import (
+    PrecisionSchedule,
+    cost_group,
+    get_schedule,
+    grad_schedule_from_config,
+    schedule_from_config,
+    training_precision,
+)
+from .shapes import (
+    DELAY_PRECISIONS,
+    FOLLOW_UP_SCHEDULES,
+    ROUNDING_MODES,
+    ScheduleShape,
+    available_schedules,
+    check_schedule_name,
+    progressive_shape,
+    register_schedule,
+    unregister_schedule,
+)
+
+__all__ = [
+    "DELAY_PRECISIONS", "FOLLOW_UP_SCHEDULES", "ROUNDING_MODES", "PrecisionSchedule", "ScheduleShape",
+    "available_schedules", "check_schedule_name", "cost_group", "get_schedule", "grad_schedule_from_config",
+    "progressive_shape", "register_schedule", "schedule_from_config", "training_precision", "unregister_schedule",
+]

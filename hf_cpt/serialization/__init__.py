@@ -1,0 +1,1 @@
+"""CPT checkpoints: the format (`format`), export, saving, loading with ``from_pretrained`` and the model card."""
