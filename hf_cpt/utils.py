@@ -23,3 +23,34 @@ def json_safe(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return callable_name(value) if callable(value) else repr(value)
+
+
+class ConfigError(ValueError):
+    """An invalid setting, naming its owner and field (``"CPTConfig.bits_min must be ..."``).
+
+    A typed part of `hf_cpt.CPTConfig` raises it with its own name; `CPTConfig` re-raises it under the flat field
+    the user set (`renamed`), so one check serves both.
+    """
+
+    def __init__(self, owner: str, field: str, problem: str) -> None:
+        self.owner, self.field, self.problem = owner, field, problem
+        super().__init__(f"{owner}.{field}{'' if problem.startswith('=') else ' '}{problem}")
+
+    def renamed(self, owner: str, field: str) -> ConfigError:
+        return ConfigError(owner, field, self.problem)
+
+
+def check_choice(owner: str, field: str, value: Any, choices: tuple) -> None:
+    """Raise `ConfigError` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(owner, field, f"must be one of {choices}, got {value!r}.")
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -8,27 +8,128 @@ import hf_cpt
 PACKAGE = os.path.dirname(hf_cpt.__file__)
 
 
+# The layers of the package, lowest first: a module may import from its own layer and the layers below, never
+# from a layer above (docs/architecture.md). Same-rank layers do not import each other.
+LAYERS = {
+    "version": 0, "utils": 0,
+    "numerics": 1,
+    "nn": 2, "schedules": 2,
+    "config": 3, "cost": 3,
+    "convert": 4,
+    "diagnostics": 5, "serialization": 5,
+    "integrations": 6,
+    "cli": 7, "registration": 7, "metrics": 7, "__main__": 8,
+}
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, str]:
+    """``{dotted module name: path}`` of every module of the package (``__init__`` files as their package)."""
+    modules = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                parts = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].split(os.sep)
+                modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
 def _imports() -> dict[str, set[str]]:
+    """``{module: package modules it imports}``, relative imports resolved, function-level imports included."""
+    modules = _modules()
     graph: dict[str, set[str]] = {}
-    for name in os.listdir(PACKAGE):
-        if name.endswith(".py") and name != "__init__.py":
-            tree = ast.parse(open(os.path.join(PACKAGE, name)).read())
-            graph[name[:-3]] = {
-                node.module or "__init__" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
-            }
+    for module, path in modules.items():
+        package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                names = [f"{base}.{alias.name}" for alias in node.names]
+                targets.update(n for n in names if n in modules)
+                if base in modules and not any(n in modules for n in names):
+                    targets.add(base)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names if alias.name in modules)
+        graph[module] = {t for t in targets if t != module}
     return graph
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def test_no_module_imports_the_package_or_forms_a_cycle():
     graph = _imports()
-    assert not [m for m, deps in graph.items() if "__init__" in deps], "a module imports the package itself"
+    assert not [m for m, deps in graph.items() if "hf_cpt" in deps and m != "hf_cpt"], "a module imports the package"
 
     def reaches(start, target, seen=()):
         return any(dep == target or (dep not in seen and reaches(dep, target, seen + (dep,)))
-                   for dep in graph.get(start, ()))
+                   for dep in graph.get(start, ()) if not _is_package_init(dep) or dep == target)
 
-    cycles = [m for m in graph if reaches(m, m)]
+    cycles = [m for m in graph if not _is_package_init(m) and reaches(m, m)]
     assert not cycles, f"import cycles through {cycles}"
+
+
+def _is_package_init(module: str) -> bool:
+    return _modules()[module].endswith("__init__.py")
+
+
+def test_imports_point_down_the_layers():
+    """numerics know nothing of layers, layers nothing of schedules or config, and nothing below the Trainer
+    integration knows the Trainer."""
+    graph = _imports()
+    unknown = sorted({_layer(m) for m in graph} - set(LAYERS) - {"__init__"})
+    assert not unknown, f"modules outside the layer table: {unknown} (add them to LAYERS and docs/architecture.md)"
+    upward = _upward(graph)
+    assert not upward, f"imports that point up (or sideways) the layers: {upward}"
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items() if _layer(module) != "__init__"
+        for dep in deps
+        if _layer(dep) != _layer(module) and LAYERS[_layer(dep)] >= LAYERS[_layer(module)]
+    )
+
+
+def test_upward_and_sideways_imports_are_detected():
+    graph = {
+        "hf_cpt.numerics.errors": {"hf_cpt.integrations.trainer", "hf_cpt.numerics.rotation", "hf_cpt.utils"},
+        "hf_cpt.nn.base": {"hf_cpt.schedules.shapes", "hf_cpt.numerics.errors"},
+        "hf_cpt.convert": {"hf_cpt.nn.base", "hf_cpt.config.cpt_config"},
+    }
+    assert _upward(graph) == ["hf_cpt.numerics.errors -> hf_cpt.integrations.trainer",
+                              "hf_cpt.nn.base -> hf_cpt.schedules.shapes"]
+
+
+def test_no_file_is_longer_than_the_limit():
+    long = {path: n for path in _modules().values() if (n := sum(1 for _ in open(path))) > MAX_LINES}
+    assert not long, f"files above {MAX_LINES} lines: {long}"
+
+
+def test_torch_and_transformers_are_the_only_third_party_imports():
+    """``import hf_cpt`` and every module it can load need only torch, transformers (and what they bring:
+    accelerate for the Trainer, safetensors); the recipes' metric is the one exception (datasets, evaluate)."""
+    allowed = {"torch", "transformers", "safetensors", "accelerate", "numpy", "matplotlib"}
+    stdlib = set(__import__("sys").stdlib_module_names)
+    found = {}
+    for module, path in _modules().items():
+        if _layer(module) == "metrics":
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in stdlib and top not in allowed and top != "hf_cpt":
+                    found.setdefault(top, []).append(module)
+    assert not found, f"third-party imports beyond torch / transformers: {found}"
 
 
 def test_public_api_is_exported():

@@ -471,7 +471,7 @@ def test_compiling_the_error_kernels_on_a_cpu_machine_prints_no_cuda_warning(tmp
     probe = "import torch.utils.cpp_extension"
     control = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert "No CUDA runtime is found" in control.stderr  # what torch prints when nothing silences it
-    code = ("import torch; from hf_cpt.quantizer import ErrorQuantization, quantize_error\n"
+    code = ("import torch; from hf_cpt.numerics.errors import ErrorQuantization, quantize_error\n"
             "for g in ('tensor', 'token'):\n"
             "    quantize_error(torch.randn(256, 512), torch.tensor(8.0), ErrorQuantization(g))\n"
             "import hf_cpt.numerics.errors as q; print(sorted(q._warmed_error_kernels))")

@@ -9,7 +9,7 @@ import pytest
 
 from hf_cpt import CPTConfig, PrecisionSchedule, ScheduleShape, get_schedule, register_schedule
 from hf_cpt.numerics.bitops import bitops_per_mac, relative_cost
-from hf_cpt.schedules.schedule import cost_group, grad_schedule_from_config, schedule_from_config, training_precision
+from hf_cpt.schedules.schedule import cost_group, training_precision
 from hf_cpt.schedules.shapes import FOLLOW_UP_SCHEDULES, available_schedules, unregister_schedule
 
 # -- docs/method.md §5, written out independently of the library ----------------------------------------
@@ -244,13 +244,13 @@ def test_config_accepts_callables_delay_and_grad_schedule():
     config = CPTConfig(schedule=fn, delay=0.2, delay_precision="fp32", grad_schedule="CR", grad_bits_min=6)
     json.dumps(config.to_dict())  # JSON-safe even with a callable
     assert config.to_dict()["schedule"] == "<callable " + fn.__qualname__ + ">"
-    forward = schedule_from_config(config, 100)
-    grad = grad_schedule_from_config(config, 100)
+    forward = config.schedule_config.forward_schedule(100)
+    grad = config.schedule_config.error_schedule(100)
     assert forward(0) is None and forward(20) == 5
     assert grad(20) == 6 and grad(0) == 8
     assert training_precision(forward(0), grad, 0) == (None, None)  # full-precision steps: both ways
-    assert schedule_from_config(CPTConfig(), 64000, bits_min=4).bits_min == 4
-    assert grad_schedule_from_config(CPTConfig(), 100) is None
+    assert CPTConfig().schedule_config.forward_schedule(64000, bits_min=4).bits_min == 4
+    assert CPTConfig().schedule_config.error_schedule(100) is None
 
 
 @pytest.mark.parametrize(

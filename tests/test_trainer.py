@@ -1,5 +1,7 @@
 import json
+import logging
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -176,14 +178,29 @@ def test_callback_with_a_plain_trainer_reaches_reporting_callbacks(tiny_bert, tm
         model=tiny_bert,
         args=training_args(tmp_path, max_steps=6),
         train_dataset=token_classification_data(96),
-        callbacks=[reporter, CPTCallback(config)],
+        callbacks=[reporter],
     )
+    callback = CPTCallback(config).attach(trainer)
+    assert trainer.callback_handler.callbacks[0] is callback and reporter in trainer.callback_handler.callbacks
     trainer.train()
     step_logs = [logs for logs in reporter.logs if "loss" in logs]
     assert len(step_logs) == 6 and all("cpt/bits" in logs and "cpt/gbitops" in logs for logs in step_logs)
     assert all("cpt/bits" in entry for entry in trainer.state.log_history if "loss" in entry)
     final = trainer.state.log_history[-1]
     assert "train_runtime" in final and "cpt/cost_vs_fp32" in final
+
+
+def test_a_callback_behind_the_reporting_integrations_says_how_to_attach_it(caplog):
+    callback = CPTCallback(CPTConfig())
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.integrations.callback"):
+        callback._check_log_order(SimpleNamespace(report_to=["tensorboard"]))
+    assert "CPTCallback(config).attach(trainer)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.integrations.callback"):
+        callback._check_log_order(SimpleNamespace(report_to=["none"]))
+        callback.attached = True
+        callback._check_log_order(SimpleNamespace(report_to=["tensorboard"]))
+    assert caplog.text == ""
 
 
 def test_callback_refuses_a_model_that_was_not_quantized(tiny_bert, tmp_path):

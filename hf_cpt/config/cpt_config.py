@@ -1,42 +1,19 @@
-"""`CPTConfig`: every setting of a Cyclic Precision Training run, validated up front."""
+"""`CPTConfig`: every setting of a Cyclic Precision Training run, validated up front.
+
+Flat fields, so that ``CPTConfig(bits_min=4)``, ``HfArgumentParser`` and the recipes' ``--cpt_*`` flags work; the
+config is composed of typed parts (`hf_cpt.config.parts`), which hold each check and the logic of their concern.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..numerics.bits import check_bits
-from ..numerics.errors import (
-    ERROR_GRANULARITY_CHOICES,
-    ERROR_PRODUCTS,
-    ERROR_ROTATIONS,
-    ERROR_ROUNDINGS,
-    ErrorQuantization,
-)
-from ..schedules.shapes import DELAY_PRECISIONS, ROUNDING_MODES, available_schedules
-from ..utils import callable_name
-
-logger = logging.getLogger(__name__)
-
-# num_cycles="auto": one cycle per AUTO_STEPS_PER_CYCLE optimizer steps, at least 1 and at most AUTO_MAX_CYCLES.
-AUTO_STEPS_PER_CYCLE = 100
-AUTO_MAX_CYCLES = 32
-
-
-def auto_cycles(schedule_steps: int) -> int:
-    """``num_cycles="auto"``: one cycle per `AUTO_STEPS_PER_CYCLE` steps of the schedule, 1 to `AUTO_MAX_CYCLES`."""
-    return min(AUTO_MAX_CYCLES, max(1, schedule_steps // AUTO_STEPS_PER_CYCLE))
-
-
-EVAL_PRECISIONS = ("max", "current", "fp32")
-EMA_INITS = ("zeros", "first_batch")
-PRT_METRICS = ("loss", "accuracy")
-# How activations are quantized (docs/method.md, "Pretrained transformers"): the CPT paper's per-tensor
-# running range, per-token ranges, either after a fixed rotation of the input features, or "auto".
-QUANT_SCHEMES = ("auto", "paper", "per-token", "rotated", "rotated-per-token")
+from ..numerics.errors import ErrorQuantization
+from ..utils import ConfigError, callable_name
+from .parts import PART_FIELDS, ActivationConfig, EvaluationConfig, ModuleSelection, RangeTestConfig, ScheduleConfig
 
 
 @dataclass
@@ -228,164 +205,75 @@ class CPTConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise `ValueError` naming the first invalid field."""
-        if not (isinstance(self.bits_min, str) and self.bits_min == "auto"):
-            _check_bits("bits_min", self.bits_min)
-        _check_bits("bits_max", self.bits_max)
-        _check_bits("grad_bits", self.grad_bits)
-        if isinstance(self.bits_min, int) and self.bits_min > self.bits_max:
-            raise ValueError(
-                f"CPTConfig.bits_min ({self.bits_min}) must not exceed CPTConfig.bits_max ({self.bits_max})."
-            )
-        _check_schedule("schedule", self.schedule)
-        if self.bits_min == "auto" and callable(self.schedule):
-            raise ValueError(
-                "CPTConfig.bits_min='auto' needs a named schedule: a callable schedule does not use bits_min."
-            )
-        if (
-            not isinstance(self.delay, (int, float))
-            or isinstance(self.delay, bool)
-            or not 0.0 <= self.delay < 1.0
-        ):
-            raise ValueError(f"CPTConfig.delay must be a fraction of training in [0, 1), got {self.delay!r}.")
-        if self.delay_precision not in DELAY_PRECISIONS:
-            raise ValueError(
-                f"CPTConfig.delay_precision must be one of {DELAY_PRECISIONS}, got {self.delay_precision!r}."
-            )
-        if self.grad_schedule is not None:
-            _check_schedule("grad_schedule", self.grad_schedule)
-            if self.grad_bits_min is None:
-                raise ValueError("CPTConfig.grad_bits_min is required when CPTConfig.grad_schedule is set.")
-        if self.grad_bits_min is not None:
-            _check_bits("grad_bits_min", self.grad_bits_min)
-            if self.grad_bits_min > self.grad_bits:
-                raise ValueError(
-                    f"CPTConfig.grad_bits_min ({self.grad_bits_min}) must not exceed CPTConfig.grad_bits "
-                    f"({self.grad_bits})."
-                )
-        _check_bits("prt_start_bits", self.prt_start_bits)
-        if self.bits_min == "auto" and self.prt_start_bits > self.bits_max:
-            raise ValueError(
-                f"CPTConfig.prt_start_bits ({self.prt_start_bits}) must not exceed CPTConfig.bits_max "
-                f"({self.bits_max})."
-            )
-        if (
-            not isinstance(self.prt_steps_per_precision, int)
-            or isinstance(self.prt_steps_per_precision, bool)
-            or self.prt_steps_per_precision < 1
-        ):
-            raise ValueError(
-                f"CPTConfig.prt_steps_per_precision must be an integer >= 1, got {self.prt_steps_per_precision!r}."
-            )
-        if self.prt_threshold is not None and (
-            not isinstance(self.prt_threshold, (int, float))
-            or isinstance(self.prt_threshold, bool)
-            or not self.prt_threshold > 0
-        ):
-            raise ValueError(f"CPTConfig.prt_threshold must be a number > 0, got {self.prt_threshold!r}.")
-        if self.prt_metric not in PRT_METRICS:
-            raise ValueError(f"CPTConfig.prt_metric must be one of {PRT_METRICS}, got {self.prt_metric!r}.")
-        if self.prt_window is not None and (
-            not isinstance(self.prt_window, int)
-            or isinstance(self.prt_window, bool)
-            or not 1 <= self.prt_window <= self.prt_steps_per_precision
-        ):
-            raise ValueError(
-                f"CPTConfig.prt_window must be an integer in 1..prt_steps_per_precision "
-                f"({self.prt_steps_per_precision}), got {self.prt_window!r}."
-            )
-        if self.num_cycles != "auto" and (
-            not isinstance(self.num_cycles, int) or isinstance(self.num_cycles, bool) or self.num_cycles < 1
-        ):
-            raise ValueError(f"CPTConfig.num_cycles must be an integer >= 1 or 'auto', got {self.num_cycles!r}.")
-        if self.rounding not in ROUNDING_MODES:
-            raise ValueError(f"CPTConfig.rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}.")
-        if isinstance(self.eval_bits, str):
-            if self.eval_bits not in EVAL_PRECISIONS:
-                raise ValueError(
-                    f"CPTConfig.eval_bits must be a bit-width or one of {EVAL_PRECISIONS}, got {self.eval_bits!r}."
-                )
-        else:
-            _check_bits("eval_bits", self.eval_bits)
+        """Raise `ValueError` naming the first invalid field: each part checks its own fields, then the checks
+        that span parts."""
+        for part in PART_FIELDS:
+            self._part(part)
+        self.modules  # noqa: B018 - normalizes the module patterns (a string becomes a one-pattern list)
         for name in ("target_modules", "include_modules", "exclude_modules"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                setattr(self, name, [value])
-            elif value is not None and not all(isinstance(p, str) for p in value):
-                raise ValueError(f"CPTConfig.{name} must be a list of module-name patterns, got {value!r}.")
-        if not 0.0 <= self.activation_momentum < 1.0:
-            raise ValueError(
-                f"CPTConfig.activation_momentum must be in [0, 1), got {self.activation_momentum!r}."
-            )
-        if self.quant_scheme not in QUANT_SCHEMES:
-            raise ValueError(f"CPTConfig.quant_scheme must be one of {QUANT_SCHEMES}, got {self.quant_scheme!r}.")
-        if not isinstance(self.rotation_seed, int) or isinstance(self.rotation_seed, bool) or self.rotation_seed < 0:
-            raise ValueError(f"CPTConfig.rotation_seed must be an integer >= 0, got {self.rotation_seed!r}.")
-        if self.fidelity_threshold is not None and (
-            not isinstance(self.fidelity_threshold, (int, float))
-            or isinstance(self.fidelity_threshold, bool)
-            or not -1.0 <= self.fidelity_threshold <= 1.0
-        ):
-            raise ValueError(
-                f"CPTConfig.fidelity_threshold must be a cosine similarity in [-1, 1] or None, "
-                f"got {self.fidelity_threshold!r}."
-            )
-        for name, choices in (("error_granularity", ERROR_GRANULARITY_CHOICES),
-                              ("error_rounding", ERROR_ROUNDINGS),
-                              ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"CPTConfig.{name} must be one of {choices}, got {getattr(self, name)!r}.")
-        if self.activation_ema_init not in EMA_INITS:
-            raise ValueError(
-                f"CPTConfig.activation_ema_init must be one of {EMA_INITS}, got {self.activation_ema_init!r}."
-            )
+            value = getattr(self.modules, name)
+            setattr(self, name, list(value) if value is not None else None)
+        if self.bits_min == "auto":
+            try:
+                self.range_test.check_max_bits(self.bits_max)
+            except ConfigError as error:
+                raise ConfigError("CPTConfig", "prt_start_bits", f"({self.prt_start_bits}) must not exceed "
+                                  f"CPTConfig.bits_max ({self.bits_max}).") from error
+
+    @classmethod
+    def from_parts(cls, *parts: Any, **fields: Any) -> CPTConfig:
+        """A config from typed parts (`ScheduleConfig`, `ActivationConfig`, `ErrorQuantization`, `ModuleSelection`,
+        `RangeTestConfig`, `EvaluationConfig`) and flat fields for the rest."""
+        for part in parts:
+            names = PART_FIELDS.get(type(part))
+            if names is None:
+                raise TypeError(f"CPTConfig.from_parts: {type(part).__name__} is not a part of CPTConfig.")
+            fields.update({flat: getattr(part, own) for own, flat in names.items()})
+        return cls(**fields)
+
+    def _part(self, part: type) -> Any:
+        names = PART_FIELDS[part]
+        try:
+            return part(**{own: getattr(self, flat) for own, flat in names.items()})
+        except ConfigError as error:
+            raise error.renamed("CPTConfig", names.get(error.field, error.field)) from None
+
+    @property
+    def schedule_config(self) -> ScheduleConfig:
+        """Bounds, schedule, cycles and delayed start; it builds the run's schedules (`forward_schedule`)."""
+        return self._part(ScheduleConfig)
+
+    @property
+    def activations(self) -> ActivationConfig:
+        return self._part(ActivationConfig)
 
     @property
     def errors(self) -> ErrorQuantization:
         """How errors are quantized (``error_granularity='auto'`` is resolved per layer, by
         `ErrorQuantization.for_activations`)."""
-        return ErrorQuantization(self.error_granularity, self.error_rounding, self.fused_error_quantizer,
-                                 self.error_products, self.error_rotation)
+        return self._part(ErrorQuantization)
 
-    def _schedule_steps(self, total_steps: int) -> int:
-        return total_steps - int(self.delay * total_steps)
+    @property
+    def modules(self) -> ModuleSelection:
+        return self._part(ModuleSelection)
+
+    @property
+    def range_test(self) -> RangeTestConfig:
+        return self._part(RangeTestConfig)
+
+    @property
+    def evaluation(self) -> EvaluationConfig:
+        return self._part(EvaluationConfig)
 
     def cycles_for(self, total_steps: int) -> int:
         """The number of cycles over a run of ``total_steps`` optimizer steps (resolves ``num_cycles='auto'``)."""
-        if self.num_cycles != "auto":
-            return self.num_cycles
-        return auto_cycles(self._schedule_steps(total_steps))
+        return self.schedule_config.cycles_for(total_steps)
 
     def check_total_steps(self, total_steps: int) -> None:
-        """Raise if the run is too short for the requested number of cycles; warn if its cycles are too short
-        to visit every bit-width between ``bits_min`` and ``bits_max``."""
-        if total_steps < 1:
-            raise ValueError(f"A CPT run needs at least one optimizer step, got total_steps={total_steps}.")
-        schedule_steps = self._schedule_steps(total_steps)
-        if schedule_steps < 1:
-            raise ValueError(
-                f"CPTConfig.delay={self.delay} leaves no step of the {total_steps}-step run to the schedule."
-            )
-        shape = available_schedules().get(self.schedule) if isinstance(self.schedule, str) else None
-        if shape is None or not shape.cyclic or shape.level is None:
-            return
-        cycles = self.cycles_for(total_steps)
-        after_delay = " after the delay" if self.delay else ""
-        if schedule_steps < cycles:
-            raise ValueError(
-                f"CPTConfig.num_cycles={cycles} gives cycles shorter than one step for a run of "
-                f"{schedule_steps} optimizer steps{after_delay}; use at most {schedule_steps} cycles "
-                f"or num_cycles='auto'."
-            )
-        levels = self.bits_max - self.bits_min + 1 if isinstance(self.bits_min, int) else None
-        if levels is not None and schedule_steps / cycles < levels:
-            logger.warning(
-                "hf_cpt: CPTConfig.num_cycles=%d gives cycles of %.1f steps in a run of %d optimizer steps%s, "
-                "fewer than the %d bit-widths from bits_min=%d to bits_max=%d each cycle should visit; "
-                "num_cycles='auto' gives %d.",
-                cycles, schedule_steps / cycles, schedule_steps, after_delay, levels, self.bits_min, self.bits_max,
-                auto_cycles(schedule_steps),
-            )
+        """Raise before training if the run cannot hold the schedule (too short for its cycles, no step after the
+        delay); warn if its cycles are too short to visit every bit-width between ``bits_min`` and ``bits_max``."""
+        bits_min = self.bits_max if self.bits_min == "auto" else None  # the run length does not depend on it
+        self.schedule_config.forward_schedule(total_steps, bits_min=bits_min)
 
     @property
     def eval_precision(self) -> int | None:
@@ -411,17 +299,3 @@ class CPTConfig:
         if unknown:
             raise ValueError(f"Unknown CPTConfig field(s): {unknown}.")
         return cls(**values)
-
-
-def _check_bits(name: str, value: Any) -> None:
-    check_bits(f"CPTConfig.{name}", value)
-
-
-def _check_schedule(name: str, value: Any) -> None:
-    if callable(value) and not isinstance(value, str):
-        return
-    if not isinstance(value, str) or value not in available_schedules():
-        raise ValueError(
-            f"CPTConfig.{name}={value!r} is unknown; choose one of {sorted(available_schedules())}, "
-            "or pass a callable step -> bits."
-        )

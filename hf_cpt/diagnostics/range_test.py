@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import CPTConfig
+from ..config import CPTConfig, RangeTestConfig
 from ..convert import dequantize_model, find_precision_state, is_quantized, quantize_model, set_precision
 from ..cost import CostMeter
 from ..numerics.bits import check_bits
@@ -62,8 +62,6 @@ from .training_loop import (
 
 logger = logging.getLogger(__name__)
 
-PRT_METRICS = ("accuracy", "loss")
-DEFAULT_THRESHOLDS = {"accuracy": 0.05, "loss": 0.1}
 
 
 
@@ -207,29 +205,11 @@ def precision_range_test(
         stop_at_first: stop at the chosen precision (False: measure every precision up to max_bits).
         cpt_config: how a plain model is converted for the test (default: ``CPTConfig()``).
     """
-    check_bits("precision_range_test: start_bits", start_bits)
-    check_bits("precision_range_test: max_bits", max_bits)
-    if start_bits > max_bits:
-        raise ValueError(f"precision_range_test: start_bits ({start_bits}) must not exceed max_bits ({max_bits}).")
+    settings = RangeTestConfig(start_bits, steps_per_precision, threshold, metric, window, restore_weights)
+    settings.check_max_bits(check_bits("precision_range_test: max_bits", max_bits))
     if grad_bits is not None:
         check_bits("precision_range_test: grad_bits", grad_bits)
-    if not isinstance(steps_per_precision, int) or isinstance(steps_per_precision, bool) or steps_per_precision < 1:
-        raise ValueError(
-            f"precision_range_test: steps_per_precision must be an integer >= 1, got {steps_per_precision!r}."
-        )
-    if metric not in PRT_METRICS:
-        raise ValueError(f"precision_range_test: metric must be one of {PRT_METRICS}, got {metric!r}.")
-    if threshold is None:
-        threshold = DEFAULT_THRESHOLDS[metric]
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not threshold > 0:
-        raise ValueError(f"precision_range_test: threshold must be a number > 0, got {threshold!r}.")
-    if window is None:
-        window = max(1, steps_per_precision // 4)
-    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= steps_per_precision:
-        raise ValueError(
-            f"precision_range_test: window must be an integer in 1..steps_per_precision ({steps_per_precision}), "
-            f"got {window!r}."
-        )
+    threshold, window = settings.resolved_threshold, settings.resolved_window
     if not isinstance(model, nn.Module):
         raise ValueError(f"precision_range_test: model must be a torch.nn.Module, got {type(model).__name__}.")
     if data is None or not hasattr(data, "__iter__"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -11,7 +10,6 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CPTConfig
@@ -21,7 +19,7 @@ from ..diagnostics.fidelity import output_fidelity
 from ..diagnostics.range_test import PrecisionRangeResult
 from ..diagnostics.training_loop import rng_state, set_rng_state, to_device
 from ..nn.precision import PrecisionState
-from ..schedules.schedule import PrecisionSchedule, grad_schedule_from_config, schedule_from_config, training_precision
+from ..schedules.schedule import PrecisionSchedule, training_precision
 from .range_test import run_precision_range_test_for_trainer
 
 logger = logging.getLogger(__name__)
@@ -52,43 +50,59 @@ class CPTCallback(TrainerCallback):
         self.bits: int | None = None
         self.grad_bits: int | None = None
         self.logs_injected_by_trainer = False  # CPTTrainer adds the values in Trainer.log itself
+        self.attached = False  # registered ahead of the reporting integrations by `attach`
         self.fidelity: dict[int, float] | None = None  # output fidelity at bits_min on the first batch
 
     # -- schedule -----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs):
+        """What happens at the start of a run, in order."""
+        self.precision = self._precision_of(model)
+        bits_min = self._range_test(args, state, model, kwargs.get("train_dataloader"), kwargs.get("optimizer"))
+        self._build_schedules(state.max_steps, bits_min)
+        self._check_fidelity(state, model, kwargs.get("train_dataloader"))
+        self._start_meter(model, args.world_size)
+        self._set_bits(state.global_step)
+        if state.global_step > 0:  # resuming: our own files in the Trainer checkpoint
+            self._restore_activation_ranges(args, state, model)
+            self._restore_cost(args, state)
+        self._check_log_order(args)
+
+    @staticmethod
+    def _precision_of(model: nn.Module | None) -> PrecisionState:
         if model is None or not is_quantized(model):
             raise ValueError(
                 "CPTCallback: the model has no CPT layers. Call hf_cpt.quantize_model(model, config) before "
                 "creating the Trainer (so the optimizer and accelerator see the quantized layers), or use "
                 "hf_cpt.CPTTrainer."
             )
-        self.precision = find_precision_state(model)
-        bits_min = None
-        if self.config.bits_min == "auto":  # precision range test (docs/method.md §6), before the meter starts
-            self.prt_result = run_precision_range_test_for_trainer(
-                self.config, args, state, model, kwargs.get("train_dataloader"), kwargs.get("optimizer")
-            )
-            bits_min = self.prt_result.bits_min
-        self.schedule = schedule_from_config(self.config, state.max_steps, bits_min=bits_min)
-        self.grad_schedule = grad_schedule_from_config(self.config, state.max_steps)
+        return find_precision_state(model)
+
+    def _range_test(self, args, state, model, dataloader, optimizer) -> int | None:
+        """``bits_min="auto"``: the precision range test (docs/method.md §6), before the meter starts."""
+        if self.config.bits_min != "auto":
+            return None
+        self.prt_result = run_precision_range_test_for_trainer(self.config, args, state, model, dataloader, optimizer)
+        return self.prt_result.bits_min
+
+    def _build_schedules(self, total_steps: int, bits_min: int | None) -> None:
+        self.schedule = self.config.schedule_config.forward_schedule(total_steps, bits_min=bits_min)
+        self.grad_schedule = self.config.schedule_config.error_schedule(total_steps)
         self.precision.set_eval(self.config.eval_precision, follow_training=self.config.eval_bits == "current")
-        quantized_run = self.config.schedule != "fp32"
-        if state.global_step == 0 and self.config.fidelity_threshold is not None and quantized_run:
-            visited = [b for b in self.schedule.steps_at_bits() if b is not None]
-            if visited:  # the lowest precision the run will actually train at
-                self.fidelity = check_fidelity_at_start(model, kwargs.get("train_dataloader"), min(visited),
-                                                        self.config)
-        static_bits = self.config.bits_max if quantized_run else None
+
+    def _check_fidelity(self, state, model: nn.Module, dataloader) -> None:
+        """On a fresh run, warn when the lowest precision the run will train at loses the model's output."""
+        if state.global_step > 0 or self.config.fidelity_threshold is None or self.config.schedule == "fp32":
+            return
+        visited = [b for b in self.schedule.steps_at_bits() if b is not None]
+        if visited:
+            self.fidelity = check_fidelity_at_start(model, dataloader, min(visited), self.config)
+
+    def _start_meter(self, model: nn.Module, world_size: int) -> None:
+        quantized_run = self.config.schedule != "fp32"  # an FP32 run's "static" counterpart is FP32
         if self.meter is not None:
             self.meter.remove()
-        static_grad_bits = self.config.grad_bits if quantized_run else None  # an FP32 run's "static" is FP32
-        self.meter = CostMeter(model, static_bits, static_grad_bits, scale=max(1, args.world_size))
-        self._set_bits(state.global_step)
-        if state.global_step > 0:
-            self._restore_activation_ranges(args, state, model)
-            self._restore_cost(args, state)
-        if not self.logs_injected_by_trainer:
-            self._log_before_reporting_integrations()
+        self.meter = CostMeter(model, self.config.bits_max if quantized_run else None,
+                               self.config.grad_bits if quantized_run else None, scale=max(1, world_size))
 
     def _set_bits(self, step: int) -> None:
         grad_bits = self.grad_schedule if self.grad_schedule is not None else self.config.grad_bits
@@ -153,19 +167,26 @@ class CPTCallback(TrainerCallback):
         if state.log_history:
             state.log_history[-1].update(values)
 
-    def _log_before_reporting_integrations(self) -> None:
-        # Values added in on_log reach only the callbacks after this one, and Trainer registers the
-        # report_to integrations (TensorBoard, W&B, ...) first; so move this callback to the front.
-        frame = inspect.currentframe()
-        while frame is not None:
-            handler = frame.f_locals.get("self")
-            if isinstance(handler, CallbackHandler):
-                if self in handler.callbacks:
-                    handler.callbacks.remove(self)
-                    handler.callbacks.insert(0, self)
-                return
-            frame = frame.f_back
-        logger.warning("CPTCallback: could not reach the callback handler; CPT values reach the console only.")
+    def attach(self, trainer) -> CPTCallback:
+        """Register this callback with ``trainer`` ahead of its other callbacks, so that the ``cpt/*`` values it adds
+        to each log reach the ``report_to`` integrations (TensorBoard, W&B, ...), which the Trainer registers
+        first. Uses only `Trainer.pop_callback` / `Trainer.add_callback`; returns the callback."""
+        others = [trainer.pop_callback(callback) for callback in list(trainer.callback_handler.callbacks)]
+        trainer.add_callback(self)
+        for callback in others:
+            if callback is not self:
+                trainer.add_callback(callback)
+        self.attached = True
+        return self
+
+    def _check_log_order(self, args) -> None:
+        reporting = [name for name in (args.report_to or []) if name != "none"]
+        if reporting and not (self.attached or self.logs_injected_by_trainer):
+            logger.warning(
+                "CPTCallback: the report_to integrations %s run before callbacks passed as Trainer(callbacks=[...]), "
+                "so they would not see the cpt/* values; register it with CPTCallback(config).attach(trainer) "
+                "(or use hf_cpt.CPTTrainer).", reporting,
+            )
 
     # -- end of training ----------------------------------------------------------------------
     def on_train_end(self, args, state, control, **kwargs):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ from ..config import CPTConfig
 from ..convert import QuantizationReport, find_precision_state, is_quantized, quantize_model
 from ..numerics.bits import check_bits
 from ..serialization.export import packed_state_dict, portable_state_dict, resolve_export_bits
-from ..serialization.format import MAX_EXPORT_BITS
+from ..serialization.format import MAX_EXPORT_BITS, CheckpointFields, check_export_bits, check_float_weight_bits
 from ..serialization.model_card import eval_metrics_from_log_history, write_model_card
 from ..serialization.save import plain_model, write_checkpoint
 from .callback import CPTCallback
@@ -27,6 +29,27 @@ COST_REPORT_FILE = "cpt_cost_report.json"
 ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
 # Also in each Trainer checkpoint: the cost meter's totals, so a resumed run reports the whole run's cost.
 COST_STATE_FILE = "cpt_cost_state.json"
+
+
+SAVE_FORMATS = ("packed", "portable", "fp32")
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """What `CPTTrainer.save_model` and `push_to_hub` write: "packed" (integer CPT checkpoint), "portable" (float
+    weights on the grid, loads anywhere) or "fp32" (the FP32 master weights); the export precision (None: the
+    run's ``bits_max``) and the storage of weights trained in FP32 (None: exact; "auto" or a bit-width rounds
+    them, measured: `hf_cpt.save_quantized`)."""
+
+    save_format: str = "packed"
+    bits: int | None = None
+    float_weight_bits: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_format not in SAVE_FORMATS:
+            raise ValueError(f"save_format must be one of {SAVE_FORMATS}, got {self.save_format!r}.")
+        check_export_bits("bits", self.bits, allow_none=True)
+        check_float_weight_bits(self.float_weight_bits)
 
 
 class CPTTrainer(Trainer):
@@ -51,8 +74,11 @@ class CPTTrainer(Trainer):
                 return fresh
 
             kwargs["model_init"] = quantized_model_init
+        self.cpt_export = ExportSettings()  # what save_model / push_to_hub write (set its fields to change it)
+        self._cpt_push_export: dict[str, Any] | None = None  # push_to_hub's export options, for its save_model
+        self._cpt_last_export: tuple[str | None, CheckpointFields | None] = (None, None)  # (directory, fields)
         unexportable = self._cpt_unexportable_bits_max()
-        if self.cpt_save_format != "fp32" and unexportable:
+        if self.cpt_export.save_format != "fp32" and unexportable:
             logger.warning(
                 "CPTTrainer: %s; save_model() and push_to_hub() will write the FP32 master weights (or pass "
                 "bits=<1..%d> to export at that precision).", unexportable, MAX_EXPORT_BITS,
@@ -101,81 +127,58 @@ class CPTTrainer(Trainer):
         self.cpt_precision_profile = rows
         return rows
 
-    # -- saving: quantized checkpoints (hf_cpt.checkpoint) ----------------------------------------
-    #: What `save_model` and `push_to_hub` write by default: "packed" (integer CPT checkpoint),
-    #: "portable" (float weights on the grid, loads anywhere) or "fp32" (the FP32 master weights).
-    cpt_save_format: str = "packed"
-    #: Export precision (None: ``cpt_config.bits_max``) and storage of the weights trained in FP32.
-    cpt_save_bits: int | None = None
-    cpt_float_weight_bits: Any = None  # exact; "auto" or a bit-width rounds FP32-trained weights (measured)
-    _CPT_DEFAULT = object()  # "not given" (None is a valid float_weight_bits: exact float)
-
-    def save_model(
-        self,
-        output_dir: str | None = None,
-        _internal_call: bool = False,
-        *,
-        save_format: str | None = None,
-        bits: int | None = None,
-        float_weight_bits: Any = _CPT_DEFAULT,
-    ) -> None:
+    # -- saving: quantized checkpoints (hf_cpt.serialization) -------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False, **export: Any) -> None:
         """Save the trained model for use, with its tokenizer / image processor and a model card.
 
-        ``save_format`` (default ``self.cpt_save_format``, "packed") picks a packed CPT checkpoint at
-        ``bits`` (default ``cpt_config.bits_max``), a "portable" float export on the same grid, or the
-        "fp32" master weights; by default a model that cannot be exported (not a transformers
-        ``PreTrainedModel``, e.g. a peft or plain torch model, or a ``schedule="fp32"`` run) is saved
-        as "fp32". ``float_weight_bits`` is `hf_cpt.save_quantized`'s. Checkpoints the Trainer writes
-        itself to resume from (``save_steps``, ``_internal_call=True``) always hold the FP32 master
-        weights with plain keys, so that resuming continues exactly.
+        ``export`` overrides `ExportSettings` fields of ``self.cpt_export`` for this call: ``save_format``
+        ("packed" by default: a packed CPT checkpoint at ``bits``, default ``cpt_config.bits_max``; "portable":
+        a float export on the same grid; "fp32": the master weights) and ``float_weight_bits``
+        (`hf_cpt.save_quantized`'s). Unless ``save_format`` is given here, a model that cannot be exported
+        (not a transformers ``PreTrainedModel``, e.g. a peft or plain torch model, or a ``schedule="fp32"``
+        run) is saved as "fp32". Checkpoints the Trainer writes itself to resume from (``save_steps``,
+        ``_internal_call=True``) always hold the FP32 master weights with plain keys, so that resuming
+        continues exactly.
         """
-        export = self.__dict__.pop("_cpt_export_pending", None)
-        if _internal_call and export is None:
+        if _internal_call and self._cpt_push_export is None:
             with self._cpt_plain_model():
                 super().save_model(output_dir, _internal_call=True)
             return
-        export = export or {}
-        explicit = save_format or export.get("save_format")
-        save_format = explicit or self._cpt_default_save_format()
-        bits = bits if bits is not None else export.get("bits", self.cpt_save_bits)
-        if float_weight_bits is self._CPT_DEFAULT:
-            float_weight_bits = export.get("float_weight_bits", self.cpt_float_weight_bits)
-        if save_format not in ("packed", "portable", "fp32"):
-            raise ValueError(f"save_format must be 'packed', 'portable' or 'fp32', got {save_format!r}.")
+        unknown = sorted(set(export) - {f.name for f in dataclasses.fields(ExportSettings)})
+        if unknown:
+            raise TypeError(f"CPTTrainer.save_model: unknown export option(s) {unknown}; see hf_cpt ExportSettings.")
+        given = {**(self._cpt_push_export or {}), **export}
+        settings = dataclasses.replace(self.cpt_export, **given)
+        save_format = given.get("save_format") or self._cpt_default_save_format(settings.save_format)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if save_format == "fp32":
             with self._cpt_plain_model():
                 super().save_model(output_dir, _internal_call=True)
             fields = None
         else:
-            fields = self._cpt_export(output_dir, save_format, bits, float_weight_bits)
-        self._cpt_last_export = {"fields": fields, "output_dir": output_dir}
+            fields = self._cpt_export(output_dir, save_format, settings.bits, settings.float_weight_bits)
+        self._cpt_last_export = (output_dir, fields)
         if self.args.should_save:
             self._cpt_write_card(output_dir, fields)
         if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(
-                commit_message="Model save",
-                revision=self.args.hub_revision,
-                save_format=save_format,
-                bits=bits,
-                float_weight_bits=float_weight_bits,
-            )
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision, save_format=save_format,
+                             bits=settings.bits, float_weight_bits=settings.float_weight_bits)
 
-    def push_to_hub(self, *args, save_format: str | None = None, bits: int | None = None,
-                    float_weight_bits: Any = _CPT_DEFAULT, **kwargs):
+    def push_to_hub(self, *args, save_format: str | None = None, bits: int | None = None, **kwargs):
         """`Trainer.push_to_hub`, uploading the checkpoint `save_model` writes (packed by default) and its model card.
 
-        ``save_format``, ``bits`` and ``float_weight_bits`` are those of `save_model`; other arguments are
-        `Trainer.push_to_hub`'s.
+        ``save_format``, ``bits`` and ``float_weight_bits`` are `save_model`'s (`ExportSettings`); other
+        arguments are `Trainer.push_to_hub`'s, which saves through ``save_model(_internal_call=True)``.
         """
-        pending = {"save_format": save_format, "bits": bits}
-        self._cpt_export_pending = {key: value for key, value in pending.items() if value is not None}
-        if float_weight_bits is not self._CPT_DEFAULT:
-            self._cpt_export_pending["float_weight_bits"] = float_weight_bits
+        export = {key: value for key, value in (("save_format", save_format), ("bits", bits)) if value is not None}
+        if "float_weight_bits" in kwargs:  # None is a value here: exact float weights
+            export["float_weight_bits"] = kwargs.pop("float_weight_bits")
+        dataclasses.replace(self.cpt_export, **export)  # validate before any upload work
+        self._cpt_push_export = export
         try:
             return super().push_to_hub(*args, **kwargs)
         finally:
-            self.__dict__.pop("_cpt_export_pending", None)
+            self._cpt_push_export = None
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None, **kwargs) -> None:
@@ -187,8 +190,8 @@ class CPTTrainer(Trainer):
             )
         if not self.is_world_process_zero():
             return
-        last = self.__dict__.get("_cpt_last_export") or {}
-        fields = last.get("fields") if last.get("output_dir") == self.args.output_dir else None
+        output_dir, fields = self._cpt_last_export
+        fields = fields if output_dir == self.args.output_dir else None
         os.makedirs(self.args.output_dir, exist_ok=True)
         metadata = {"license": license, "language": language, "base_model": finetuned_from,
                     "datasets": dataset_tags or dataset, "pipeline_tag": tasks if isinstance(tasks, str) else None}
@@ -207,14 +210,14 @@ class CPTTrainer(Trainer):
 
     def _cpt_unexportable_bits_max(self) -> str | None:
         """Why the default export precision (``bits_max``) cannot be stored, or None when it can."""
-        if self.cpt_save_bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
+        if self.cpt_export.bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
             bits_max = self.cpt_config.bits_max
             return f"CPTConfig.bits_max={bits_max} is above the {MAX_EXPORT_BITS} bits a CPT checkpoint stores"
         return None
 
-    def _cpt_default_save_format(self) -> str:
-        """``cpt_save_format``, or "fp32" where a quantized export cannot apply (said in the log)."""
-        if self.cpt_save_format == "fp32":
+    def _cpt_default_save_format(self, save_format: str) -> str:
+        """``save_format``, or "fp32" where a quantized export cannot apply (said in the log)."""
+        if save_format == "fp32":
             return "fp32"
         model = self._cpt_unwrapped()
         reason = None
@@ -227,7 +230,7 @@ class CPTTrainer(Trainer):
         elif not is_quantized(model):
             reason = "the model has no CPT layers"
         if reason is None:
-            return self.cpt_save_format
+            return save_format
         logger.info("CPTTrainer.save_model: saving the FP32 master weights: %s.", reason)
         return "fp32"
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..utils import check_choice
 from .fake_quant import _compute_dtype, fake_quantize, num_levels, quantization_scale, tensor_range, token_range
 from .rotation import Rotation, can_rotate, get_rotation, sylvester_hadamard
 
@@ -52,6 +53,11 @@ class ErrorQuantization:
     fused: bool = True  # compiled kernels for stochastic rounding (per tensor and per row)
     products: str = "both"
     rotation: str = "none"
+
+    def __post_init__(self) -> None:
+        for name, choices in (("granularity", ERROR_GRANULARITY_CHOICES), ("rounding", ERROR_ROUNDINGS),
+                              ("products", ERROR_PRODUCTS), ("rotation", ERROR_ROTATIONS)):
+            check_choice("ErrorQuantization", name, getattr(self, name), choices)
 
     def for_activations(self, activation_granularity: str) -> ErrorQuantization:
         """These settings for a layer whose activations are quantized with ``activation_granularity``: granularity

@@ -4,8 +4,6 @@ from .schedule import (
     PrecisionSchedule,
     cost_group,
     get_schedule,
-    grad_schedule_from_config,
-    schedule_from_config,
     training_precision,
 )
 from .shapes import (
@@ -22,6 +20,6 @@ from .shapes import (
 
 __all__ = [
     "DELAY_PRECISIONS", "FOLLOW_UP_SCHEDULES", "ROUNDING_MODES", "PrecisionSchedule", "ScheduleShape",
-    "available_schedules", "check_schedule_name", "cost_group", "get_schedule", "grad_schedule_from_config",
-    "progressive_shape", "register_schedule", "schedule_from_config", "training_precision", "unregister_schedule",
+    "available_schedules", "check_schedule_name", "cost_group", "get_schedule",
+    "progressive_shape", "register_schedule", "training_precision", "unregister_schedule",
 ]

@@ -82,11 +82,13 @@ class PrecisionSchedule:
         self.schedule_steps = self.total_steps - self.delay_steps  # steps the shape runs over
         if self.schedule_steps < 1:
             raise ValueError(f"delay={delay} leaves no step of the {total_steps}-step run to the schedule.")
-        self.cycle_length = self.shape.cycle_length(self.schedule_steps, self.num_cycles)
-        if self.shape.level is not None and self.shape.cyclic and self.cycle_length < 1:
+        if self.shape.level is not None and self.shape.cyclic and self.schedule_steps < self.num_cycles:
+            after_delay = " after the delay" if self.delay_steps else ""
             raise ValueError(
-                f"num_cycles={num_cycles} gives cycles shorter than one step over {self.schedule_steps} steps."
+                f"num_cycles={num_cycles} gives cycles shorter than one step for a run of {self.schedule_steps} "
+                f"optimizer steps{after_delay}; use at most {self.schedule_steps} cycles or num_cycles='auto'."
             )
+        self.cycle_length = self.shape.cycle_length(self.schedule_steps, self.num_cycles)
         self._bits_cache: tuple | None = None
 
     # -- bits of one step --------------------------------------------------------------------
@@ -268,44 +270,4 @@ def get_schedule(
     """
     return PrecisionSchedule(
         name, bits_min, bits_max, total_steps, num_cycles, rounding, delay=delay, delay_precision=delay_precision
-    )
-
-
-def schedule_from_config(config, total_steps: int, bits_min: int | None = None) -> PrecisionSchedule:
-    """The forward-bits schedule a `CPTConfig` asks for over ``total_steps`` optimizer steps.
-
-    ``bits_min`` overrides the config's (for ``bits_min="auto"``, the precision range test's choice).
-    """
-    config.check_total_steps(total_steps)
-    bits_min = config.bits_min if bits_min is None else bits_min
-    if bits_min == "auto":
-        raise ValueError("CPTConfig.bits_min='auto' must be resolved by the precision range test first.")
-    return PrecisionSchedule(
-        config.schedule,
-        bits_min,
-        config.bits_max,
-        total_steps,
-        config.cycles_for(total_steps),
-        config.rounding,
-        delay=config.delay,
-        delay_precision=config.delay_precision,
-    )
-
-
-def grad_schedule_from_config(config, total_steps: int) -> PrecisionSchedule | None:
-    """The error-bits schedule of a `CPTConfig` (None: fixed ``grad_bits``, the default).
-
-    During a delayed start the error bits are held at ``grad_bits``.
-    """
-    if config.grad_schedule is None:
-        return None
-    return PrecisionSchedule(
-        config.grad_schedule,
-        config.grad_bits_min,
-        config.grad_bits,
-        total_steps,
-        config.cycles_for(total_steps),
-        config.rounding,
-        delay=config.delay,
-        delay_precision="max",
     )

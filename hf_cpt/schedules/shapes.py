@@ -33,7 +33,7 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..utils import callable_name
+from ..utils import ConfigError, callable_name
 
 # How the smooth schedule becomes bits: round half to even (the CPT code) or up (the CPT paper).
 ROUNDING_MODES = ("nearest", "ceil")
@@ -214,14 +214,13 @@ def available_schedules() -> dict[str, ScheduleShape]:
     return dict(_SCHEDULES)
 
 
-def check_schedule_name(owner: str, value) -> None:
-    """Raise unless ``value`` is a registered schedule name or a callable ``step -> bits``."""
+def check_schedule_name(owner: str, field: str, value) -> None:
+    """Raise `ConfigError` unless ``value`` is a registered schedule name or a callable ``step -> bits``."""
     if callable(value) and not isinstance(value, str):
         return
     if not isinstance(value, str) or value not in _SCHEDULES:
-        raise ValueError(
-            f"{owner}={value!r} is unknown; choose one of {sorted(_SCHEDULES)}, or pass a callable step -> bits."
-        )
+        raise ConfigError(owner, field, f"={value!r} is unknown; choose one of {sorted(_SCHEDULES)}, or pass a "
+                                        "callable step -> bits.")
 
 
 register_schedule(

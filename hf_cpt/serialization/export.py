@@ -26,13 +26,13 @@ from ..version import __version__
 from .format import (
     ACT_MAX,
     ACT_MIN,
-    FORMAT_VERSION,
     MAX_EXPORT_BITS,
     PACKED,
     QUANT_METHOD,
     REQUIRES_HF_CPT,
     SCALE,
     ZERO_POINT,
+    CheckpointFields,
     check_export_bits,
     check_float_weight_bits,
     float_storage_bits,
@@ -129,7 +129,8 @@ def plan_export(model: nn.Module, bits: int, float_weight_bits: int | str | None
     return plan
 
 
-def _quantization_fields(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str, Any]:
+def _model_settings(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str, Any]:
+    """The `CheckpointFields` both export formats take from the model: its layers' schemes, attention, errors."""
     precision = next(layer for _, layer in quant_layers(model)).cpt_precision
     attention = find_attention_quantizer(model)
     return {
@@ -174,12 +175,12 @@ def packed_state_dict(
     float_weight_bits: int | str | None = None,
     cpt_config: CPTConfig | None = None,
     measure_inputs: dict[str, torch.Tensor] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The packed state dict of a CPT model at ``bits`` and the ``quantization_config`` fields describing it.
+) -> tuple[dict[str, torch.Tensor], CheckpointFields]:
+    """The packed state dict of a CPT model at ``bits`` and the `CheckpointFields` describing it.
 
     ``float_weight_bits=None`` (default) keeps the weights that trained in FP32 exact. Otherwise they are
     rounded, and `measure_rounding` on ``measure_inputs`` (default: the model's dummy inputs) records what
-    that changed in ``fields["rounding_effect"]``, with a warning when predictions flip.
+    that changed in ``fields.rounding_effect``, with a warning when predictions flip.
     """
     _check_model(model)
     check_export_bits("bits", bits)
@@ -207,20 +208,17 @@ def packed_state_dict(
                 state_dict[f"{name}.{buffer}"] = module.get_buffer(buffer).detach().float().cpu().clone()
     state_dict[f"{plan.guard}.weight"] = torch.zeros(0, dtype=torch.uint8)
     state_dict[REQUIRES_HF_CPT] = torch.zeros(0, dtype=torch.uint8)
-    fields = {
-        "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
-        "checkpoint_format": "packed",
-        "bits": bits,
-        "float_weight_bits": float_weight_bits,
-        "quantized_modules": list(plan.quantized),
-        "float_packed_modules": dict(plan.float_bits),
-        "shared_weights": dict(plan.shared),
-        "guard_tensor": f"{plan.guard}.weight",
-        **_quantization_fields(model, cpt_config),
-    }
-    if rounding_effect is not None:
-        fields["rounding_effect"] = rounding_effect
+    fields = CheckpointFields(
+        bits=bits,
+        quantized_modules=list(plan.quantized),
+        checkpoint_format="packed",
+        float_weight_bits=float_weight_bits,
+        float_packed_modules=dict(plan.float_bits),
+        shared_weights=dict(plan.shared),
+        guard_tensor=f"{plan.guard}.weight",
+        rounding_effect=rounding_effect,
+        **_model_settings(model, cpt_config),
+    )
     return state_dict, fields
 
 
@@ -300,7 +298,7 @@ def measure_rounding(
 
 def portable_state_dict(
     model: nn.Module, bits: int, cpt_config: CPTConfig | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+) -> tuple[dict[str, torch.Tensor], CheckpointFields]:
     """Float state dict with every CPT layer's weight snapped to its ``bits`` grid (plain keys)."""
     _check_model(model)
     check_export_bits("bits", bits)
@@ -312,16 +310,14 @@ def portable_state_dict(
         snapped = layer.quantized_weight(bits)
         state_dict[f"{name}.weight"] = snapped.to(layer.weight.dtype)
         ranges[name] = [float(layer.act_min), float(layer.act_max)]
-    fields = {
-        "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
-        "checkpoint_format": "portable",
-        "bits": bits,
-        "float_weight_bits": None,
-        "quantized_modules": list(plan.quantized),
-        "activation_ranges": ranges,
-        **_quantization_fields(model, cpt_config),
-    }
+    fields = CheckpointFields(
+        bits=bits,
+        quantized_modules=list(plan.quantized),
+        checkpoint_format="portable",
+        float_weight_bits=None,
+        activation_ranges=ranges,
+        **_model_settings(model, cpt_config),
+    )
     return state_dict, fields
 
 

@@ -21,6 +21,7 @@ defined (abstract in 4.x).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -256,9 +257,8 @@ class CPTHfQuantizer(HfQuantizer):
             state_dict, fields = packed_state_dict(model, config.bits, config.float_weight_bits, run_config)
         else:
             state_dict, fields = portable_state_dict(model, config.bits, run_config)
-        fields["cpt_config"] = config.cpt_config
-        for key, value in fields.items():
-            setattr(config, key, value)
+        fields.cpt_config = config.cpt_config
+        config.__dict__.update(dataclasses.asdict(fields))
         return state_dict, {}
 
     @property

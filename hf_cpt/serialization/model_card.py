@@ -11,9 +11,9 @@ from typing import Any
 from torch import nn
 
 from ..config import AUTO_STEPS_PER_CYCLE, CPTConfig
-from ..schedules.schedule import schedule_from_config
 from ..utils import json_safe
 from ..version import INSTALL_HINT
+from .format import CheckpointFields
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def schedule_for_card(cpt_config: CPTConfig, total_steps: int | None = None):
     nominal_cycles = cpt_config.num_cycles if cpt_config.num_cycles != "auto" else 1
     steps = total_steps or 100 * nominal_cycles
     try:
-        return schedule_from_config(cpt_config, steps)
+        return cpt_config.schedule_config.forward_schedule(steps)
     except (ValueError, NotImplementedError, TypeError) as error:
         logger.info("hf_cpt: no schedule picture for the model card (%s).", error)
         return None
@@ -152,30 +152,30 @@ def _table(header: tuple[str, str], rows) -> list[str]:
     return [f"| {header[0]} | {header[1]} |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows] + [""]
 
 
-def _activation_text(fields: dict[str, Any]) -> str:
-    schemes = fields.get("layer_schemes") or {}
-    per_tensor = len(fields["quantized_modules"]) - sum(1 for n in schemes if n in fields["quantized_modules"])
+def _activation_text(fields: CheckpointFields) -> str:
+    schemes = fields.layer_schemes or {}
+    per_tensor = len(fields.quantized_modules) - sum(1 for n in schemes if n in fields.quantized_modules)
     label = {"token": "per token (each row's min/max)", "tensor": "per tensor", "none": "none (weights only)"}
     counts: dict[str, int] = {}
     for granularity, seed in schemes.values():
         text = label[granularity] + (f", after a Hadamard rotation (seed {seed})" if seed is not None else "")
         counts[text] = counts.get(text, 0) + 1
     if per_tensor:
-        momentum = _fmt(fields.get("activation_momentum"))
+        momentum = _fmt(fields.activation_momentum)
         counts[f"asymmetric min/max per tensor, EMA range (momentum {momentum})"] = per_tensor
     return "; ".join(f"{text}: {n} layers" for text, n in counts.items())
 
 
-def _exactness_section(fields: dict[str, Any]) -> list[str]:
+def _exactness_section(fields: CheckpointFields) -> list[str]:
     """Whether the checkpoint reproduces the trained model, and what a lossy export changed (measured)."""
-    effect = fields.get("rounding_effect")
-    if not fields.get("float_packed_modules"):
+    effect = fields.rounding_effect
+    if not fields.float_packed_modules:
         return ["## Exactness", "", "This checkpoint is **exact**: loaded with `import hf_cpt`, it reproduces the "
-                f"trained model evaluated at {fields['bits']} bits: the layers compute with the stored codes, "
+                f"trained model evaluated at {fields.bits} bits: the layers compute with the stored codes, "
                 "rotations and activation ranges, and attention runs through the same function (max relative output "
                 "difference at most 1e-5; 0 in hf-cpt's tests).", ""]
     lines = ["## Exactness: a lossy export", "", "Weights that trained in FP32 were **rounded after training** "
-             f"(`float_weight_bits={fields.get('float_weight_bits')!r}`), so this checkpoint does not reproduce the "
+             f"(`float_weight_bits={fields.float_weight_bits!r}`), so this checkpoint does not reproduce the "
              "trained model exactly."]
     if effect:
         lines += ["Measured at export on "
@@ -200,9 +200,110 @@ def _profile_section(profile: list[dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def _intro_section(model_name: str, fields: CheckpointFields | None) -> list[str]:
+    intro = "Trained with **Cyclic Precision Training (CPT)** using hf-cpt"
+    lines = [f"# {model_name}", ""]
+    if fields is None:
+        return lines + [f"{intro}. This checkpoint holds the FP32 master weights of the run (a plain transformers "
+                        "model)."]
+    if fields.packed:
+        return lines + [
+            f"{intro} and stored as a{'n' if fields.bits == 8 else ''} **{fields.bits}-bit packed CPT checkpoint**: "
+            "integer weights, a per-channel scale and zero point, and the activation ranges, in safetensors."
+        ]
+    return lines + [f"{intro} and exported in the **portable** format: float weights snapped to the {fields.bits}-bit "
+                    "grid."]
+
+
+def _loading_section(model: nn.Module, fields: CheckpointFields | None, repo_id: str | None) -> list[str]:
+    auto_class = auto_class_name(model)
+    lines = ["", "## How to load", ""]
+    if fields is None:
+        lines.append(
+            f"Plain transformers loads it. To fine-tune it with CPT again: {INSTALL_HINT}, and use "
+            "`hf_cpt.CPTTrainer(model=model, cpt_config=...)`."
+        )
+    elif fields.packed:
+        lines.append(
+            f"Loading needs hf-cpt: {INSTALL_HINT}, then `import hf_cpt` before `from_pretrained` "
+            "(it registers the `cpt` quantization method with transformers)."
+        )
+    else:
+        lines.append(
+            "Plain transformers loads it as a float model (weights on the quantization grid, activations not "
+            f"quantized). To rebuild the CPT layers with their activation quantizers: {INSTALL_HINT}, then "
+            "`import hf_cpt` before `from_pretrained`."
+        )
+    lines += ["", "```python"]
+    if fields is not None:
+        lines.append("import hf_cpt  # noqa: F401  (registers quant_method 'cpt' with transformers)")
+    lines += [f"from transformers import {auto_class}", "",
+              f'model = {auto_class}.from_pretrained("{repo_id or "path/to/this/model"}")', "```", ""]
+    if fields is not None and fields.packed:
+        lines += [
+            f"Without `import hf_cpt`, transformers stops with a size-mismatch error on `{fields.guard_tensor}` "
+            f"instead of loading a wrong float model. The loaded model evaluates at {fields.bits} bits with the "
+            "stored activation ranges and keeps FP32 master weights (codes x scale + zero point), so it can be "
+            "trained further with `hf_cpt.CPTTrainer`.",
+            "",
+        ]
+    return lines
+
+
+def _format_section(fields: CheckpointFields) -> list[str]:
+    rows = [
+        ("quant_method", fields.quant_method),
+        ("format_version", fields.format_version),
+        ("checkpoint_format", fields.checkpoint_format),
+        ("bits (weights and input activations)", fields.bits),
+        ("weight quantization", "asymmetric min/max per output channel, zero point = channel minimum"),
+        ("activation quantization", _activation_text(fields)),
+        ("CPT layers", len(fields.quantized_modules)),
+    ]
+    if fields.packed:
+        rows.append(("packing", "uint8, " + ("2 codes per byte" if fields.bits <= 4 else "1 code per byte")))
+        stored = fields.float_packed_modules or {}
+        by_bits = {}
+        for name, module_bits in stored.items():
+            by_bits.setdefault(module_bits, []).append(name)
+        text = "; ".join(
+            f"{len(names)} as {b}-bit codes per row ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            for b, names in sorted(by_bits.items())
+        )
+        rows.append((
+            "weights trained in FP32 (embeddings, head)",
+            f"{text}, rounded at export (lossy, see below)" if stored else "stored exactly (float)",
+        ))
+    return ["## Checkpoint format", ""] + _table(("field", "value"), rows) + _exactness_section(fields)
+
+
+def _settings_section(cpt_config: CPTConfig, total_steps: int | None, cost_report: dict[str, Any] | None,
+                      schedule_plot: str | None) -> list[str]:
+    lines = ["## CPT training settings", ""]
+    lines += _table(("setting", "value"), json_safe(cpt_config.to_dict()).items())
+    lines += ["## Precision schedule", ""]
+    grad = (
+        f"errors follow the `{json_safe(cpt_config.grad_schedule)}` schedule up to {cpt_config.grad_bits} bits"
+        if cpt_config.grad_schedule is not None
+        else f"errors are quantized at {cpt_config.grad_bits} bits with stochastic rounding"
+    )
+    bits_min = cost_report.get("bits_min", cpt_config.bits_min) if cost_report else cpt_config.bits_min
+    cycles = (f"{cpt_config.cycles_for(total_steps)} cycles" if total_steps or cpt_config.num_cycles != "auto"
+              else f"one cycle per {AUTO_STEPS_PER_CYCLE} optimizer steps")
+    lines.append(
+        f"Forward bits (weights and activations) follow the `{json_safe(cpt_config.schedule)}` schedule between "
+        f"{bits_min} and {cpt_config.bits_max} bits over {cycles}"
+        + (f" of a {total_steps}-step run" if total_steps else "") + f"; {grad}."
+    )
+    if schedule_plot:
+        note = "" if total_steps else " (run length unknown: the shape over a nominal 100 steps per cycle)"
+        lines += ["", f"![CPT precision schedule]({schedule_plot}){note}"]
+    return lines + [""]
+
+
 def render_model_card(
     model: nn.Module,
-    fields: dict[str, Any] | None,
+    fields: CheckpointFields | None,
     cpt_config: CPTConfig | None = None,
     model_name: str | None = None,
     total_steps: int | None = None,
@@ -216,109 +317,17 @@ def render_model_card(
     precision_profile: list[dict[str, Any]] | None = None,
 ) -> str:
     """The README.md of a CPT checkpoint, as text. ``fields`` is its ``quantization_config`` (None: FP32 masters)."""
-    checkpoint_format = fields["checkpoint_format"] if fields else "fp32"
-    bits = fields["bits"] if fields else None
-    auto_class = auto_class_name(model)
-    location = repo_id or "path/to/this/model"
     all_tags = ["hf-cpt", "cyclic-precision-training"]
-    if fields:
-        all_tags += ["quantized", f"{bits}-bit"]
+    if fields is not None:
+        all_tags += ["quantized", f"{fields.bits}-bit"]
     all_tags += [t for t in (tags or []) if t not in all_tags]
     lines = _front_matter(all_tags, metadata or {})
-    lines += [f"# {model_name or type(model).__name__}", ""]
-    intro = "Trained with **Cyclic Precision Training (CPT)** using hf-cpt"
-    if checkpoint_format == "packed":
-        lines.append(
-            f"{intro} and stored as a{'n' if bits == 8 else ''} **{bits}-bit packed CPT checkpoint**: integer weights, "
-            "a per-channel scale and zero point, and the activation ranges, in safetensors."
-        )
-    elif checkpoint_format == "portable":
-        lines.append(f"{intro} and exported in the **portable** format: float weights snapped to the {bits}-bit grid.")
-    else:
-        lines.append(f"{intro}. This checkpoint holds the FP32 master weights of the run (a plain transformers model).")
-    lines += ["", "## How to load", ""]
-    if checkpoint_format == "packed":
-        lines.append(
-            f"Loading needs hf-cpt: {INSTALL_HINT}, then `import hf_cpt` before `from_pretrained` "
-            "(it registers the `cpt` quantization method with transformers)."
-        )
-    elif checkpoint_format == "portable":
-        lines.append(
-            "Plain transformers loads it as a float model (weights on the quantization grid, activations not "
-            f"quantized). To rebuild the CPT layers with their activation quantizers: {INSTALL_HINT}, then "
-            "`import hf_cpt` before `from_pretrained`."
-        )
-    else:
-        lines.append(
-            f"Plain transformers loads it. To fine-tune it with CPT again: {INSTALL_HINT}, and use "
-            "`hf_cpt.CPTTrainer(model=model, cpt_config=...)`."
-        )
-    lines += ["", "```python"]
-    if fields:
-        lines.append("import hf_cpt  # noqa: F401  (registers quant_method 'cpt' with transformers)")
-    lines += [
-        f"from transformers import {auto_class}",
-        "",
-        f'model = {auto_class}.from_pretrained("{location}")',
-        "```",
-        "",
-    ]
-    if checkpoint_format == "packed":
-        lines += [
-            f"Without `import hf_cpt`, transformers stops with a size-mismatch error on `{fields['guard_tensor']}` "
-            f"instead of loading a wrong float model. The loaded model evaluates at {bits} bits with the stored "
-            "activation ranges and keeps FP32 master weights (codes x scale + zero point), so it can be trained "
-            "further with `hf_cpt.CPTTrainer`.",
-            "",
-        ]
-    if fields:
-        rows = [
-            ("quant_method", fields["quant_method"]),
-            ("format_version", fields["format_version"]),
-            ("checkpoint_format", checkpoint_format),
-            ("bits (weights and input activations)", bits),
-            ("weight quantization", "asymmetric min/max per output channel, zero point = channel minimum"),
-            ("activation quantization", _activation_text(fields)),
-            ("CPT layers", len(fields["quantized_modules"])),
-        ]
-        if checkpoint_format == "packed":
-            rows.append(("packing", "uint8, " + ("2 codes per byte" if bits <= 4 else "1 code per byte")))
-            stored = fields.get("float_packed_modules") or {}
-            by_bits = {}
-            for name, module_bits in stored.items():
-                by_bits.setdefault(module_bits, []).append(name)
-            text = "; ".join(
-                f"{len(names)} as {b}-bit codes per row ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-                for b, names in sorted(by_bits.items())
-            )
-            rows.append((
-                "weights trained in FP32 (embeddings, head)",
-                f"{text}, rounded at export (lossy, see below)" if stored else "stored exactly (float)",
-            ))
-        lines += ["## Checkpoint format", ""] + _table(("field", "value"), rows)
-        lines += _exactness_section(fields)
+    lines += _intro_section(model_name or type(model).__name__, fields)
+    lines += _loading_section(model, fields, repo_id)
+    if fields is not None:
+        lines += _format_section(fields)
     if cpt_config is not None:
-        lines += ["## CPT training settings", ""]
-        lines += _table(("setting", "value"), json_safe(cpt_config.to_dict()).items())
-        lines += ["## Precision schedule", ""]
-        grad = (
-            f"errors follow the `{json_safe(cpt_config.grad_schedule)}` schedule up to {cpt_config.grad_bits} bits"
-            if getattr(cpt_config, "grad_schedule", None) is not None
-            else f"errors are quantized at {cpt_config.grad_bits} bits with stochastic rounding"
-        )
-        lines.append(
-            f"Forward bits (weights and activations) follow the `{json_safe(cpt_config.schedule)}` schedule between "
-            f"{cost_report.get('bits_min', cpt_config.bits_min) if cost_report else cpt_config.bits_min} and "
-            f"{cpt_config.bits_max} bits over "
-            + (f"{cpt_config.cycles_for(total_steps)} cycles" if total_steps or cpt_config.num_cycles != "auto"
-               else f"one cycle per {AUTO_STEPS_PER_CYCLE} optimizer steps")
-            + (f" of a {total_steps}-step run" if total_steps else "")
-            + f"; {grad}."
-        )
-        if schedule_plot:
-            note = "" if total_steps else " (run length unknown: the shape over a nominal 100 steps per cycle)"
-            lines += ["", f"![CPT precision schedule]({schedule_plot}){note}"]
-        lines.append("")
+        lines += _settings_section(cpt_config, total_steps, cost_report, schedule_plot)
     if cost_report:
         rows = [(_COST_LABELS.get(k, k), v) for k, v in cost_report.items() if k != "cpt_config"]
         lines += ["## Training cost", ""] + _table(("figure", "value"), rows)
@@ -335,7 +344,7 @@ def render_model_card(
 def write_model_card(
     save_directory: str,
     model: nn.Module,
-    fields: dict[str, Any] | None,
+    fields: CheckpointFields | None,
     cpt_config: CPTConfig | None = None,
     total_steps: int | None = None,
     schedule: Any = None,
@@ -356,7 +365,7 @@ def write_model_card(
         grad = grad_schedule
         if grad is None and cpt_config is not None and cpt_config.schedule != "fp32":
             grad = cpt_config.grad_bits
-        export_bits = fields["bits"] if fields else None
+        export_bits = fields.bits if fields else None
         plot_schedule(schedule, os.path.join(save_directory, SCHEDULE_PLOT_NAME), grad, export_bits)
         schedule_plot = SCHEDULE_PLOT_NAME
     text = render_model_card(

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import CPTConfig
 from .export import packed_state_dict, portable_state_dict, resolve_export_bits
-from .format import QUANT_METHOD
+from .format import QUANT_METHOD, CheckpointFields
 from .model_card import write_model_card
 from .quantization_config import CPTQuantizationConfig
 
@@ -89,9 +89,11 @@ def plain_model(model: nn.Module) -> Iterator[None]:
             config.quantization_config = old_config
 
 
-def write_checkpoint(model: nn.Module, save_directory: str, state_dict: dict, fields: dict, **save_kwargs) -> None:
+def write_checkpoint(
+    model: nn.Module, save_directory: str, state_dict: dict, fields: CheckpointFields, **save_kwargs
+) -> None:
     """``model.save_pretrained`` with an export's state dict and ``quantization_config`` (the model is unchanged)."""
-    quantization_config = CPTQuantizationConfig(**fields)
+    quantization_config = CPTQuantizationConfig.from_fields(fields)
     with _as_export(model, quantization_config):
         model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
 

@@ -1,0 +1,255 @@
+"""The typed parts of a `CPTConfig`, each validating its own fields (in the manner of torchao's QAT configs).
+
+A part names its own fields in errors (``ScheduleConfig.bits_min must be ...``); `CPTConfig` builds its parts
+from its flat fields and re-raises an error under the flat name the user set (``CPTConfig.bits_min``). The
+error part is `hf_cpt.numerics.errors.ErrorQuantization`, which the layers read directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..numerics.bits import check_bits
+from ..numerics.errors import ErrorQuantization
+from ..schedules import DELAY_PRECISIONS, ROUNDING_MODES, PrecisionSchedule, available_schedules, check_schedule_name
+from ..utils import ConfigError, check_choice, is_int, is_number
+
+logger = logging.getLogger(__name__)
+
+# num_cycles="auto": one cycle per AUTO_STEPS_PER_CYCLE optimizer steps, at least 1 and at most AUTO_MAX_CYCLES.
+AUTO_STEPS_PER_CYCLE = 100
+AUTO_MAX_CYCLES = 32
+EVAL_PRECISIONS = ("max", "current", "fp32")
+EMA_INITS = ("zeros", "first_batch")
+# How activations are quantized (docs/method.md, "Pretrained transformers"): the CPT paper's per-tensor
+# running range, per-token ranges, either after a fixed rotation of the input features, or "auto".
+QUANT_SCHEMES = ("auto", "paper", "per-token", "rotated", "rotated-per-token")
+RANGE_TEST_METRICS = ("loss", "accuracy")
+DEFAULT_RANGE_TEST_THRESHOLDS = {"accuracy": 0.05, "loss": 0.1}  # absolute for accuracy, relative for the loss
+
+
+def auto_cycles(schedule_steps: int) -> int:
+    """``num_cycles="auto"``: one cycle per `AUTO_STEPS_PER_CYCLE` steps of the schedule, 1 to `AUTO_MAX_CYCLES`."""
+    return min(AUTO_MAX_CYCLES, max(1, schedule_steps // AUTO_STEPS_PER_CYCLE))
+
+
+def _bits(owner: str, name: str, value: Any) -> None:
+    try:
+        check_bits("bits", value)
+    except ValueError as error:
+        raise ConfigError(owner, name, str(error).removeprefix("bits ")) from None
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Forward and error precision over the run: bounds, schedule, cycles, delayed start."""
+
+    bits_min: int | str = 4
+    bits_max: int = 8
+    grad_bits: int = 8
+    schedule: str | Callable[[int], int | None] = "cpt"
+    num_cycles: int | str = "auto"
+    rounding: str = "nearest"
+    delay: float = 0.0
+    delay_precision: str = "max"
+    grad_schedule: str | Callable[[int], int | None] | None = None
+    grad_bits_min: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if self.bits_min != "auto":
+            _bits(owner, "bits_min", self.bits_min)
+        _bits(owner, "bits_max", self.bits_max)
+        _bits(owner, "grad_bits", self.grad_bits)
+        if is_int(self.bits_min) and self.bits_min > self.bits_max:
+            raise ConfigError(owner, "bits_min", f"({self.bits_min}) must not exceed bits_max ({self.bits_max}).")
+        check_schedule_name(owner, "schedule", self.schedule)
+        if self.bits_min == "auto" and callable(self.schedule):
+            raise ConfigError(owner, "bits_min", "='auto' needs a named schedule: a callable does not use bits_min.")
+        if not is_number(self.delay) or not 0.0 <= self.delay < 1.0:
+            raise ConfigError(owner, "delay", f"must be a fraction of training in [0, 1), got {self.delay!r}.")
+        check_choice(owner, "delay_precision", self.delay_precision, DELAY_PRECISIONS)
+        check_choice(owner, "rounding", self.rounding, ROUNDING_MODES)
+        if self.num_cycles != "auto" and (not is_int(self.num_cycles) or self.num_cycles < 1):
+            raise ConfigError(owner, "num_cycles", f"must be an integer >= 1 or 'auto', got {self.num_cycles!r}.")
+        if self.grad_schedule is not None:
+            check_schedule_name(owner, "grad_schedule", self.grad_schedule)
+            if self.grad_bits_min is None:
+                raise ConfigError(owner, "grad_bits_min", "is required when grad_schedule is set.")
+        if self.grad_bits_min is not None:
+            _bits(owner, "grad_bits_min", self.grad_bits_min)
+            if self.grad_bits_min > self.grad_bits:
+                raise ConfigError(owner, "grad_bits_min",
+                                  f"({self.grad_bits_min}) must not exceed grad_bits ({self.grad_bits}).")
+
+    def cycles_for(self, total_steps: int) -> int:
+        """The number of cycles over a run of ``total_steps`` optimizer steps (resolves ``num_cycles='auto'``)."""
+        if self.num_cycles != "auto":
+            return self.num_cycles
+        return auto_cycles(total_steps - int(self.delay * total_steps))
+
+    def forward_schedule(self, total_steps: int, bits_min: int | None = None) -> PrecisionSchedule:
+        """The forward-bits schedule over ``total_steps`` optimizer steps; ``bits_min`` overrides the bound (the
+        precision range test's choice for ``bits_min="auto"``). The schedule validates the run length; a
+        warning says when cycles are too short to visit every bit-width between the bounds."""
+        bits_min = self.bits_min if bits_min is None else bits_min
+        if bits_min == "auto":
+            raise ValueError("CPTConfig.bits_min='auto' must be resolved by the precision range test first.")
+        if not is_int(total_steps) or total_steps < 1:
+            raise ValueError(f"A CPT run needs at least one optimizer step, got total_steps={total_steps}.")
+        schedule = PrecisionSchedule(self.schedule, bits_min, self.bits_max, total_steps, self.cycles_for(total_steps),
+                                     self.rounding, delay=self.delay, delay_precision=self.delay_precision)
+        self._warn_short_cycles(schedule)
+        return schedule
+
+    def error_schedule(self, total_steps: int) -> PrecisionSchedule | None:
+        """The error-bits schedule (None: fixed ``grad_bits``); held at ``grad_bits`` during a delayed start."""
+        if self.grad_schedule is None:
+            return None
+        return PrecisionSchedule(self.grad_schedule, self.grad_bits_min, self.grad_bits, total_steps,
+                                 self.cycles_for(total_steps), self.rounding, delay=self.delay, delay_precision="max")
+
+    def _warn_short_cycles(self, schedule: PrecisionSchedule) -> None:
+        shape = available_schedules().get(self.schedule) if isinstance(self.schedule, str) else None
+        if shape is None or not shape.cyclic or shape.level is None:
+            return
+        levels = schedule.bits_max - schedule.bits_min + 1
+        steps, cycles = schedule.schedule_steps, schedule.num_cycles
+        if steps / cycles < levels:
+            after_delay = " after the delay" if self.delay else ""
+            logger.warning(
+                "hf_cpt: CPTConfig.num_cycles=%d gives cycles of %.1f steps in a run of %d optimizer steps%s, "
+                "fewer than the %d bit-widths from bits_min=%d to bits_max=%d each cycle should visit; "
+                "num_cycles='auto' gives %d.",
+                cycles, steps / cycles, steps, after_delay, levels, schedule.bits_min, schedule.bits_max,
+                auto_cycles(steps),
+            )
+
+
+@dataclass(frozen=True)
+class ActivationConfig:
+    """How layer inputs are quantized: the scheme, its rotation, the running range used in eval mode."""
+
+    quant_scheme: str = "auto"
+    rotation_seed: int = 0
+    activation_momentum: float = 0.9
+    activation_ema_init: str = "zeros"
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
+        if not is_int(self.rotation_seed) or self.rotation_seed < 0:
+            raise ConfigError(owner, "rotation_seed", f"must be an integer >= 0, got {self.rotation_seed!r}.")
+        if not is_number(self.activation_momentum) or not 0.0 <= self.activation_momentum < 1.0:
+            raise ConfigError(owner, "activation_momentum", f"must be in [0, 1), got {self.activation_momentum!r}.")
+        check_choice(owner, "activation_ema_init", self.activation_ema_init, EMA_INITS)
+
+
+@dataclass(frozen=True)
+class ModuleSelection:
+    """Which modules become CPT layers: patterns, opt-ins for embeddings, attention and adapters."""
+
+    target_modules: tuple[str, ...] | None = None
+    include_modules: tuple[str, ...] | None = None
+    exclude_modules: tuple[str, ...] | None = None
+    quantize_adapters: bool = False
+    quantize_embeddings: bool = False
+    quantize_attention: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("target_modules", "include_modules", "exclude_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif value is not None:
+                if not all(isinstance(p, str) for p in value):
+                    raise ConfigError(type(self).__name__, name, f"must be a list of module-name patterns, got "
+                                                                 f"{value!r}.")
+                object.__setattr__(self, name, tuple(value))
+
+
+@dataclass(frozen=True)
+class RangeTestConfig:
+    """The precision range test (``bits_min="auto"``, docs/method.md §6)."""
+
+    start_bits: int = 2
+    steps_per_precision: int = 20
+    threshold: float | None = None  # None: `DEFAULT_RANGE_TEST_THRESHOLDS` of the metric
+    metric: str = "loss"
+    window: int | None = None  # None: a quarter of steps_per_precision
+    restore_weights: bool = True
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _bits(owner, "start_bits", self.start_bits)
+        if not is_int(self.steps_per_precision) or self.steps_per_precision < 1:
+            raise ConfigError(owner, "steps_per_precision",
+                              f"must be an integer >= 1, got {self.steps_per_precision!r}.")
+        if self.threshold is not None and (not is_number(self.threshold) or not self.threshold > 0):
+            raise ConfigError(owner, "threshold", f"must be a number > 0, got {self.threshold!r}.")
+        check_choice(owner, "metric", self.metric, RANGE_TEST_METRICS)
+        if self.window is not None and (not is_int(self.window) or not 1 <= self.window <= self.steps_per_precision):
+            raise ConfigError(owner, "window", f"must be an integer in 1..steps_per_precision "
+                                               f"({self.steps_per_precision}), got {self.window!r}.")
+
+    @property
+    def resolved_threshold(self) -> float:
+        return float(self.threshold if self.threshold is not None else DEFAULT_RANGE_TEST_THRESHOLDS[self.metric])
+
+    @property
+    def resolved_window(self) -> int:
+        return self.window if self.window is not None else max(1, self.steps_per_precision // 4)
+
+    def check_max_bits(self, max_bits: int) -> None:
+        if self.start_bits > max_bits:
+            raise ConfigError(type(self).__name__, "start_bits",
+                              f"({self.start_bits}) must not exceed the highest precision tested ({max_bits}).")
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """The precision of eval mode and the fidelity check at the start of training."""
+
+    eval_bits: int | str = "max"
+    fidelity_threshold: float | None = 0.8
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if isinstance(self.eval_bits, str):
+            check_choice(owner, "eval_bits", self.eval_bits, EVAL_PRECISIONS)
+        else:
+            _bits(owner, "eval_bits", self.eval_bits)
+        if self.fidelity_threshold is not None and (
+            not is_number(self.fidelity_threshold) or not -1.0 <= self.fidelity_threshold <= 1.0
+        ):
+            raise ConfigError(owner, "fidelity_threshold",
+                              f"must be a cosine similarity in [-1, 1] or None, got {self.fidelity_threshold!r}.")
+
+
+# Each part (the error part is `ErrorQuantization`), and its fields' flat names in CPTConfig.
+PART_FIELDS: dict[type, dict[str, str]] = {}
+
+
+def flat_names(part: type) -> dict[str, str]:
+    """``{part field: CPTConfig field}`` of a part."""
+    return PART_FIELDS[part]
+
+
+def _register(part: type, renames: dict[str, str] | None = None) -> None:
+    renames = renames or {}
+    PART_FIELDS[part] = {name: renames.get(name, name) for name in part.__dataclass_fields__}
+
+
+_register(ScheduleConfig)
+_register(ActivationConfig)
+_register(ModuleSelection)
+_register(RangeTestConfig, {"start_bits": "prt_start_bits", "steps_per_precision": "prt_steps_per_precision",
+                            "threshold": "prt_threshold", "metric": "prt_metric", "window": "prt_window",
+                            "restore_weights": "prt_restore_weights"})
+_register(EvaluationConfig)
+_register(ErrorQuantization, {"granularity": "error_granularity", "rounding": "error_rounding",
+                              "fused": "fused_error_quantizer", "products": "error_products",
+                              "rotation": "error_rotation"})
