@@ -21,12 +21,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_cpt
-from hf_cpt import CPTConfig, CPTTrainer, export_portable, quantize_model, save_quantized, set_eval_precision
+from hf_cpt import (
+    CPTConfig,
+    CPTQuantizationConfig,
+    CPTTrainer,
+    ExportSettings,
+    export_portable,
+    quantize_model,
+    save_quantized,
+    set_eval_precision,
+)
 from hf_cpt.nn.base import QuantLayerMixin
 from hf_cpt.nn.layers import weight_channel_dim
 from hf_cpt.numerics.fake_quant import dequantize_codes, quantize_codes
 from hf_cpt.serialization.export import plan_export
-from hf_cpt.serialization.format import FORMAT_VERSION, REQUIRES_HF_CPT, float_storage_bits
+from hf_cpt.serialization.format import FORMAT_VERSION, REQUIRES_HF_CPT, CheckpointFields, float_storage_bits
 from hf_cpt.serialization.packing import pack_codes, unpack_codes
 from hf_cpt.serialization.save import checkpoint_size
 from hf_cpt.version import INSTALL_HINT
@@ -704,3 +713,29 @@ def test_unknown_error_setting_in_a_checkpoint_is_named(packed_dir, field, value
     _edit_config(path, **{field: value})
     with pytest.raises(ValueError, match=rf"quantization_config\.{field} must be one of"):
         auto_class.from_pretrained(path)
+
+
+def test_the_checkpoint_schema_is_one_typed_record_read_and_written_the_same_way():
+    fields = CheckpointFields(bits=4, quantized_modules=["a", "b"], guard_tensor="a.weight",
+                              layer_schemes={"a": ["token", 0]})
+    config = CPTQuantizationConfig(**fields.to_dict())
+    assert config.fields == fields and config.to_dict() == fields.to_dict() and config.bits == 4
+    assert CPTQuantizationConfig.from_fields(fields).to_dict() == fields.to_dict()
+    assert set(fields.to_dict()) == CheckpointFields.names()
+    with pytest.raises(ValueError, match=r"quantization_config\.bits is missing"):
+        CPTQuantizationConfig(quantized_modules=["a"], guard_tensor="a.weight")
+    with pytest.raises(ValueError, match=r"quantization_config\.layer_schemes\['c'\]"):
+        CheckpointFields(bits=4, quantized_modules=["a"], guard_tensor="a.weight", layer_schemes={"c": ["token", 0]})
+    with pytest.raises(ValueError, match=r"quantization_config\.bits must be an integer in 1\.\.8"):
+        CheckpointFields(bits=9, quantized_modules=["a"], guard_tensor="a.weight")
+
+
+def test_export_options_are_checked_before_any_save_or_upload(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=1)
+    with pytest.raises(ValueError, match="save_format must be one of"):
+        trainer.push_to_hub(save_format="int4")
+    with pytest.raises(TypeError, match=r"unknown export option\(s\) \['bitz'\]"):
+        trainer.save_model(str(tmp_path / "x"), bitz=4)
+    with pytest.raises(ValueError, match="float_weight_bits must be an integer in 1..8"):
+        trainer.cpt_export = ExportSettings(float_weight_bits=12)
+    assert not os.path.exists(tmp_path / "x") and trainer._cpt_push_export is None

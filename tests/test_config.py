@@ -1,6 +1,9 @@
+
 import pytest
 
-from hf_cpt import CPTConfig
+from hf_cpt import CPTConfig, get_schedule
+from hf_cpt.config import ActivationConfig, ModuleSelection, RangeTestConfig, ScheduleConfig
+from hf_cpt.numerics.errors import ErrorQuantization
 
 
 def test_defaults_follow_the_cpt_paper_where_the_evidence_does_not_say_otherwise():
@@ -76,3 +79,41 @@ def test_eval_precision_options():
     assert CPTConfig(eval_bits="fp32").eval_precision is None
     assert CPTConfig(eval_bits=6).eval_precision == 6
     assert CPTConfig(schedule="fp32").eval_precision is None
+
+
+def test_parts_validate_their_own_fields_and_the_config_names_the_flat_field():
+    with pytest.raises(ValueError, match=r"^ScheduleConfig\.bits_min \(9\) must not exceed bits_max"):
+        ScheduleConfig(bits_min=9, bits_max=8)
+    with pytest.raises(ValueError, match=r"^CPTConfig\.bits_min \(9\) must not exceed bits_max"):
+        CPTConfig(bits_min=9, bits_max=8)
+    with pytest.raises(ValueError, match=r"^RangeTestConfig\.metric must be one of"):
+        RangeTestConfig(metric="f1")
+    with pytest.raises(ValueError, match=r"^CPTConfig\.prt_metric must be one of"):
+        CPTConfig(prt_metric="f1")
+    with pytest.raises(ValueError, match=r"^ErrorQuantization\.products must be one of"):
+        ErrorQuantization(products="neither")
+    with pytest.raises(ValueError, match=r"^CPTConfig\.schedule='nope' is unknown"):
+        CPTConfig(schedule="nope")
+
+
+def test_a_config_is_composed_of_its_parts_both_ways():
+    schedule = ScheduleConfig(bits_min=3, bits_max=6, num_cycles=4, delay=0.25)
+    errors = ErrorQuantization(granularity="token", rounding="nearest", products="input")
+    config = CPTConfig.from_parts(schedule, errors, RangeTestConfig(metric="accuracy"), eval_bits="fp32")
+    assert (config.bits_min, config.bits_max, config.num_cycles, config.delay) == (3, 6, 4, 0.25)
+    assert (config.error_granularity, config.error_rounding, config.error_products) == ("token", "nearest", "input")
+    assert config.prt_metric == "accuracy" and config.eval_bits == "fp32"
+    assert config.schedule_config == schedule and config.errors == errors
+    assert config.modules == ModuleSelection() and config.activations == ActivationConfig()
+    with pytest.raises(TypeError, match="not a part of CPTConfig"):
+        CPTConfig.from_parts(object())
+
+
+def test_the_schedule_and_the_config_refuse_the_same_short_runs():
+    """One check of the run length (the schedule's): the follow-up shapes were accepted by get_schedule with cycles
+    of under one step while CPTConfig refused them."""
+    with pytest.raises(ValueError, match="num_cycles=8 gives cycles shorter than one step for a run of 4"):
+        get_schedule("RR", total_steps=4, num_cycles=8)
+    with pytest.raises(ValueError, match="num_cycles=8 gives cycles shorter than one step for a run of 4"):
+        CPTConfig(schedule="RR", num_cycles=8).check_total_steps(4)
+    assert get_schedule("RR", total_steps=8, num_cycles=8).num_cycles == 8

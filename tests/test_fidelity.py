@@ -72,12 +72,19 @@ def test_trainer_warns_with_the_figure_and_the_fix(tmp_path, caplog):
     assert f"{fidelity[4]:.3f}" in warning and "quant_scheme='rotated-per-token'" in warning
 
 
+def test_trainer_says_when_no_bits_min_up_to_bits_max_passes(tmp_path, caplog):
+    fidelity, _ = _train(CPTConfig(bits_min=3, bits_max=4, num_cycles=1, quant_scheme="paper"), tmp_path, caplog)
+    assert fidelity[3] < 0.8 and fidelity[4] < 0.8  # measured on the way: neither passes
+    warning = next(r.getMessage() for r in caplog.records if "cosine similarity" in r.getMessage())
+    assert "no bits_min up to bits_max=4 passes" in warning and "CPTConfig(bits_min=" not in warning
+
+
 def test_trainer_default_names_the_lowest_bits_min_that_passes_and_the_check_changes_nothing(tmp_path, caplog):
     fidelity, losses = _train(CPTConfig(bits_min=4, num_cycles=1), tmp_path / "a", caplog)
     warnings = [r.getMessage() for r in caplog.records if "cosine similarity" in r.getMessage()]
     assert fidelity[4] < 0.8 and len(warnings) == 1  # the outliers defeat 4 bits even with the default scheme
-    passing = min(b for b, score in fidelity.items() if score >= 0.8)
-    assert all(fidelity[b] < 0.8 for b in range(4, passing))
+    passing = max(fidelity)  # the search stops at the first bit-width that passes
+    assert 4 < passing <= 8 and fidelity[passing] >= 0.8 and all(fidelity[b] < 0.8 for b in range(4, passing))
     assert f"CPTConfig(bits_min={passing}) (cosine {fidelity[passing]:.3f}" in warnings[0]
     assert "quant_scheme=" not in warnings[0].split("Use ")[1]  # the default scheme already applies
     caplog.clear()

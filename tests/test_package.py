@@ -104,8 +104,8 @@ def test_upward_and_sideways_imports_are_detected():
         "hf_cpt.nn.base": {"hf_cpt.schedules.shapes", "hf_cpt.numerics.errors"},
         "hf_cpt.convert": {"hf_cpt.nn.base", "hf_cpt.config.cpt_config"},
     }
-    assert _upward(graph) == ["hf_cpt.numerics.errors -> hf_cpt.integrations.trainer",
-                              "hf_cpt.nn.base -> hf_cpt.schedules.shapes"]
+    assert _upward(graph) == ["hf_cpt.nn.base -> hf_cpt.schedules.shapes",
+                              "hf_cpt.numerics.errors -> hf_cpt.integrations.trainer"]
 
 
 def test_no_file_is_longer_than_the_limit():

@@ -41,9 +41,8 @@ class CPTConfig:
     schedule: str | Callable[[int], int | None] = field(
         default="cpt",
         metadata={
-            "help": "Precision schedule: a registered name ('cpt', 'cpt-triangular', 'cpt-cosine-anneal', 'CR', "
-            "'CT', 'LR', 'LT', 'ER', 'ET-V', 'ET-H', 'RR', 'RT-V', 'RT-H', 'progressive', 'static', 'fp32'; "
-            "see `python -m hf_cpt schedules`) or a callable step -> bits."
+            "help": "Precision schedule: a registered name (the CPT paper's 'cpt' by default; `python -m hf_cpt "
+            "schedules` lists them all, docs/schedules.md explains them) or a callable step -> bits."
         },
     )
     num_cycles: int | str = field(

@@ -14,7 +14,14 @@ from typing import Any
 
 from ..numerics.bits import check_bits
 from ..numerics.errors import ErrorQuantization
-from ..schedules import DELAY_PRECISIONS, ROUNDING_MODES, PrecisionSchedule, available_schedules, check_schedule_name
+from ..schedules import (
+    DELAY_PRECISIONS,
+    ROUNDING_MODES,
+    PrecisionSchedule,
+    available_schedules,
+    check_schedule_name,
+    steps_after_delay,
+)
 from ..utils import ConfigError, check_choice, is_int, is_number
 
 logger = logging.getLogger(__name__)
@@ -89,7 +96,7 @@ class ScheduleConfig:
         """The number of cycles over a run of ``total_steps`` optimizer steps (resolves ``num_cycles='auto'``)."""
         if self.num_cycles != "auto":
             return self.num_cycles
-        return auto_cycles(total_steps - int(self.delay * total_steps))
+        return auto_cycles(steps_after_delay(total_steps, self.delay))
 
     def forward_schedule(self, total_steps: int, bits_min: int | None = None) -> PrecisionSchedule:
         """The forward-bits schedule over ``total_steps`` optimizer steps; ``bits_min`` overrides the bound (the

@@ -218,76 +218,22 @@ def precision_range_test(
     converted_here = not is_quantized(model)
     if converted_here:
         quantize_model(model, cpt_config)
-    precision = find_precision_state(model)
-    previous_precision = precision.current
-    was_training = model.training
-    rng = rng_state()
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("precision_range_test: the model has no trainable parameters.")
-    device = params[0].device
-    optimizer, make_optimizer = resolve_optimizer(optimizer, params)
-    snapshot = take_snapshot(model, optimizer) if restore_weights else None
-    lrs = use_initial_lr(optimizer) if optimizer is not None else None
-    batches = BatchCycle(data, device, cache=steps_per_precision if restore_weights else None)
-    meter = CostMeter(model, max_bits, grad_bits)
-
-    result = PrecisionRangeResult(
-        bits_min=max_bits,
-        found=False,
-        metric=metric,
-        threshold=float(threshold),
-        start_bits=start_bits,
-        max_bits=max_bits,
-        grad_bits=grad_bits,
-        steps_per_precision=steps_per_precision,
-        window=window,
-        restore_weights=restore_weights,
-        baseline=float("nan"),
-    )
     try:
-        model.train()
-        result.baseline = untrained_score(model, batches, window, metric, loss_fn, precision)
-        reference = result.baseline
-        current_optimizer = optimizer
-        for bits in range(start_bits, max_bits + 1):
-            if restore_weights:
-                restore_snapshot(model, optimizer, snapshot)
-                set_rng_state(rng)
-                batches.rewind()
-            if current_optimizer is None or (restore_weights and make_optimizer is not None):
-                current_optimizer = make_optimizer(params)
-            set_precision(model, bits, grad_bits)
-            values = []
-            for _ in range(steps_per_precision):
-                values.append(train_step(model, batches.next(), metric, loss_fn, current_optimizer, params,
-                                          max_grad_norm))
-                meter.end_step(bits, grad_bits)
-                result.steps += 1
-            score = nanmean(values[-window:])
-            improvement = _improvement(metric, reference, score)
-            result.curve[bits] = values
-            result.scores[bits] = score
-            result.improvements[bits] = improvement
-            logger.info("PRT %d bits: %s %.4g, improvement %+.4g", bits, metric, score, improvement)
-            if not result.found and improvement > threshold:
-                result.found, result.bits_min = True, bits
-                if stop_at_first:
-                    break
-            if not restore_weights:
-                reference = score
+        run = _Run(model, data, settings, grad_bits, optimizer, loss_fn, max_grad_norm)
+        result = run.result(max_bits)
+        try:
+            reference = result.baseline = run.untrained_score()
+            for bits in range(start_bits, max_bits + 1):
+                run.train_at(bits, result, reference)
+                if not result.found and result.improvements[bits] > threshold:
+                    result.found, result.bits_min = True, bits
+                    if stop_at_first:
+                        break
+                if not restore_weights:  # the paper's way: each precision against the one before
+                    reference = result.scores[bits]
+        finally:
+            run.finish(result)
     finally:
-        meter.remove()
-        result.gbitops = meter.totals.bitops / 1e9
-        model.zero_grad(set_to_none=True)
-        if restore_weights:
-            restore_snapshot(model, optimizer, snapshot)
-            set_rng_state(rng)
-        if lrs is not None:
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr
-        precision.set(*previous_precision)
-        model.train(was_training)
         if converted_here:
             dequantize_model(model)
     result = _agree_across_processes(result, model, restore_weights)
@@ -298,6 +244,76 @@ def precision_range_test(
             start_bits, max_bits, metric, threshold, max_bits,
         )
     return result
+
+
+class _Run:
+    """One precision range test in progress: the model's state to restore, the batches, the optimizer, the meter."""
+
+    def __init__(self, model, data, settings: RangeTestConfig, grad_bits, optimizer, loss_fn, max_grad_norm) -> None:
+        self.model, self.settings, self.grad_bits = model, settings, grad_bits
+        self.loss_fn, self.max_grad_norm = loss_fn, max_grad_norm
+        self.precision = find_precision_state(model)
+        self.previous_precision, self.was_training, self.rng = self.precision.current, model.training, rng_state()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("precision_range_test: the model has no trainable parameters.")
+        self.optimizer, self.make_optimizer = resolve_optimizer(optimizer, self.params)
+        self.current_optimizer = self.optimizer
+        restore = settings.restore_weights
+        self.snapshot = take_snapshot(model, self.optimizer) if restore else None
+        self.lrs = use_initial_lr(self.optimizer) if self.optimizer is not None else None
+        self.batches = BatchCycle(data, self.params[0].device, cache=settings.steps_per_precision if restore else None)
+        self.meter = None
+
+    def result(self, max_bits: int) -> PrecisionRangeResult:
+        self.meter = CostMeter(self.model, max_bits, self.grad_bits)
+        s = self.settings
+        return PrecisionRangeResult(
+            bits_min=max_bits, found=False, metric=s.metric, threshold=s.resolved_threshold, start_bits=s.start_bits,
+            max_bits=max_bits, grad_bits=self.grad_bits, steps_per_precision=s.steps_per_precision,
+            window=s.resolved_window, restore_weights=s.restore_weights, baseline=float("nan"),
+        )
+
+    def untrained_score(self) -> float:
+        self.model.train()
+        return untrained_score(self.model, self.batches, self.settings.resolved_window, self.settings.metric,
+                               self.loss_fn, self.precision)
+
+    def train_at(self, bits: int, result: PrecisionRangeResult, reference: float) -> None:
+        """Train ``steps_per_precision`` iterations at ``bits``; record the curve, the score and its improvement."""
+        s = self.settings
+        if s.restore_weights:
+            restore_snapshot(self.model, self.optimizer, self.snapshot)
+            set_rng_state(self.rng)
+            self.batches.rewind()
+        if self.current_optimizer is None or (s.restore_weights and self.make_optimizer is not None):
+            self.current_optimizer = self.make_optimizer(self.params)
+        set_precision(self.model, bits, self.grad_bits)
+        values = []
+        for _ in range(s.steps_per_precision):
+            values.append(train_step(self.model, self.batches.next(), s.metric, self.loss_fn, self.current_optimizer,
+                                     self.params, self.max_grad_norm))
+            self.meter.end_step(bits, self.grad_bits)
+            result.steps += 1
+        score = nanmean(values[-s.resolved_window:])
+        result.curve[bits], result.scores[bits] = values, score
+        result.improvements[bits] = _improvement(s.metric, reference, score)
+        logger.info("PRT %d bits: %s %.4g, improvement %+.4g", bits, s.metric, score, result.improvements[bits])
+
+    def finish(self, result: PrecisionRangeResult) -> None:
+        """Leave the model, optimizer and random state as they were (weights too when ``restore_weights``)."""
+        if self.meter is not None:
+            self.meter.remove()
+            result.gbitops = self.meter.totals.bitops / 1e9
+        self.model.zero_grad(set_to_none=True)
+        if self.settings.restore_weights:
+            restore_snapshot(self.model, self.optimizer, self.snapshot)
+            set_rng_state(self.rng)
+        if self.lrs is not None:
+            for group, lr in zip(self.optimizer.param_groups, self.lrs):
+                group["lr"] = lr
+        self.precision.set(*self.previous_precision)
+        self.model.train(self.was_training)
 
 
 # -- helpers -------------------------------------------------------------------------------------

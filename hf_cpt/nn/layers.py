@@ -115,7 +115,7 @@ QUANT_EMBEDDING_CLASSES: dict[type, type] = {nn.Embedding: QuantEmbedding}
 def register_quant_layer(float_class: type, quant_class: type) -> None:
     """Teach model surgery to convert ``float_class`` into ``quant_class`` (a `QuantLayerMixin` subclass)."""
     if not (isinstance(quant_class, type) and issubclass(quant_class, QuantLayerMixin)):
-        raise TypeError(f"{quant_class!r} must subclass hf_cpt.layers.QuantLayerMixin")
+        raise TypeError(f"{quant_class!r} must subclass hf_cpt.QuantLayerMixin")
     if not issubclass(quant_class, float_class):
         raise TypeError(f"{quant_class.__name__} must subclass {float_class.__name__} so isinstance checks hold")
     QUANT_LAYER_CLASSES[float_class] = quant_class

@@ -32,7 +32,7 @@ def relative_cost(bits: int | None, grad_bits: int | None) -> float:
 
 
 def rotation_bitops_per_value(rotation) -> int:
-    """Bit operations to rotate one value, forward and backward (`hf_cpt.rotation.Rotation`)."""
+    """Bit operations to rotate one value, forward and backward (`hf_cpt.numerics.rotation.Rotation`)."""
     return rotation_bitops(*rotation.operations_per_value)
 
 

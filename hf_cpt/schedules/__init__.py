@@ -4,6 +4,7 @@ from .schedule import (
     PrecisionSchedule,
     cost_group,
     get_schedule,
+    steps_after_delay,
     training_precision,
 )
 from .shapes import (
@@ -21,5 +22,5 @@ from .shapes import (
 __all__ = [
     "DELAY_PRECISIONS", "FOLLOW_UP_SCHEDULES", "ROUNDING_MODES", "PrecisionSchedule", "ScheduleShape",
     "available_schedules", "check_schedule_name", "cost_group", "get_schedule",
-    "progressive_shape", "register_schedule", "training_precision", "unregister_schedule",
+    "progressive_shape", "register_schedule", "steps_after_delay", "training_precision", "unregister_schedule",
 ]

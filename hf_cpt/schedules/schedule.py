@@ -23,6 +23,11 @@ COST_GROUPS = ("small", "medium", "large")
 SMALL_COST_BELOW = 1 / 3
 LARGE_COST_ABOVE = 2 / 3
 
+def steps_after_delay(total_steps: int, delay: float) -> int:
+    """The optimizer steps a schedule runs its cycles over: those after the delayed start."""
+    return total_steps - int(delay * total_steps)
+
+
 class PrecisionSchedule:
     """The bits of each optimizer step of one run: ``schedule(step) -> int`` (None = full precision).
 
@@ -31,7 +36,7 @@ class PrecisionSchedule:
     the first ``delay`` fraction of the run at ``delay_precision`` ('max': bits_max, 'fp32': full
     precision); the schedule then runs its cycles over the remaining steps, so every cycle is whole.
 
-    Costs are exact sums over the run's steps of `hf_cpt.cost.bitops_per_mac`; full-precision steps
+    Costs are exact sums over the run's steps of `hf_cpt.numerics.bitops.bitops_per_mac`; full-precision steps
     count at 32 bits, forward and backward.
     """
 
@@ -78,8 +83,8 @@ class PrecisionSchedule:
         self.rounding = rounding
         self.delay = float(delay)
         self.delay_precision = delay_precision
-        self.delay_steps = int(self.delay * self.total_steps)
-        self.schedule_steps = self.total_steps - self.delay_steps  # steps the shape runs over
+        self.schedule_steps = steps_after_delay(self.total_steps, self.delay)  # steps the shape runs over
+        self.delay_steps = self.total_steps - self.schedule_steps
         if self.schedule_steps < 1:
             raise ValueError(f"delay={delay} leaves no step of the {total_steps}-step run to the schedule.")
         if self.shape.level is not None and self.shape.cyclic and self.schedule_steps < self.num_cycles:

@@ -1,8 +1,8 @@
 """What a CPT export writes: which weights become codes, the packed and portable state dicts.
 
 `packed_state_dict` / `portable_state_dict` turn a CPT model into the tensors of a checkpoint and the
-``quantization_config`` fields that describe them; `hf_cpt.checkpoint` writes them with
-``save_pretrained`` and `hf_cpt.hf_quantizer` reads them back. Weights that trained in FP32 are kept
+``quantization_config`` fields that describe them; `hf_cpt.serialization.save` writes them with
+``save_pretrained`` and `hf_cpt.serialization.loader` reads them back. Weights that trained in FP32 are kept
 exact unless ``float_weight_bits`` asks to round them (then `measure_rounding` says what it changed).
 """
 
@@ -346,4 +346,4 @@ def resolve_export_bits(model: nn.Module, bits: int | None, cpt_config: CPTConfi
             bits = int(precision.eval_bits.item())
     if bits is None:
         raise ValueError("Cannot tell the export precision: pass bits=... (or cpt_config=CPTConfig(...)).")
-    return check_export_bits("bits", bits)
+    return bits  # checked where the state dict is built

@@ -6,7 +6,7 @@ A checkpoint written by `hf_cpt.save_quantized` (packed) or `hf_cpt.export_porta
 any ``AutoModelFor....from_pretrained(path)``:
 
 1. before the weights load (model on the meta device), the listed layers become CPT layers
-   (`hf_cpt.layers.convert_layer`) and get buffers named like the packed tensors; the checkpoint's
+   (`hf_cpt.nn.layers.convert_layer`) and get buffers named like the packed tensors; the checkpoint's
    tensor names, shapes and dtypes are checked first, and a missing or mis-shaped tensor raises a
    ``ValueError`` naming it;
 2. after loading, ``codes * scale + zero_point`` becomes each layer's FP32 ``weight`` (the master

@@ -366,8 +366,11 @@ def write_model_card(
         if grad is None and cpt_config is not None and cpt_config.schedule != "fp32":
             grad = cpt_config.grad_bits
         export_bits = fields.bits if fields else None
-        plot_schedule(schedule, os.path.join(save_directory, SCHEDULE_PLOT_NAME), grad, export_bits)
-        schedule_plot = SCHEDULE_PLOT_NAME
+        try:
+            plot_schedule(schedule, os.path.join(save_directory, SCHEDULE_PLOT_NAME), grad, export_bits)
+            schedule_plot = SCHEDULE_PLOT_NAME
+        except ImportError:  # matplotlib is optional (the `plot` extra): the card goes without its picture
+            logger.info("hf_cpt: matplotlib is not installed; the model card has no schedule picture.")
     text = render_model_card(
         model, fields, cpt_config=cpt_config, total_steps=total_steps, schedule_plot=schedule_plot, **card
     )

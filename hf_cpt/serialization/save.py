@@ -15,11 +15,11 @@ layers, with outputs equal to the in-memory fake-quantized model at the same pre
   output head, excluded layers) are stored exactly in their training dtype by default, so the loaded
   model reproduces the trained one. Rounding them at export (``float_weight_bits="auto"`` or a
   bit-width) is an explicit, lossy option: the export then measures what it changed
-  (`hf_cpt.export.measure_rounding`) and says so in ``config.json`` and the model card;
+  (`hf_cpt.serialization.export.measure_rounding`) and says so in ``config.json`` and the model card;
 * biases, normalization layers and buffers are stored unchanged.
 
 ``config.json`` carries a ``quantization_config`` with ``quant_method: "cpt"`` (see
-`hf_cpt.hf_quantizer.CPTQuantizationConfig`). Packed tensors have names plain layers lack
+`hf_cpt.CPTQuantizationConfig`). Packed tensors have names plain layers lack
 (``<layer>.weight_packed``, ``.weight_scale``, ``.weight_zero_point``, ``.act_min``, ``.act_max``),
 and one *guard* tensor (``<first CPT layer>.weight``, an empty uint8 tensor) makes a plain
 ``transformers`` load without ``import hf_cpt`` stop with a size-mismatch error instead of loading a
