@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -54,3 +55,9 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """An int or float that is not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def setting(default: Any, help: str) -> Any:
+    """A settings field: its default and the help text that `hf_cpt.CPTConfig` and the recipes' ``--cpt_*`` flags
+    show (declared once, in the typed part the setting belongs to)."""
+    return dataclasses.field(default=default, metadata={"help": help})

@@ -1,204 +1,39 @@
 """`CPTConfig`: every setting of a Cyclic Precision Training run, validated up front.
 
-Flat fields, so that ``CPTConfig(bits_min=4)``, ``HfArgumentParser`` and the recipes' ``--cpt_*`` flags work; the
-config is composed of typed parts (`hf_cpt.config.parts`), which hold each check and the logic of their concern.
+Flat fields, so that ``CPTConfig(bits_min=4)``, ``HfArgumentParser`` and the recipes' ``--cpt_*`` flags work. Each
+field is declared once, with its default and help text, in the typed part it belongs to (`hf_cpt.config.parts`,
+and `ErrorQuantization` for the errors); `CPTConfig` is their union, and each part checks its own fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import typing
 from typing import Any
 
 from ..numerics.errors import ErrorQuantization
 from ..utils import ConfigError, callable_name
 from .parts import PART_FIELDS, ActivationConfig, EvaluationConfig, ModuleSelection, RangeTestConfig, ScheduleConfig
 
+# The parts in the order their fields appear in CPTConfig (and in the recipes' --help).
+PARTS = (ScheduleConfig, ActivationConfig, ErrorQuantization, ModuleSelection, RangeTestConfig, EvaluationConfig)
+# Where a run's default differs from a part's own: a bare ErrorQuantization() is the CPT paper's per-tensor
+# scheme (usable with quantize_error as is); a CPTConfig resolves the ranges per layer (docs/backward.md).
+RUN_DEFAULTS = {"error_granularity": "auto"}
 
-@dataclass
-class CPTConfig:
-    """Settings of a CPT run (docs/method.md §1-§5).
 
-    The forward bit-width of weights and input activations follows ``schedule`` between
-    ``bits_min`` and ``bits_max``; errors are quantized at ``grad_bits`` with stochastic rounding.
-    ``schedule="static"`` trains at ``bits_max`` throughout and ``schedule="fp32"`` trains in full
-    precision, so baselines go through the same code path.
-    """
+class _PartView:
+    """A typed part of `CPTConfig`, read from its flat fields (validated) on every access."""
 
-    bits_min: int | str = field(
-        default=4,
-        metadata={
-            "help": "Lower bound of the forward precision (bits), or 'auto' (the precision range test). 4 by "
-            "default: the lowest at which every model of docs/pretrained.md passes the fidelity check (cosine "
-            ">= 0.8); the CPT paper's from-scratch runs use 3."
-        },
-    )
-    bits_max: int = field(default=8, metadata={"help": "Upper bound of the forward precision (bits)."})
-    grad_bits: int = field(
-        default=8, metadata={"help": "Precision of the output error in the backward pass (bits)."}
-    )
-    schedule: str | Callable[[int], int | None] = field(
-        default="cpt",
-        metadata={
-            "help": "Precision schedule: a registered name (the CPT paper's 'cpt' by default; `python -m hf_cpt "
-            "schedules` lists them all, docs/schedules.md explains them) or a callable step -> bits."
-        },
-    )
-    num_cycles: int | str = field(
-        default="auto",
-        metadata={
-            "help": "Number of precision cycles over the run, or 'auto': one per 100 optimizer steps of the "
-            "schedule, from 1 to 32 (the CPT paper's 32 cycles over 64,000 steps; 2 for a 250-step fine-tune)."
-        },
-    )
-    rounding: str = field(
-        default="nearest",
-        metadata={"help": "How the smooth schedule becomes bits: 'nearest' (CPT code) or 'ceil' (CPT paper)."},
-    )
-    eval_bits: int | str = field(
-        default="max",
-        metadata={"help": "Evaluation precision: 'max' (bits_max), 'current' (schedule), 'fp32' or a bit-width."},
-    )
-    target_modules: list[str] | None = field(
-        default=None,
-        metadata={"help": "Only quantize layers whose name matches one of these patterns (default: all)."},
-    )
-    include_modules: list[str] | None = field(
-        default=None,
-        metadata={"help": "Quantize these layers even if kept in FP32 by default (e.g. the output head)."},
-    )
-    exclude_modules: list[str] | None = field(
-        default=None, metadata={"help": "Keep layers whose name matches one of these patterns in FP32."}
-    )
-    quantize_adapters: bool = field(
-        default=False, metadata={"help": "Also quantize peft adapter layers (lora_A/lora_B)."}
-    )
-    activation_momentum: float = field(
-        default=0.9, metadata={"help": "Momentum of the running activation min/max used in eval mode."}
-    )
-    activation_ema_init: str = field(
-        default="zeros",
-        metadata={"help": "Start of the running activation range: 'zeros' (CPT code) or 'first_batch'."},
-    )
-    delay: float = field(
-        default=0.0,
-        metadata={
-            "help": "Delayed start: fraction of training (0 <= delay < 1) held at delay_precision before the "
-            "schedule runs its cycles over the remaining steps (protects the critical early period)."
-        },
-    )
-    delay_precision: str = field(
-        default="max",
-        metadata={"help": "Precision of the delayed start: 'max' (bits_max) or 'fp32' (full precision)."},
-    )
-    grad_schedule: str | Callable[[int], int | None] | None = field(
-        default=None,
-        metadata={
-            "help": "Schedule of the error bits between grad_bits_min and grad_bits (a name or a callable); "
-            "None (default): fixed grad_bits."
-        },
-    )
-    grad_bits_min: int | None = field(
-        default=None, metadata={"help": "Lower bound of the error bits when grad_schedule is set (bits)."}
-    )
-    prt_start_bits: int = field(
-        default=2, metadata={"help": "Precision range test (bits_min='auto'): the precision it starts from (bits)."}
-    )
-    prt_steps_per_precision: int = field(
-        default=20, metadata={"help": "Precision range test: training iterations at each precision."}
-    )
-    prt_threshold: float | None = field(
-        default=None,
-        metadata={
-            "help": "Precision range test: improvement that marks bits_min (accuracy: absolute, loss: relative "
-            "decrease); default 0.05 for accuracy, 0.1 for loss."
-        },
-    )
-    prt_metric: str = field(
-        default="loss",
-        metadata={"help": "Precision range test metric: 'loss' (any model) or 'accuracy' (classification logits)."},
-    )
-    prt_window: int | None = field(
-        default=None,
-        metadata={"help": "Precision range test: iterations averaged per precision (default: a quarter of them)."},
-    )
-    prt_restore_weights: bool = field(
-        default=True,
-        metadata={
-            "help": "Precision range test: restore weights, optimizer and RNG after each precision (True) or keep "
-            "training through it as in the CPT paper (False)."
-        },
-    )
-    quantize_embeddings: bool = field(
-        default=False,
-        metadata={
-            "help": "Also quantize nn.Embedding tables (per row, at the schedule's bits; indices are not quantized) "
-            "and an output head tied to them (weights only), so that small exact checkpoints come from training."
-        },
-    )
-    quantize_attention: bool = field(
-        default=False,
-        metadata={
-            "help": "Also quantize the two attention products (Q and K before Q·Kᵀ, probabilities and V before P·V, "
-            "their errors on the backward pass), through transformers' attention interface; per token when the "
-            "scheme is per-token. Needs a model that dispatches attention through AttentionInterface."
-        },
-    )
-    quant_scheme: str = field(
-        default="auto",
-        metadata={
-            "help": "Activation quantization: 'auto' (default: 'rotated-per-token' for Linear / GPT-2 Conv1D "
-            "layers, 'paper' for Conv2d), 'paper' (the CPT paper's per-tensor running min/max, bit-exact), "
-            "'per-token' (each token's own range), 'rotated' (per tensor after a Hadamard rotation of the input "
-            "features) or 'rotated-per-token'. Pretrained transformers need 'rotated-per-token' below 6 bits."
-        },
-    )
-    rotation_seed: int = field(
-        default=0, metadata={"help": "Seed of the random signs of the Hadamard rotation (rotated schemes)."}
-    )
-    fidelity_threshold: float | None = field(
-        default=0.8,
-        metadata={
-            "help": "At the start of training, warn when the model's output at bits_min on the first batch has a "
-            "cosine similarity to full precision below this (None: no check)."
-        },
-    )
-    error_granularity: str = field(
-        default="auto",
-        metadata={
-            "help": "Ranges of the quantized errors (output gradients): 'tensor' (one per error tensor, the CPT "
-            "paper), 'token' (one per row: each token's own range over the output features, per pixel for "
-            "Conv2d; keeps tokens whose error is small from falling below one quantization step) or 'auto' "
-            "(the default: per row in layers with per-token activations, per tensor in the others, e.g. Conv2d "
-            "and every layer under quant_scheme='paper'; docs/backward.md)."
-        },
-    )
-    error_rounding: str = field(
-        default="stochastic",
-        metadata={"help": "Rounding of the quantized errors: 'stochastic' (unbiased, the CPT paper) or 'nearest'."},
-    )
-    error_products: str = field(
-        default="both",
-        metadata={
-            "help": "Backward products that use the quantized error: 'both' (the CPT paper), 'input' (the input "
-            "gradient; the weight gradient from the full-precision error, as SwitchBack does, priced at 32-bit "
-            "errors) or 'weight'."
-        },
-    )
-    error_rotation: str = field(
-        default="none",
-        metadata={
-            "help": "Orthogonal rotation of the error before quantizing (and back): 'none', 'features' (across the "
-            "output features) or 'tokens' (across tokens, in Hadamard blocks of 64, as HALO does)."
-        },
-    )
-    fused_error_quantizer: bool = field(
-        default=True,
-        metadata={
-            "help": "Quantize errors with one compiled kernel and counter-based noise (falls back to eager)."
-        },
-    )
+    def __init__(self, part: type) -> None:
+        self.part = part
+
+    def __get__(self, config: CPTConfigMethods | None, owner: type | None = None) -> Any:
+        return self.part if config is None else config._part(self.part)
+
+
+class CPTConfigMethods:
+    """What `CPTConfig` does with its fields (the fields themselves come from the parts)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -237,32 +72,15 @@ class CPTConfig:
         except ConfigError as error:
             raise error.renamed("CPTConfig", names.get(error.field, error.field)) from None
 
-    @property
-    def schedule_config(self) -> ScheduleConfig:
-        """Bounds, schedule, cycles and delayed start; it builds the run's schedules (`forward_schedule`)."""
-        return self._part(ScheduleConfig)
-
-    @property
-    def activations(self) -> ActivationConfig:
-        return self._part(ActivationConfig)
-
-    @property
-    def errors(self) -> ErrorQuantization:
-        """How errors are quantized (``error_granularity='auto'`` is resolved per layer, by
-        `ErrorQuantization.for_activations`)."""
-        return self._part(ErrorQuantization)
-
-    @property
-    def modules(self) -> ModuleSelection:
-        return self._part(ModuleSelection)
-
-    @property
-    def range_test(self) -> RangeTestConfig:
-        return self._part(RangeTestConfig)
-
-    @property
-    def evaluation(self) -> EvaluationConfig:
-        return self._part(EvaluationConfig)
+    # The typed parts, built from the flat fields on access (`hf_cpt.config.parts`). ``errors`` is how errors are
+    # quantized (``error_granularity='auto'`` is resolved per layer by `ErrorQuantization.for_activations`);
+    # ``schedule_config`` builds the run's schedules (`ScheduleConfig.forward_schedule`).
+    schedule_config = _PartView(ScheduleConfig)
+    activations = _PartView(ActivationConfig)
+    errors = _PartView(ErrorQuantization)
+    modules = _PartView(ModuleSelection)
+    range_test = _PartView(RangeTestConfig)
+    evaluation = _PartView(EvaluationConfig)
 
     def cycles_for(self, total_steps: int) -> int:
         """The number of cycles over a run of ``total_steps`` optimizer steps (resolves ``num_cycles='auto'``)."""
@@ -298,3 +116,31 @@ class CPTConfig:
         if unknown:
             raise ValueError(f"Unknown CPTConfig field(s): {unknown}.")
         return cls(**values)
+
+
+def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    specs = []
+    for part in PARTS:
+        hints = typing.get_type_hints(part)
+        for own in (f for f in dataclasses.fields(part)):
+            flat = PART_FIELDS[part][own.name]
+            default = RUN_DEFAULTS.get(flat, own.default)
+            specs.append((flat, hints[own.name], dataclasses.field(default=default, metadata=own.metadata)))
+    return specs
+
+
+CPTConfig = dataclasses.make_dataclass(
+    "CPTConfig",
+    _fields(),
+    bases=(CPTConfigMethods,),
+    namespace={
+        "__module__": __name__,
+        "__doc__": """Settings of a CPT run (docs/method.md §1-§5).
+
+    The forward bit-width of weights and input activations follows ``schedule`` between ``bits_min`` and
+    ``bits_max``; errors are quantized at ``grad_bits`` (`ErrorQuantization` says how). ``schedule="static"``
+    trains at ``bits_max`` throughout and ``schedule="fp32"`` in full precision, so baselines go through the same
+    code path. Every field's meaning: ``CPTConfig.__dataclass_fields__[name].metadata["help"]``, or the README.
+    """,
+    },
+)

@@ -22,7 +22,7 @@ from ..schedules import (
     check_schedule_name,
     steps_after_delay,
 )
-from ..utils import ConfigError, check_choice, is_int, is_number
+from ..utils import ConfigError, check_choice, is_int, is_number, setting
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +54,43 @@ def _bits(owner: str, name: str, value: Any) -> None:
 class ScheduleConfig:
     """Forward and error precision over the run: bounds, schedule, cycles, delayed start."""
 
-    bits_min: int | str = 4
-    bits_max: int = 8
-    grad_bits: int = 8
-    schedule: str | Callable[[int], int | None] = "cpt"
-    num_cycles: int | str = "auto"
-    rounding: str = "nearest"
-    delay: float = 0.0
-    delay_precision: str = "max"
-    grad_schedule: str | Callable[[int], int | None] | None = None
-    grad_bits_min: int | None = None
+    bits_min: int | str = setting(
+        4,
+        "Lower bound of the forward precision (bits), or 'auto' (the precision range test). 4 by default: the "
+        "lowest at which every model of docs/pretrained.md passes the fidelity check (cosine >= 0.8); the CPT "
+        "paper's from-scratch runs use 3."
+    )
+    bits_max: int = setting(8, "Upper bound of the forward precision (bits).")
+    grad_bits: int = setting(8, "Precision of the output error in the backward pass (bits).")
+    schedule: str | Callable[[int], int | None] = setting(
+        "cpt",
+        "Precision schedule: a registered name (the CPT paper's 'cpt' by default; `python -m hf_cpt schedules` "
+        "lists them all, docs/schedules.md explains them) or a callable step -> bits."
+    )
+    num_cycles: int | str = setting(
+        "auto",
+        "Number of precision cycles over the run, or 'auto': one per 100 optimizer steps of the schedule, from 1 "
+        "to 32 (the CPT paper's 32 cycles over 64,000 steps; 2 for a 250-step fine-tune)."
+    )
+    rounding: str = setting(
+        "nearest",
+        "How the smooth schedule becomes bits: 'nearest' (CPT code) or 'ceil' (CPT paper)."
+    )
+    delay: float = setting(
+        0.0,
+        "Delayed start: fraction of training (0 <= delay < 1) held at delay_precision before the schedule runs "
+        "its cycles over the remaining steps (protects the critical early period)."
+    )
+    delay_precision: str = setting(
+        "max",
+        "Precision of the delayed start: 'max' (bits_max) or 'fp32' (full precision)."
+    )
+    grad_schedule: str | Callable[[int], int | None] | None = setting(
+        None,
+        "Schedule of the error bits between grad_bits_min and grad_bits (a name or a callable); None (default): "
+        "fixed grad_bits."
+    )
+    grad_bits_min: int | None = setting(None, "Lower bound of the error bits when grad_schedule is set (bits).")
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -140,10 +167,19 @@ class ScheduleConfig:
 class ActivationConfig:
     """How layer inputs are quantized: the scheme, its rotation, the running range used in eval mode."""
 
-    quant_scheme: str = "auto"
-    rotation_seed: int = 0
-    activation_momentum: float = 0.9
-    activation_ema_init: str = "zeros"
+    quant_scheme: str = setting(
+        "auto",
+        "Activation quantization: 'auto' (default: 'rotated-per-token' for Linear / GPT-2 Conv1D layers, 'paper' "
+        "for Conv2d), 'paper' (the CPT paper's per-tensor running min/max, bit-exact), 'per-token' (each token's "
+        "own range), 'rotated' (per tensor after a Hadamard rotation of the input features) or "
+        "'rotated-per-token'. Pretrained transformers need 'rotated-per-token' below 6 bits."
+    )
+    rotation_seed: int = setting(0, "Seed of the random signs of the Hadamard rotation (rotated schemes).")
+    activation_momentum: float = setting(0.9, "Momentum of the running activation min/max used in eval mode.")
+    activation_ema_init: str = setting(
+        "zeros",
+        "Start of the running activation range: 'zeros' (CPT code) or 'first_batch'."
+    )
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -159,35 +195,64 @@ class ActivationConfig:
 class ModuleSelection:
     """Which modules become CPT layers: patterns, opt-ins for embeddings, attention and adapters."""
 
-    target_modules: tuple[str, ...] | None = None
-    include_modules: tuple[str, ...] | None = None
-    exclude_modules: tuple[str, ...] | None = None
-    quantize_adapters: bool = False
-    quantize_embeddings: bool = False
-    quantize_attention: bool = False
+    target_modules: list[str] | None = setting(
+        None,
+        "Only quantize layers whose name matches one of these patterns (default: all)."
+    )
+    include_modules: list[str] | None = setting(
+        None,
+        "Quantize these layers even if kept in FP32 by default (e.g. the output head)."
+    )
+    exclude_modules: list[str] | None = setting(None, "Keep layers whose name matches one of these patterns in FP32.")
+    quantize_adapters: bool = setting(False, "Also quantize peft adapter layers (lora_A/lora_B).")
+    quantize_embeddings: bool = setting(
+        False,
+        "Also quantize nn.Embedding tables (per row, at the schedule's bits; indices are not quantized) and an "
+        "output head tied to them (weights only), so that small exact checkpoints come from training."
+    )
+    quantize_attention: bool = setting(
+        False,
+        "Also quantize the two attention products (Q and K before Q·Kᵀ, probabilities and V before P·V, their "
+        "errors on the backward pass), through transformers' attention interface; per token when the scheme is "
+        "per-token. Needs a model that dispatches attention through AttentionInterface."
+    )
 
     def __post_init__(self) -> None:
         for name in ("target_modules", "include_modules", "exclude_modules"):
             value = getattr(self, name)
             if isinstance(value, str):
-                object.__setattr__(self, name, (value,))
+                object.__setattr__(self, name, [value])
             elif value is not None:
                 if not all(isinstance(p, str) for p in value):
                     raise ConfigError(type(self).__name__, name, f"must be a list of module-name patterns, got "
                                                                  f"{value!r}.")
-                object.__setattr__(self, name, tuple(value))
+                object.__setattr__(self, name, list(value))
 
 
 @dataclass(frozen=True)
 class RangeTestConfig:
     """The precision range test (``bits_min="auto"``, docs/method.md §6)."""
 
-    start_bits: int = 2
-    steps_per_precision: int = 20
-    threshold: float | None = None  # None: `DEFAULT_RANGE_TEST_THRESHOLDS` of the metric
-    metric: str = "loss"
-    window: int | None = None  # None: a quarter of steps_per_precision
-    restore_weights: bool = True
+    start_bits: int = setting(2, "Precision range test (bits_min='auto'): the precision it starts from (bits).")
+    steps_per_precision: int = setting(20, "Precision range test: training iterations at each precision.")
+    threshold: float | None = setting(
+        None,
+        "Precision range test: improvement that marks bits_min (accuracy: absolute, loss: relative decrease); "
+        "default 0.05 for accuracy, 0.1 for loss."
+    )
+    metric: str = setting(
+        "loss",
+        "Precision range test metric: 'loss' (any model) or 'accuracy' (classification logits)."
+    )
+    window: int | None = setting(
+        None,
+        "Precision range test: iterations averaged per precision (default: a quarter of them)."
+    )
+    restore_weights: bool = setting(
+        True,
+        "Precision range test: restore weights, optimizer and RNG after each precision (True) or keep training "
+        "through it as in the CPT paper (False)."
+    )
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -220,8 +285,15 @@ class RangeTestConfig:
 class EvaluationConfig:
     """The precision of eval mode and the fidelity check at the start of training."""
 
-    eval_bits: int | str = "max"
-    fidelity_threshold: float | None = 0.8
+    eval_bits: int | str = setting(
+        "max",
+        "Evaluation precision: 'max' (bits_max), 'current' (schedule), 'fp32' or a bit-width."
+    )
+    fidelity_threshold: float | None = setting(
+        0.8,
+        "At the start of training, warn when the model's output at bits_min on the first batch has a cosine "
+        "similarity to full precision below this (None: no check)."
+    )
 
     def __post_init__(self) -> None:
         owner = type(self).__name__

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..utils import check_choice
+from ..utils import check_choice, setting
 from .fake_quant import _compute_dtype, fake_quantize, num_levels, quantization_scale, tensor_range, token_range
 from .rotation import Rotation, can_rotate, get_rotation, sylvester_hadamard
 
@@ -48,11 +48,32 @@ ERROR_ROTATION_SEED = 1  # a rotation of the error independent of the layers' in
 class ErrorQuantization:
     """How errors (output gradients) are quantized: ranges, rounding, rotation, which products use them."""
 
-    granularity: str = "tensor"  # or "token", or "auto": resolved per layer by `for_activations`
-    rounding: str = "stochastic"
-    fused: bool = True  # compiled kernels for stochastic rounding (per tensor and per row)
-    products: str = "both"
-    rotation: str = "none"
+    granularity: str = setting(
+        "tensor",
+        "Ranges of the quantized errors (output gradients): 'tensor' (one per error tensor, the CPT paper), "
+        "'token' (one per row: each token's own range over the output features, per pixel for Conv2d; keeps "
+        "tokens whose error is small from falling below one quantization step) or 'auto' (CPTConfig's default: per row in "
+        "layers with per-token activations, per tensor in the others, e.g. Conv2d and every layer under "
+        "quant_scheme='paper'; docs/backward.md)."
+    )
+    rounding: str = setting(
+        "stochastic",
+        "Rounding of the quantized errors: 'stochastic' (unbiased, the CPT paper) or 'nearest'."
+    )
+    fused: bool = setting(
+        True,
+        "Quantize errors with one compiled kernel and counter-based noise (falls back to eager)."
+    )
+    products: str = setting(
+        "both",
+        "Backward products that use the quantized error: 'both' (the CPT paper), 'input' (the input gradient; the "
+        "weight gradient from the full-precision error, as SwitchBack does, priced at 32-bit errors) or 'weight'."
+    )
+    rotation: str = setting(
+        "none",
+        "Orthogonal rotation of the error before quantizing (and back): 'none', 'features' (across the output "
+        "features) or 'tokens' (across tokens, in Hadamard blocks of 64, as HALO does)."
+    )
 
     def __post_init__(self) -> None:
         for name, choices in (("granularity", ERROR_GRANULARITY_CHOICES), ("rounding", ERROR_ROUNDINGS),
