@@ -52,9 +52,9 @@ class ErrorQuantization:
         "tensor",
         "Ranges of the quantized errors (output gradients): 'tensor' (one per error tensor, the CPT paper), "
         "'token' (one per row: each token's own range over the output features, per pixel for Conv2d; keeps "
-        "tokens whose error is small from falling below one quantization step) or 'auto' (CPTConfig's default: per row in "
-        "layers with per-token activations, per tensor in the others, e.g. Conv2d and every layer under "
-        "quant_scheme='paper'; docs/backward.md)."
+        "tokens whose error is small from falling below one quantization step) or 'auto' (CPTConfig's default: "
+        "per row in layers with per-token activations, per tensor in the others, e.g. Conv2d and every layer "
+        "under quant_scheme='paper'; docs/backward.md)."
     )
     rounding: str = setting(
         "stochastic",
