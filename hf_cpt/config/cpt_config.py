@@ -41,12 +41,9 @@ class CPTConfigMethods:
     def validate(self) -> None:
         """Raise `ValueError` naming the first invalid field: each part checks its own fields, then the checks
         that span parts."""
-        for part in PART_FIELDS:
-            self._part(part)
-        self.modules  # noqa: B018 - normalizes the module patterns (a string becomes a one-pattern list)
-        for name in ("target_modules", "include_modules", "exclude_modules"):
-            value = getattr(self.modules, name)
-            setattr(self, name, list(value) if value is not None else None)
+        parts = {part: self._part(part) for part in PARTS}
+        for name in ("target_modules", "include_modules", "exclude_modules"):  # a string becomes a one-pattern list
+            setattr(self, name, getattr(parts[ModuleSelection], name))
         if self.bits_min == "auto":
             try:
                 self.range_test.check_max_bits(self.bits_max)
@@ -122,7 +119,7 @@ def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
     specs = []
     for part in PARTS:
         hints = typing.get_type_hints(part)
-        for own in (f for f in dataclasses.fields(part)):
+        for own in dataclasses.fields(part):
             flat = PART_FIELDS[part][own.name]
             default = RUN_DEFAULTS.get(flat, own.default)
             specs.append((flat, hints[own.name], dataclasses.field(default=default, metadata=own.metadata)))
