@@ -29,6 +29,10 @@ class Task:
     order: tuple[str, ...]
     command: str
     settings_key: str = "settings"
+    extra_files: tuple[str, ...] = ()  # more runs of the same task, in the same section (e.g. the backward ablation)
+    # Stored run name -> the name shown: the runs of today's defaults go under the plain names, the runs of an
+    # earlier default keep a suffix that says what differs (so every page compares the library's defaults).
+    renames: tuple[tuple[str, str], ...] = ()
 
     def format(self, value: float) -> str:
         return f"{100 * value:.2f}" if self.metric == "accuracy" else f"{value:.1f}"
@@ -38,14 +42,26 @@ class Task:
         return "accuracy %" if self.metric == "accuracy" else "perplexity"
 
 
+# Transformer layers quantize errors per row by default (`error_granularity="auto"`, docs/backward.md); the runs
+# named without a suffix were measured under the earlier per-tensor default.
+_DEFAULT_ERRORS_PER_ROW = (("static-8/8", "static-8/8-error-tensor"), ("cpt-4-8/8", "cpt-4-8/8-error-tensor"),
+                           ("static-8/8-error-token", "static-8/8"), ("cpt-4-8/8-error-token", "cpt-4-8/8"))
+
 TASKS = (
     Task("vision", "Vision: CIFAR-10, ResNet-20 from scratch", "vision.json", "runs", "accuracy", True,
          ("fp32", "static-8/8", "cpt-3-8/8", "static-6/6", "cpt-3-6/6"), "python bench/cifar10.py"),
     Task("entailment", "Entailment: pretrained all-MiniLM-L6-v2 fine-tuned on MNLI", "pretrained.json", "finetune",
-         "accuracy", True, ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-paper", "cpt-4-8/8-attention"),
-         "python bench/pretrained.py", settings_key="finetune_settings"),
+         "accuracy", True, ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-attention",
+                            "static-8/8-error-tensor", "cpt-4-8/8-error-tensor", "cpt-5-8/8-error-tensor",
+                            "cpt-4-8/8-attention-error-tensor", "cpt-4-8/8-paper"),
+         "python bench/pretrained.py", settings_key="finetune_settings", extra_files=("backward_ablation.json",),
+         renames=_DEFAULT_ERRORS_PER_ROW + (("cpt-4-8/8-attention", "cpt-4-8/8-attention-error-tensor"),
+                                            ("cpt-5-8/8", "cpt-5-8/8-error-tensor"),
+                                            ("cpt-5-8/8-error-token", "cpt-5-8/8"),
+                                            ("cpt-4-8/8-error-token-attention", "cpt-4-8/8-attention"))),
     Task("language_model", "Language modelling: small GPT-2 on WikiText-2", "language_model.json", "runs",
-         "perplexity", False, ("fp32", "static-8/8", "cpt-4-8/8"), "python bench/language_model.py"),
+         "perplexity", False, ("fp32", "static-8/8", "cpt-4-8/8", "static-8/8-error-tensor", "cpt-4-8/8-error-tensor"),
+         "python bench/language_model.py", renames=_DEFAULT_ERRORS_PER_ROW),
 )
 SWEEP_FILE = "schedule_sweep.json"
 
@@ -74,6 +90,21 @@ def load(results_dir: str, name: str) -> dict | None:
         return json.load(f)
 
 
+def task_data(results_dir: str, task: Task) -> dict | None:
+    """The task's JSON, with the runs of its extra files merged in and every run under its shown name."""
+    data = load(results_dir, task.file)
+    if not data or not data.get(task.section):
+        return None
+    section = dict(data[task.section])
+    for name in task.extra_files:
+        extra = load(results_dir, name)
+        if extra:
+            section.update(extra.get(task.section, {}))
+    renames = dict(task.renames)
+    section = {key: {**entry, "run": renames.get(entry["run"], entry["run"])} for key, entry in section.items()}
+    return {**data, task.section: section}
+
+
 def by_run(section: dict, order: tuple[str, ...] | None = None) -> dict[str, list[dict]]:
     """Entries grouped by run name (in ``order`` when given), each sorted by seed."""
     runs: dict[str, list[dict]] = {}
@@ -97,12 +128,25 @@ def metric_cell(task: Task, entries: list[dict]) -> str:
     return f"{task.format(mean(values))} ± {task.format(spread(values))}"
 
 
-def static_counterpart(entry: dict) -> str | None:
-    """The static run a CPT run is compared with: static at its ``bits_max`` and ``grad_bits``."""
+def static_counterpart(entry: dict, runs: dict | None = None) -> str | None:
+    """The static run a CPT run is compared with: static at its ``bits_max`` and ``grad_bits``, with the longest
+    part of the run's suffix that names a static run too (``cpt-4-8/8-attention-error-tensor`` is compared with
+    ``static-8/8-error-tensor``)."""
     config = entry["cpt_config"]
     if config.get("schedule") in ("fp32", "static"):
         return None
-    return f"static-{config['bits_max']}/{config['grad_bits']}"
+    static = f"static-{config['bits_max']}/{config['grad_bits']}"
+    suffix = entry["run"].split("/", 1)[1].split("-")[1:] if "/" in entry["run"] else []
+    for start in range(len(suffix)):
+        candidate = "-".join([static, *suffix[start:]])
+        if runs is not None and candidate in runs:
+            return candidate
+    return static
+
+
+def meter_cost(entries: list[dict]) -> float:
+    """The cost meter's ratio to the same run at static ``bits_max`` (same layers and attention quantized)."""
+    return mean(e["cost"]["cost_vs_static"] for e in entries)
 
 
 def mean_bits(entry: dict) -> float | None:
@@ -141,7 +185,7 @@ def comparisons(task: Task, runs: dict[str, list[dict]]) -> list[dict]:
     """Each CPT run against its static counterpart and against FP32: gaps, spreads, cost saving."""
     rows = []
     for name, entries in runs.items():
-        counterpart = static_counterpart(entries[0])
+        counterpart = static_counterpart(entries[0], runs)
         if counterpart is None:
             continue
         row = {"run": name, "seeds": len(entries), "metric": mean(e["metric"] for e in entries),
@@ -210,7 +254,7 @@ def profile_findings(task: Task, runs: dict[str, list[dict]]) -> list[str]:
     """At each bit-width below 8: does each CPT run hold its metric better than its static counterpart?"""
     lines = []
     for name, entries in runs.items():
-        counterpart = static_counterpart(entries[0])
+        counterpart = static_counterpart(entries[0], runs)
         if counterpart not in runs or not all("profile" in e for e in entries + runs[counterpart]):
             continue
         ours, theirs = entries, runs[counterpart]
@@ -384,8 +428,8 @@ def scale_note(loaded: list[tuple[Task, dict]]) -> list[str]:
 def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") -> str:
     """The whole page; writes the plots into ``figures_dir`` (linked as ``link_dir`` from the page)."""
     os.makedirs(figures_dir, exist_ok=True)
-    loaded = [(task, load(results_dir, task.file)) for task in TASKS]
-    loaded = [(task, data) for task, data in loaded if data and data.get(task.section)]
+    loaded = [(task, task_data(results_dir, task)) for task in TASKS]
+    loaded = [(task, data) for task, data in loaded if data]
     sweep = load(results_dir, SWEEP_FILE)
     environment = next((data["environment"] for _, data in loaded if "environment" in data), None)
     lines = ["# Results: CPT through hf_cpt on real data", "",
@@ -403,7 +447,7 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
                   "shared during some runs: it is indicative only (`bench/overhead.py` measures overhead side by "
                   "side).", ""]
     lines += ["## Summary", "", "| task | metric | " + " | ".join(("FP32", "static 8/8", "CPT")) +
-              " | CPT cost vs static 8/8 | CPT against static 8/8 |", "|---|---|---|---|---|---|---|"]
+              " | CPT cost vs static (meter) | CPT against static 8/8 |", "|---|---|---|---|---|---|---|"]
     for task, data in loaded:
         runs = by_run(data[task.section], task.order)
         for row in comparisons(task, runs):
@@ -411,7 +455,7 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
                 continue
             fp32 = metric_cell(task, runs["fp32"]) if "fp32" in runs else "-"
             lines.append(f"| {task.key} | {task.unit} | {fp32} | {metric_cell(task, runs['static-8/8'])} | "
-                         f"{row['run']}: {metric_cell(task, runs[row['run']])} | {1 - row['saving']:.3f} | "
+                         f"{row['run']}: {metric_cell(task, runs[row['run']])} | {meter_cost(runs[row['run']]):.3f} | "
                          f"{verdict(task, row)} |")
     lines.append("")
     profiles = []
@@ -456,16 +500,16 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
 
 def readme_summary(results_dir: str) -> list[str]:
     """The README's results table: one row per task, linked to the full page."""
-    lines = ["| task | FP32 | static 8/8 | CPT | CPT cost vs static 8/8 | CPT vs static |", "|---|---|---|---|---|---|"]
+    lines = ["| task | FP32 | static 8/8 | CPT | CPT cost vs static (meter) | CPT vs static |", "|---|---|---|---|---|---|"]
     for task in TASKS:
-        data = load(results_dir, task.file)
-        if not data or not data.get(task.section):
+        data = task_data(results_dir, task)
+        if not data:
             continue
         runs = by_run(data[task.section], task.order)
         for row in comparisons(task, runs):
             if row.get("static") == "static-8/8" and not row["run"].endswith("-paper"):
                 fp32 = metric_cell(task, runs["fp32"]) if "fp32" in runs else "-"
                 lines.append(f"| {task.key} ({task.unit}) | {fp32} | {metric_cell(task, runs['static-8/8'])} | "
-                             f"{row['run']}: {metric_cell(task, runs[row['run']])} | {1 - row['saving']:.3f} | "
+                             f"{row['run']}: {metric_cell(task, runs[row['run']])} | {meter_cost(runs[row['run']]):.3f} | "
                              f"{verdict(task, row)} |")
     return lines

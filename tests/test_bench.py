@@ -189,3 +189,32 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert "CUDA mentioned on stderr: no" in table
     assert "- The first two steps took +2.00 s more than two steady steps of 2.50 s; in a second fresh process " \
            "that finds the compiled kernels in the cache (every later run on the machine), +0.50 s." in table
+
+
+def test_results_page_shows_the_runs_of_todays_defaults_under_the_plain_names(tmp_path):
+    """The per-row runs of the backward ablation are the default now: the summary compares them, and the runs of
+    the earlier per-tensor default keep a suffix and are compared with each other."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import results_page
+
+    def run(name, seed, metric, gbitops, **config):
+        entry = _entry(seed, metric, gbitops / 10, **config)
+        entry["cost"]["gbitops"] = gbitops
+        return {f"{name}/seed{seed}": {**entry, "run": name}}
+
+    cpt = dict(schedule="cpt")
+    pretrained = {"finetune": {**run("fp32", 0, 0.58, 30, schedule="fp32"), **run("static-8/8", 0, 0.53, 10),
+                               **run("cpt-4-8/8", 0, 0.52, 7, **cpt)}}
+    ablation = {"finetune": {**run("static-8/8-error-token", 0, 0.57, 10), **run("cpt-4-8/8-error-token", 0, 0.58, 8,
+                                                                                   **cpt)}}
+    for name, data in (("pretrained.json", pretrained), ("backward_ablation.json", ablation)):
+        (tmp_path / name).write_text(json.dumps(data))
+    task = next(t for t in results_page.TASKS if t.key == "entailment")
+    runs = results_page.by_run(results_page.task_data(str(tmp_path), task)[task.section], task.order)
+    assert [e["metric"] for e in runs["static-8/8"]] == [0.57] and [e["metric"] for e in runs["cpt-4-8/8"]] == [0.58]
+    assert [e["metric"] for e in runs["static-8/8-error-tensor"]] == [0.53]
+    rows = {row["run"]: row for row in results_page.comparisons(task, runs)}
+    assert rows["cpt-4-8/8"]["static"] == "static-8/8" and rows["cpt-4-8/8"]["saving"] == pytest.approx(0.2)
+    assert rows["cpt-4-8/8-error-tensor"]["static"] == "static-8/8-error-tensor"
+    summary = "\n".join(results_page.readme_summary(str(tmp_path)))
+    assert "| entailment (accuracy %) | 58.00 ± 0.00 | 57.00 ± 0.00 | cpt-4-8/8: 58.00 ± 0.00 | 0.800 |" in summary
