@@ -500,7 +500,8 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
 
 def readme_summary(results_dir: str) -> list[str]:
     """The README's results table: one row per task, linked to the full page."""
-    lines = ["| task | FP32 | static 8/8 | CPT | CPT cost vs static (meter) | CPT vs static |", "|---|---|---|---|---|---|"]
+    lines = ["| task | FP32 | static 8/8 | CPT | CPT cost vs static (meter) | CPT vs static |",
+             "|---|---|---|---|---|---|"]
     for task in TASKS:
         data = task_data(results_dir, task)
         if not data:
@@ -509,7 +510,7 @@ def readme_summary(results_dir: str) -> list[str]:
         for row in comparisons(task, runs):
             if row.get("static") == "static-8/8" and not row["run"].endswith("-paper"):
                 fp32 = metric_cell(task, runs["fp32"]) if "fp32" in runs else "-"
+                cpt = runs[row["run"]]
                 lines.append(f"| {task.key} ({task.unit}) | {fp32} | {metric_cell(task, runs['static-8/8'])} | "
-                             f"{row['run']}: {metric_cell(task, runs[row['run']])} | {meter_cost(runs[row['run']]):.3f} | "
-                             f"{verdict(task, row)} |")
+                             f"{row['run']}: {metric_cell(task, cpt)} | {meter_cost(cpt):.3f} | {verdict(task, row)} |")
     return lines
