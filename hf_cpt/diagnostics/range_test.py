@@ -6,7 +6,8 @@ accuracy (or loss) averaged over consecutive iterations; the first precision at 
 more than a threshold is ``bits_min``. ``bits_max`` stays the precision of the static baseline.
 
 `precision_range_test` runs it on any quantized model and any iterable of batches (dicts for
-transformers models, ``(inputs, labels)`` pairs otherwise); `run_precision_range_test_for_trainer`
+transformers models, ``(inputs, labels)`` pairs otherwise);
+`hf_cpt.integrations.range_test.run_precision_range_test_for_trainer`
 runs it at the start of a `transformers.Trainer` run for ``CPTConfig(bits_min="auto")``.
 
 Two modes, chosen with ``restore_weights``:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..config import CPTConfig
 from ..diagnostics.range_test import PrecisionRangeResult, precision_range_test
 
 logger = logging.getLogger(__name__)
@@ -19,7 +20,7 @@ PRT_PLOT_FILE = "cpt_prt.png"
 
 
 def run_precision_range_test_for_trainer(
-    config,
+    config: CPTConfig,
     args,
     state,
     model: nn.Module,
@@ -43,18 +44,19 @@ def run_precision_range_test_for_trainer(
         raise ValueError(
             "CPTConfig(bits_min='auto') needs the Trainer's train_dataloader for the precision range test."
         )
+    test = config.range_test
     result = precision_range_test(
         model,
         train_dataloader,
-        start_bits=config.prt_start_bits,
+        start_bits=test.start_bits,
         max_bits=config.bits_max,
-        steps_per_precision=config.prt_steps_per_precision,
-        threshold=config.prt_threshold,
-        metric=config.prt_metric,
-        window=config.prt_window,
+        steps_per_precision=test.steps_per_precision,
+        threshold=test.threshold,
+        metric=test.metric,
+        window=test.window,
         optimizer=optimizer,
         grad_bits=config.grad_bits,
-        restore_weights=config.prt_restore_weights,
+        restore_weights=test.restore_weights,
         max_grad_norm=getattr(args, "max_grad_norm", None) or None,
     )
     logger.warning("%s", result)
