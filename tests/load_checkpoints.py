@@ -1,6 +1,6 @@
 """Load a batch of CPT checkpoints in this (fresh) process, as a user on another machine does.
 
-Run by tests/test_checkpoint_fresh_process.py: ``python tests/load_checkpoints.py manifest.json``. For each
+Run by tests/test_serialization_fresh_process.py: ``python tests/load_checkpoints.py manifest.json``. For each
 entry it loads ``entry["path"]`` with ``import hf_cpt`` and ``from_pretrained`` (with the entry's keyword
 arguments), compares the outputs on the saved inputs with the trained model's, and prints one JSON line per
 entry. ``resave`` saves the loaded model again (a second hop), after a few more training steps with
