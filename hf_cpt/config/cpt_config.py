@@ -1,6 +1,6 @@
 """`CPTConfig`: every setting of a Cyclic Precision Training run, validated up front.
 
-Flat fields, so that ``CPTConfig(bits_min=4)``, ``HfArgumentParser`` and the recipes' ``--cpt_*`` flags work. Each
+Flat fields, so that ``CPTConfig(bits_min=4)`` and the recipes' ``--cpt_*`` flags (made from the fields) work. Each
 field is declared once, with its default and help text, in the typed part it belongs to (`hf_cpt.config.parts`,
 and `ErrorQuantization` for the errors); `CPTConfig` is their union, and each part checks its own fields.
 """
