@@ -509,3 +509,14 @@ def test_accelerate_fsdp_plugin_on_a_cpu_machine_is_refused(tmp_path, monkeypatc
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(RuntimeError, match="FSDP plugin does not run on a machine without GPU"):
         common.setup(args)
+
+
+def test_make_demo_trains_the_three_runs_side_by_side(tmp_path):
+    """`make demo` (the README's first command): FP32, static 8-bit and CPT on the same data, with their cost."""
+    result = run_recipe("demo.py", ["--output_dir", str(tmp_path), "--epochs", "2"])
+    assert "CPT 3-8 / 8" in result.stdout
+    runs = json.load(open(tmp_path / "results.json"))["runs"]
+    assert list(runs) == ["FP32", "static 8-bit", "CPT 3-8 / 8"]
+    assert runs["CPT 3-8 / 8"]["gbitops"] < runs["static 8-bit"]["gbitops"] < runs["FP32"]["gbitops"]
+    assert all(0.0 <= run["accuracy"] <= 1.0 for run in runs.values())
+    assert (tmp_path / "cpt_schedule.png").stat().st_size > 1000
