@@ -736,6 +736,9 @@ def test_export_options_are_checked_before_any_save_or_upload(tmp_path):
         trainer.push_to_hub(save_format="int4")
     with pytest.raises(TypeError, match=r"unknown export option\(s\) \['bitz'\]"):
         trainer.save_model(str(tmp_path / "x"), bitz=4)
+    trainer.cpt_float_weight_bits = 12
     with pytest.raises(ValueError, match="float_weight_bits must be an integer in 1..8"):
-        trainer.cpt_export = ExportSettings(float_weight_bits=12)
+        trainer.save_model(str(tmp_path / "x"))
     assert not os.path.exists(tmp_path / "x") and trainer._cpt_push_export is None
+    trainer.cpt_float_weight_bits = "auto"
+    assert trainer.cpt_export == ExportSettings("packed", None, "auto")

@@ -74,11 +74,10 @@ class CPTTrainer(Trainer):
                 return fresh
 
             kwargs["model_init"] = quantized_model_init
-        self.cpt_export = ExportSettings()  # what save_model / push_to_hub write (set its fields to change it)
         self._cpt_push_export: dict[str, Any] | None = None  # push_to_hub's export options, for its save_model
         self._cpt_last_export: tuple[str | None, CheckpointFields | None] = (None, None)  # (directory, fields)
         unexportable = self._cpt_unexportable_bits_max()
-        if self.cpt_export.save_format != "fp32" and unexportable:
+        if self.cpt_save_format != "fp32" and unexportable:
             logger.warning(
                 "CPTTrainer: %s; save_model() and push_to_hub() will write the FP32 master weights (or pass "
                 "bits=<1..%d> to export at that precision).", unexportable, MAX_EXPORT_BITS,
@@ -128,10 +127,23 @@ class CPTTrainer(Trainer):
         return rows
 
     # -- saving: quantized checkpoints (hf_cpt.serialization) -------------------------------------
+    #: What `save_model` and `push_to_hub` write by default (`ExportSettings`; set on the trainer or a subclass):
+    #: "packed" (integer CPT checkpoint), "portable" (float weights on the grid, loads anywhere) or "fp32".
+    cpt_save_format: str = "packed"
+    #: Export precision (None: ``cpt_config.bits_max``) and storage of the weights trained in FP32.
+    cpt_save_bits: int | None = None
+    cpt_float_weight_bits: Any = None  # exact; "auto" or a bit-width rounds FP32-trained weights (measured)
+
+    @property
+    def cpt_export(self) -> ExportSettings:
+        """The export defaults as one validated record (from the three attributes above)."""
+        return ExportSettings(self.cpt_save_format, self.cpt_save_bits, self.cpt_float_weight_bits)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, **export: Any) -> None:
         """Save the trained model for use, with its tokenizer / image processor and a model card.
 
-        ``export`` overrides `ExportSettings` fields of ``self.cpt_export`` for this call: ``save_format``
+        ``export`` overrides, for this call, the `ExportSettings` that ``cpt_save_format`` / ``cpt_save_bits`` /
+        ``cpt_float_weight_bits`` set: ``save_format``
         ("packed" by default: a packed CPT checkpoint at ``bits``, default ``cpt_config.bits_max``; "portable":
         a float export on the same grid; "fp32": the master weights) and ``float_weight_bits``
         (`hf_cpt.save_quantized`'s). Unless ``save_format`` is given here, a model that cannot be exported
@@ -148,7 +160,7 @@ class CPTTrainer(Trainer):
         if unknown:
             raise TypeError(f"CPTTrainer.save_model: unknown export option(s) {unknown}; see hf_cpt ExportSettings.")
         given = {**(self._cpt_push_export or {}), **export}
-        settings = dataclasses.replace(self.cpt_export, **given)
+        settings = dataclasses.replace(self.cpt_export, **given)  # validated before any work
         save_format = given.get("save_format") or self._cpt_default_save_format(settings.save_format)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if save_format == "fp32":
@@ -173,7 +185,7 @@ class CPTTrainer(Trainer):
         export = {key: value for key, value in (("save_format", save_format), ("bits", bits)) if value is not None}
         if "float_weight_bits" in kwargs:  # None is a value here: exact float weights
             export["float_weight_bits"] = kwargs.pop("float_weight_bits")
-        dataclasses.replace(self.cpt_export, **export)  # validate before any upload work
+        dataclasses.replace(self.cpt_export, **export)  # validated before any upload work
         self._cpt_push_export = export
         try:
             return super().push_to_hub(*args, **kwargs)
@@ -210,7 +222,7 @@ class CPTTrainer(Trainer):
 
     def _cpt_unexportable_bits_max(self) -> str | None:
         """Why the default export precision (``bits_max``) cannot be stored, or None when it can."""
-        if self.cpt_export.bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
+        if self.cpt_save_bits is None and self.cpt_config.bits_max > MAX_EXPORT_BITS:
             bits_max = self.cpt_config.bits_max
             return f"CPTConfig.bits_max={bits_max} is above the {MAX_EXPORT_BITS} bits a CPT checkpoint stores"
         return None
