@@ -1,4 +1,5 @@
-"""Trainer integration: `CPTCallback` drives the schedule, `CPTTrainer` is a drop-in `Trainer`."""
+"""`CPTCallback`: sets the CPT precision at every optimizer step of a `transformers.Trainer` run, meters the cost
+and adds the ``cpt/*`` values to the logs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Trainer integration: `CPTCallback` drives the schedule, `CPTTrainer` is a drop-in `Trainer`."""
+"""`CPTTrainer`: a drop-in `transformers.Trainer` that trains with CPT and saves quantized checkpoints."""
 
 from __future__ import annotations
 
@@ -23,13 +23,6 @@ from ..serialization.save import plain_model, write_checkpoint
 from .callback import CPTCallback
 
 logger = logging.getLogger(__name__)
-
-COST_REPORT_FILE = "cpt_cost_report.json"
-# Written into each Trainer checkpoint: the eval-mode activation ranges are buffers outside state_dict.
-ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
-# Also in each Trainer checkpoint: the cost meter's totals, so a resumed run reports the whole run's cost.
-COST_STATE_FILE = "cpt_cost_state.json"
-
 
 SAVE_FORMATS = ("packed", "portable", "fp32")
 
