@@ -312,11 +312,6 @@ class EvaluationConfig:
 PART_FIELDS: dict[type, dict[str, str]] = {}
 
 
-def flat_names(part: type) -> dict[str, str]:
-    """``{part field: CPTConfig field}`` of a part."""
-    return PART_FIELDS[part]
-
-
 def _register(part: type, renames: dict[str, str] | None = None) -> None:
     renames = renames or {}
     PART_FIELDS[part] = {name: renames.get(name, name) for name in part.__dataclass_fields__}

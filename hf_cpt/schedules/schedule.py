@@ -15,7 +15,6 @@ from .shapes import DELAY_PRECISIONS, ROUNDING_MODES, ScheduleShape, StepFn, ava
 
 GradBits = int | Callable[[int], int | None] | None
 
-COST_GROUPS = ("small", "medium", "large")
 # Cost groups, by where the mean bits of a run fall between the bounds:
 # f = (mean_bits - bits_min) / (bits_max - bits_min); small if f < 1/3, large if f > 2/3.
 # For 3-8 bits and 8 cycles this gives the follow-up study's grouping (RR, RT-H at f ~ 0.16;

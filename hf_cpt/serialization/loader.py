@@ -46,8 +46,6 @@ from .validation import named_module, read_tensor_headers, safetensors_files, va
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {torch.uint8: "U8", torch.float32: "F32"}
-
 
 class CPTHfQuantizer(HfQuantizer):
     """Rebuilds CPT layers from a ``quant_method="cpt"`` checkpoint (see the module docstring)."""

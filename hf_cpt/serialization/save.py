@@ -31,7 +31,6 @@ anywhere. Layout details: ``docs/checkpoints.md``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -43,8 +42,6 @@ from .export import packed_state_dict, portable_state_dict, resolve_export_bits
 from .format import QUANT_METHOD, CheckpointFields
 from .model_card import write_model_card
 from .quantization_config import CPTQuantizationConfig
-
-logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
