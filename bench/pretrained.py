@@ -84,6 +84,8 @@ BACKWARD_RUNS = {
     "static-8/8-error-tensor-rotate-tokens": {**STATIC, **PER_ROW, "error_granularity": "tensor",
                                               "error_rotation": "tokens"},
     "static-8/8-error-token-nearest": {**STATIC, **PER_ROW, "error_rounding": "nearest"},
+    "cpt-4-8/8-error-token-nearest": {**CPT_4_8, **PER_ROW, "error_rounding": "nearest"},
+    "cpt-5-8/8-error-token-nearest": {**CPT_5_8, **PER_ROW, "error_rounding": "nearest"},
     "static-8/8-error-tensor-rotate-features": {**STATIC, **PER_ROW, "error_granularity": "tensor",
                                                 "error_rotation": "features"},
 }
