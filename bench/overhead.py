@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import os
 import statistics
 import sys
@@ -61,26 +62,12 @@ def layer_steps(layer: nn.Module, x: torch.Tensor, fused: bool, scheme: str | No
     quantized = nn.Sequential(copy.deepcopy(layer))
     quantize_model(quantized, CPTConfig(fused_error_quantizer=fused, quant_scheme=scheme or QUANT_SCHEME))
     set_precision(quantized, 8, 8)
-    x = x.clone().requires_grad_(True)
-    with torch.no_grad():
-        grad_out = torch.randn_like(layer(x))
-
-    def make(module: nn.Module) -> Step:
-        params = list(module.parameters())
-
-        def step() -> None:
-            x.grad = None
-            for p in params:
-                p.grad = None
-            module(x).backward(grad_out)
-
-        return step
-
-    return make(layer), make(quantized)
+    return plain_and_other(layer, quantized, x)
 
 
 def plain_and_other(layer: nn.Module, other: nn.Module, x: torch.Tensor, call=None) -> tuple[Step, Step]:
-    """Forward + backward of ``layer`` and of another implementation's quantized ``other`` (``call(other, x)``)."""
+    """Forward + backward (input and weight gradients) of ``layer`` and of a quantized ``other`` (``call(other,
+    x)``, default ``other(x)``), with the same input and output gradient."""
     x = x.clone().requires_grad_(True)
     with torch.no_grad():
         grad_out = torch.randn_like(layer(x))
@@ -383,16 +370,18 @@ def main() -> None:
     fused = not args.no_fused
 
     torch.manual_seed(0)
+    linear, linear_input = nn.Linear(768, 3072), torch.randn(2048, 768)
+    conv, conv_input = nn.Conv2d(16, 16, 3, padding=1, bias=False), torch.randn(128, 16, 32, 32)
     cases = {
         "linear": lambda: Case(
             "Linear 768->3072, 2048 tokens, fwd+bwd",
-            *layer_steps(nn.Linear(768, 3072), torch.randn(2048, 768), fused),
+            *layer_steps(linear, linear_input, fused),
             iters=2,
             target=1.15,
         ),
         "linear-paper": lambda: Case(
             "Linear 768->3072, 2048 tokens, fwd+bwd, paper scheme",
-            *layer_steps(nn.Linear(768, 3072), torch.randn(2048, 768), fused, scheme="paper"),
+            *layer_steps(linear, linear_input, fused, scheme="paper"),
             iters=2,
             target=1.05,
         ),
@@ -419,7 +408,8 @@ def main() -> None:
                               iters=1, target=1.25),
         "minilm": lambda: Case("pretrained MiniLM fine-tuning step, batch 32x128", *model_steps(*minilm(), fused),
                                iters=1, target=1.25),
-        # Anchors: other implementations of quantized training on the same layers, same inputs.
+        # Anchors: other implementations of quantized training: the same Linear and input as the rows above; a
+        # Conv2d of the same shape without bias (the published layer has none).
         "linear-torchao": lambda: Case(
             "anchor: torchao QAT Linear, FP32 errors",
             *plain_and_other(linear, torchao_qat_linear(linear), linear_input), iters=2, target=None,
@@ -435,15 +425,13 @@ def main() -> None:
             iters=3, target=None,
         ),
     }
-    linear, linear_input = nn.Linear(768, 3072), torch.randn(2048, 768)
-    conv, conv_input = nn.Conv2d(16, 16, 3, padding=1, bias=False), torch.randn(128, 16, 32, 32)
     published = published_quantizer(args.published_quantizer) if args.published_quantizer else None
     memory_kinds = {"gpt2": "gpt2_small", "bert-base": "bert_base", "bert-base-16": "bert_base_16",
                     "vit-s": "vit_small", "minilm": "minilm"}
     selected = args.only or list(cases)
     if published is None:
         selected = [key for key in selected if not key.endswith("-published")]
-    if torchao_qat_linear(nn.Linear(2, 2)) is None and "linear-torchao" in selected:
+    if importlib.util.find_spec("torchao") is None and "linear-torchao" in selected:
         print("skipping the torchao anchor: pip install torchao (the `bench` extra)")
         selected.remove("linear-torchao")
     if "minilm" in selected and minilm_path() is None:

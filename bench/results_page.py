@@ -449,14 +449,8 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
     lines += ["## Summary", "", "| task | metric | " + " | ".join(("FP32", "static 8/8", "CPT")) +
               " | CPT cost vs static (meter) | CPT against static 8/8 |", "|---|---|---|---|---|---|---|"]
     for task, data in loaded:
-        runs = by_run(data[task.section], task.order)
-        for row in comparisons(task, runs):
-            if row.get("static") != "static-8/8" or row["run"].endswith("-paper"):
-                continue
-            fp32 = metric_cell(task, runs["fp32"]) if "fp32" in runs else "-"
-            lines.append(f"| {task.key} | {task.unit} | {fp32} | {metric_cell(task, runs['static-8/8'])} | "
-                         f"{row['run']}: {metric_cell(task, runs[row['run']])} | {meter_cost(runs[row['run']]):.3f} | "
-                         f"{verdict(task, row)} |")
+        lines += [f"| {task.key} | {task.unit} | " + " | ".join(cells) + " |"
+                  for cells in summary_cells(task, by_run(data[task.section], task.order))]
     lines.append("")
     profiles = []
     for task, data in loaded:
@@ -498,19 +492,25 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
     return "\n".join(lines).rstrip() + "\n"
 
 
+def summary_cells(task: Task, runs: dict[str, list[dict]]) -> list[list[str]]:
+    """Per CPT run compared with static 8/8: FP32, static 8/8, the CPT run, its meter cost and the verdict."""
+    rows = []
+    for row in comparisons(task, runs):
+        if row.get("static") != "static-8/8" or row["run"].endswith("-paper"):
+            continue
+        cpt = runs[row["run"]]
+        rows.append([metric_cell(task, runs["fp32"]) if "fp32" in runs else "-", metric_cell(task, runs["static-8/8"]),
+                     f"{row['run']}: {metric_cell(task, cpt)}", f"{meter_cost(cpt):.3f}", verdict(task, row)])
+    return rows
+
+
 def readme_summary(results_dir: str) -> list[str]:
     """The README's results table: one row per task, linked to the full page."""
     lines = ["| task | FP32 | static 8/8 | CPT | CPT cost vs static (meter) | CPT vs static |",
              "|---|---|---|---|---|---|"]
     for task in TASKS:
         data = task_data(results_dir, task)
-        if not data:
-            continue
-        runs = by_run(data[task.section], task.order)
-        for row in comparisons(task, runs):
-            if row.get("static") == "static-8/8" and not row["run"].endswith("-paper"):
-                fp32 = metric_cell(task, runs["fp32"]) if "fp32" in runs else "-"
-                cpt = runs[row["run"]]
-                lines.append(f"| {task.key} ({task.unit}) | {fp32} | {metric_cell(task, runs['static-8/8'])} | "
-                             f"{row['run']}: {metric_cell(task, cpt)} | {meter_cost(cpt):.3f} | {verdict(task, row)} |")
+        if data:
+            lines += [f"| {task.key} ({task.unit}) | " + " | ".join(cells) + " |"
+                      for cells in summary_cells(task, by_run(data[task.section], task.order))]
     return lines

@@ -82,7 +82,6 @@ class CostTotals:
                 self.steps_at_bits.items(), key=lambda kv: 99 if kv[0] is None else kv[0])},
         }
 
-
     @classmethod
     def _scalar_fields(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.name != "steps_at_bits"]

@@ -742,3 +742,18 @@ def test_export_options_are_checked_before_any_save_or_upload(tmp_path):
     assert not os.path.exists(tmp_path / "x") and trainer._cpt_push_export is None
     trainer.cpt_float_weight_bits = "auto"
     assert trainer.cpt_export == ExportSettings("packed", None, "auto")
+
+
+def test_a_model_card_without_matplotlib_has_no_picture(tmp_path, monkeypatch):
+    """matplotlib is optional (the `plot` extra): without it the card is written, without the schedule picture."""
+    import hf_cpt.serialization.model_card as model_card
+
+    def no_matplotlib(*args, **kwargs):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(model_card, "plot_schedule", no_matplotlib)
+    model, _, _ = calibrated("bert")
+    save_quantized(model, tmp_path, 8, cpt_config=CPTConfig(num_cycles=2))
+    card = (tmp_path / "README.md").read_text()
+    assert "## Precision schedule" in card and "cpt_schedule.png" not in card
+    assert not (tmp_path / "cpt_schedule.png").exists()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..numerics.bits import check_bits
+from ..numerics.bits import bits_problem
 from ..numerics.errors import ErrorQuantization
 from ..schedules import (
     DELAY_PRECISIONS,
@@ -44,10 +44,9 @@ def auto_cycles(schedule_steps: int) -> int:
 
 
 def _bits(owner: str, name: str, value: Any) -> None:
-    try:
-        check_bits("bits", value)
-    except ValueError as error:
-        raise ConfigError(owner, name, str(error).removeprefix("bits ")) from None
+    problem = bits_problem(value)
+    if problem is not None:
+        raise ConfigError(owner, name, problem)
 
 
 @dataclass(frozen=True)

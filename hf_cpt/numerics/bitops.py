@@ -7,6 +7,8 @@ Schedules price themselves with it and the `hf_cpt.cost.CostMeter` prices every 
 
 from __future__ import annotations
 
+import functools
+
 from .errors import ErrorQuantization
 
 FULL_PRECISION_BITS = 32
@@ -20,10 +22,16 @@ def bitops_per_mac(bits: int | None, grad_bits: int | None, error_products: str 
     """
     weight_bits = activation_bits = bits if bits is not None else FULL_PRECISION_BITS
     error_bits = grad_bits if grad_bits is not None else FULL_PRECISION_BITS
-    errors = ErrorQuantization(products=error_products)
+    errors = _products(error_products)
     input_error_bits = error_bits if errors.quantizes_input_gradient else FULL_PRECISION_BITS
     weight_error_bits = error_bits if errors.quantizes_weight_gradient else FULL_PRECISION_BITS
     return weight_bits * activation_bits + input_error_bits * weight_bits + weight_error_bits * activation_bits
+
+
+@functools.cache
+def _products(error_products: str) -> ErrorQuantization:
+    # Built (and validated) once per value: a schedule prices every step of a run with it.
+    return ErrorQuantization(products=error_products)
 
 
 def relative_cost(bits: int | None, grad_bits: int | None) -> float:
