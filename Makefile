@@ -30,7 +30,10 @@ results: install
 	$(OFFLINE) $(PY) bench/cifar10.py
 	$(OFFLINE) $(PY) bench/pretrained.py
 	$(OFFLINE) $(PY) bench/language_model.py
+	$(OFFLINE) $(PY) bench/language_model.py --epochs 6 --runs fp32 static-8/8-full cpt-4-8/8-full --no_profile \
+		--output bench/results/language_model_full.json
 	$(OFFLINE) $(PY) bench/schedule_sweep.py
+	$(OFFLINE) $(PY) bench/horizon.py
 	$(PY) bench/report.py
 
 lint: install

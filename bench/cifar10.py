@@ -158,13 +158,13 @@ def make_trainer(model: nn.Module, config: CPTConfig, train, evaluation, epochs:
 
 
 def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int], train, evaluation, epochs: float,
-            max_steps: int, work_dir: str, profile: bool, desc: str = "vision runs") -> None:
+            max_steps: int, work_dir: str, profile: bool, desc: str = "vision runs", section: str = "runs") -> None:
     """Every (run, seed) of a fresh CIFAR ResNet-20 (`harness.run_all`)."""
     def build(config: CPTConfig, seed: int, name: str) -> CPTTrainer:
         return make_trainer(CifarResNet(20), config, train, evaluation, epochs, seed, os.path.join(work_dir, name),
                             max_steps)
 
-    harness.run_all(results, path, runs, seeds, build, "accuracy", "accuracy", profile, desc=desc)
+    harness.run_all(results, path, runs, seeds, build, "accuracy", "accuracy", profile, section=section, desc=desc)
 
 
 def load_cifar(data_dir: str, train_size: int | None, test_size: int | None):

@@ -3,7 +3,8 @@
 Trained on ``wikitext-2/valid.txt`` and evaluated on ``test.txt`` (``../shared/data``; WikiText-2 has
 no train split there), with a byte-level BPE tokenizer (8,000 tokens) trained on the training text
 only, blocks of 128 tokens, batch 16, AdamW lr 1e-3 with cosine decay, default `CPTConfig` settings.
-Runs: FP32, static 8/8, CPT 4-8/8, two seeds. Each run records test perplexity, the cost meter's
+Runs: FP32, static 8/8, CPT 4-8/8, two seeds; ``-full`` runs also quantize the output head and the attention
+products (the paper's Transformer is quantized throughout). Each run records test perplexity, the cost meter's
 report, time per step, the training curve and the precision profile (perplexity at 3-8 bits and FP32,
 on the first quarter of the test text).
 
@@ -11,6 +12,8 @@ Resumable: results go to ``--output`` after every run; a finished run is skipped
 run again. ``python bench/report.py`` turns the JSON into ``docs/RESULTS.md``.
 
     nohup python bench/language_model.py > outputs/language_model.log 2>&1 &
+    nohup python bench/language_model.py --epochs 6 --runs fp32 static-8/8-full cpt-4-8/8-full \
+        --output bench/results/language_model_full.json > outputs/language_model_full.log 2>&1 &
 """
 
 from __future__ import annotations
@@ -32,12 +35,17 @@ BLOCK = 128
 # Error ranges named per run: per tensor (the CPT paper, the runs recorded first) or per row ("-error-token",
 # today's default; docs/backward.md).
 PER_TENSOR, PER_ROW = dict(error_granularity="tensor"), dict(error_granularity="token")
+# Quantized throughout, as the CPT paper's WikiText-103 Transformer: the output head and the two attention
+# products too ("-full"; default error settings).
+FULL = dict(include_modules=["lm_head"], quantize_attention=True)
 RUNS = {
     "fp32": dict(schedule="fp32"),
     "static-8/8": dict(schedule="static", bits_max=8, grad_bits=8, **PER_TENSOR),
     "cpt-4-8/8": dict(schedule="cpt", bits_min=4, bits_max=8, grad_bits=8, **PER_TENSOR),
     "static-8/8-error-token": dict(schedule="static", bits_max=8, grad_bits=8, **PER_ROW),
     "cpt-4-8/8-error-token": dict(schedule="cpt", bits_min=4, bits_max=8, grad_bits=8, **PER_ROW),
+    "static-8/8-full": dict(schedule="static", bits_max=8, grad_bits=8, **FULL),
+    "cpt-4-8/8-full": dict(schedule="cpt", bits_min=4, bits_max=8, grad_bits=8, **FULL),
 }
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8"]
 MODEL_SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_positions=BLOCK)

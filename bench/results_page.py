@@ -62,6 +62,12 @@ TASKS = (
     Task("language_model", "Language modelling: small GPT-2 on WikiText-2", "language_model.json", "runs",
          "perplexity", False, ("fp32", "static-8/8", "cpt-4-8/8", "static-8/8-error-tensor", "cpt-4-8/8-error-tensor"),
          "python bench/language_model.py", renames=_DEFAULT_ERRORS_PER_ROW),
+    Task("language_model_full", "Language modelling, quantized throughout: small GPT-2 on WikiText-2 with the "
+         "output head and the attention products quantized", "language_model_full.json", "runs", "perplexity", False,
+         ("fp32", "static-8/8", "cpt-4-8/8"),
+         "python bench/language_model.py --epochs 6 --runs fp32 static-8/8-full cpt-4-8/8-full --no_profile "
+         "--output bench/results/language_model_full.json",
+         renames=(("static-8/8-full", "static-8/8"), ("cpt-4-8/8-full", "cpt-4-8/8"))),
 )
 SWEEP_FILE = "schedule_sweep.json"
 
@@ -73,6 +79,8 @@ PAPERS = {
                    "baseline; the CPT paper has no BERT result."),
     "language_model": ("CPT paper, WikiText-103 Transformer: static 8/8 perplexity 31.77, CPT 4-8/8 30.22 at "
                        "30.2% fewer BitOPs."),
+    "language_model_full": ("CPT paper, WikiText-103 Transformer (quantized throughout): static 8/8 perplexity "
+                            "31.77, CPT 4-8/8 30.22 at 30.2% fewer BitOPs."),
     "sweep": ("Follow-up study: schedules that spend long stretches at low precision (small cost: RR, RT-H) "
               "cost accuracy, most of all early in training; triangular schedules (which start at high "
               "precision) and large-cost ones (ER, ET-H) protect it."),
@@ -413,7 +421,7 @@ def scale_note(loaded: list[tuple[Task, dict]]) -> list[str]:
         if task.key == "vision":
             sizes.append(f"{settings.get('epochs')} epochs over {size.get('train', '?'):,} CIFAR-10 images "
                          "(the paper: 160 epochs over 50,000)")
-        elif task.key == "language_model":
+        elif task.key in ("language_model", "language_model_full"):
             sizes.append(f"{settings.get('epochs')} epochs of a {settings.get('model', {}).get('n_layer')}-layer "
                          f"GPT-2 over {size.get('train_tokens', 0):,} tokens (the paper: WikiText-103, ~100M tokens)")
         elif task.key == "entailment":
@@ -427,6 +435,8 @@ def scale_note(loaded: list[tuple[Task, dict]]) -> list[str]:
 
 def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") -> str:
     """The whole page; writes the plots into ``figures_dir`` (linked as ``link_dir`` from the page)."""
+    import horizon_page  # a section of this page, built from the helpers above
+
     os.makedirs(figures_dir, exist_ok=True)
     loaded = [(task, task_data(results_dir, task)) for task in TASKS]
     loaded = [(task, data) for task, data in loaded if data]
@@ -438,6 +448,7 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
              "", "```bash", "make results     # all of the below, then the report (resumable: finished runs are "
              "skipped)"]
     lines += [task.command for task, _ in loaded] + (["python bench/schedule_sweep.py"] if sweep else [])
+    lines += [horizon_page.COMMAND] if load(results_dir, horizon_page.FILE) else []
     lines += ["python bench/report.py", "```", ""]
     if environment:
         lines += ["Machine and versions: " + ", ".join(f"{k} {v}" for k, v in environment.items()) + ". Costs come "
@@ -473,6 +484,9 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
         plot_curves(task, runs, os.path.join(figures_dir, f"{task.key}_curves.png"))
         lines += [f"![{task.key} training curves]({link_dir}/{task.key}_curves.png)", ""]
         profiles.append((task, runs))
+    horizon = load(results_dir, horizon_page.FILE)
+    if horizon:
+        lines += horizon_page.section(horizon, figures_dir, link_dir)
     if sweep and sweep.get("runs"):
         lines += sweep_section(sweep, figures_dir, link_dir)
         lines += [f"Reported: {PAPERS['sweep']}", ""]
@@ -505,7 +519,9 @@ def summary_cells(task: Task, runs: dict[str, list[dict]]) -> list[list[str]]:
 
 
 def readme_summary(results_dir: str) -> list[str]:
-    """The README's results table: one row per task, linked to the full page."""
+    """The README's results table: one row per task (and per horizon length), linked to the full page."""
+    import horizon_page
+
     lines = ["| task | FP32 | static 8/8 | CPT | CPT cost vs static (meter) | CPT vs static |",
              "|---|---|---|---|---|---|"]
     for task in TASKS:
@@ -513,4 +529,7 @@ def readme_summary(results_dir: str) -> list[str]:
         if data:
             lines += [f"| {task.key} ({task.unit}) | " + " | ".join(cells) + " |"
                       for cells in summary_cells(task, by_run(data[task.section], task.order))]
+    horizon = load(results_dir, horizon_page.FILE)
+    if horizon:
+        lines += ["| " + " | ".join(cells) + " |" for cells in horizon_page.summary_rows(horizon)]
     return lines

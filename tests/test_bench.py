@@ -95,18 +95,41 @@ def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
     lm = json.load(open(results / "language_model.json"))
     assert lm["runs"]["cpt-4-8/8/seed0"]["metric"] > 1  # a perplexity
     assert 0 < lm["runs"]["cpt-4-8/8/seed0"]["cost"]["full_precision_mac_share"] < 1  # FP32 head, attention
+    _run_script("language_model.py", [*common, "--output", str(results / "language_model_full.json"),
+                                      "--train_blocks", "8", "--test_blocks", "8", "--seeds", "0", "--runs",
+                                      "static-8/8-full", "cpt-4-8/8-full", "--no_profile", "--work_dir",
+                                      str(work / "lm")])
+    full = json.load(open(results / "language_model_full.json"))
+    assert full["runs"]["cpt-4-8/8-full/seed0"]["cost"]["full_precision_mac_share"] == 0  # quantized throughout
+
+    horizon_args = ["--data_dir", shared_data_dir, "--max_steps", "10", "--epochs", "1", "2", "--output",
+                    str(results / "horizon.json"), "--train_size", "40", "--test_size", "20", "--seeds", "0",
+                    "--runs", "static-8/8", "ct-3-8/8-n8-delay", "--work_dir", str(work / "h")]
+    _run_script("horizon.py", horizon_args)
+    horizon = json.load(open(results / "horizon.json"))
+    assert set(horizon["epochs-2"]) == {"static-8/8/seed0", "ct-3-8/8-n8-delay/seed0"}
+    protected = horizon["epochs-1"]["ct-3-8/8-n8-delay/seed0"]
+    assert protected["curve"][0]["bits"] == 8 and protected["cost"]["cost_vs_static"] < 1  # held at 8, then cycles
+    again = _run_script("horizon.py", horizon_args)  # resumable: nothing left to run
+    assert "accuracy" not in again.stderr + again.stdout
 
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- results-summary:start -->\n<!-- results-summary:end -->\ny\n")
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), "--results", str(results), "--docs",
                     str(tmp_path / "docs"), "--readme", str(readme)], check=True, capture_output=True, timeout=300)
     page = (tmp_path / "docs" / "RESULTS.md").read_text()
-    for heading in ("## Vision", "## Language modelling", "## Schedule sweep", "## Precision profile"):
+    for heading in ("## Vision", "## Language modelling", "## Language modelling, quantized throughout",
+                    "## Horizon", "## Schedule sweep", "## Precision profile"):
         assert heading in page
+    horizon_section = page.split("## Horizon")[1].split("\n## ")[0]
+    assert "| run | 1 epochs | 2 epochs |" in horizon_section and "| static 8/8 | " in horizon_section
+    assert "(protected start) against static 8/8, at " in horizon_section  # the findings, in words
     assert "| cpt-3-8/8 | 0, 1 |" in page and "**cpt-3-8/8**" in page
-    for figure in ("vision_curves.png", "language_model_curves.png", "schedule_sweep.png", "precision_profile.png"):
+    for figure in ("vision_curves.png", "language_model_curves.png", "schedule_sweep.png", "precision_profile.png",
+                   "horizon.png"):
         assert (tmp_path / "docs" / "results" / figure).stat().st_size > 1000
     assert "| vision (accuracy %) |" in readme.read_text()
+    assert "| language_model_full (perplexity) |" in readme.read_text()
 
 
 def _entry(seed, metric, cost_vs_static, **config):
