@@ -27,7 +27,8 @@ def method(config: dict) -> str:
             else f"CPT {config['bits_min']}-{config['bits_max']}/{config['grad_bits']}")
     if config.get("quant_scheme", "auto") != "auto":
         name += f" ({config['quant_scheme']} activations)"
-    name += " + attention" if config.get("quantize_attention") else ""
+    if config.get("quantize_attention"):
+        name += " + attention" + (f" at {config['attention_bits']} bits" if config.get("attention_bits") else "")
     return name + "".join(f" + {module}" for module in config.get("include_modules") or [])
 
 
@@ -160,11 +161,12 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
         lines.append(f"- {name}, {describe(option)}: {gap:+.2f} points against FP32 over {seeds} seed(s); "
                      f"{verdict} the {target}-point target"
                      + ("" if seeds >= 2 else " (one seed: a direction, not a result)") + ".")
-    cpt = [(entries, option) for (name, option), entries in grouped.items() if name == "CPT 4-8/8"]
-    for entries, option in cpt:
+    cpt = [(name, entries, option) for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0])
+           if name.startswith("CPT 4-8/8") and "activations)" not in name]
+    for name, entries, option in cpt:
         cost = mean(e["cost"]["cost_vs_static"] for e in entries)
         uncounted = " without the attention products (†)" if _uncounted_attention(entries) else ""
-        lines.append(f"- CPT 4-8/8 ({describe(option)}) costs {cost:.3f} of static 8/8{uncounted} "
+        lines.append(f"- {name} ({describe(option)}) costs {cost:.3f} of static 8/8{uncounted} "
                      f"({'within' if cost <= COST_TARGET else 'above'} the {COST_TARGET} target).")
     lines.append(f"- The library's default errors (`CPTConfig()`, `error_granularity='auto'`) in these per-token "
                  f"layers: {describe(default_errors)}; in layers with per-tensor activations (Conv2d under the "
@@ -172,7 +174,8 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
     return lines
 
 
-README_METHODS = ("static 8/8", "CPT 4-8/8", "CPT 5-8/8", "CPT 4-8/8 + attention", "CPT 4-8/8 (paper activations)")
+README_METHODS = ("static 8/8", "CPT 4-8/8", "CPT 5-8/8", "CPT 4-8/8 + attention", "CPT 4-8/8 + attention at 8 bits",
+                  "CPT 4-8/8 (paper activations)")
 
 
 def readme_summary(ablation: dict, pretrained: dict, default_errors: tuple) -> list[str]:

@@ -75,6 +75,8 @@ BACKWARD_RUNS = {
     "cpt-4-8/8-error-token": {**CPT_4_8, **PER_ROW},
     "cpt-5-8/8-error-token": {**CPT_5_8, **PER_ROW},
     "cpt-4-8/8-error-token-attention": {**CPT_4_8, **PER_ROW, "quantize_attention": True},
+    # the attention products held at 8 bits while the layers cycle (CPTConfig.attention_bits)
+    "cpt-4-8/8-error-token-attention-8": {**CPT_4_8, **PER_ROW, "quantize_attention": True, "attention_bits": 8},
     # everything quantized: the attention products and the classifier head too
     "cpt-4-8/8-error-token-attention-head": {**CPT_4_8, **PER_ROW, "quantize_attention": True,
                                              "include_modules": ["classifier"]},

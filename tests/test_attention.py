@@ -59,6 +59,53 @@ def test_quantized_attention_matches_an_independent_reference(per_token):
     torch.testing.assert_close(got, reference_attention(q, k, v, mask, 4, per_token), rtol=1e-5, atol=1e-6)
 
 
+def test_fixed_attention_bits_hold_the_products_while_the_layers_change_and_follow_full_precision():
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    mask = torch.zeros(2, 1, 5, 5)
+    precision = PrecisionState()
+    module = nn.Module().eval()
+    module.cpt_attention = AttentionQuantizer(precision, True, "token", fixed_bits=6)
+    for layer_bits in (3, 8):  # the layers' eval bits change; the products stay at 6
+        precision.set_eval(layer_bits)
+        got, _ = cpt_attention_forward(module, q, k, v, mask)
+        torch.testing.assert_close(got, reference_attention(q, k, v, mask, 6, True), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(got, reference_attention(q, k, v, mask, layer_bits, True), atol=1e-4)
+    precision.set_eval(None)  # layers in full precision: so are the products
+    got, _ = cpt_attention_forward(module, q, k, v, mask)
+    plain = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5 + mask, dim=-1) @ v
+    torch.testing.assert_close(got, plain.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_attention_bits_are_priced_at_their_bits():
+    config = tiny_gpt2_config()
+    ids = torch.randint(5, 100, (2, 7))
+    gbitops = {}
+    for attention_bits in (None, 8):
+        torch.manual_seed(3)
+        model = GPT2LMHeadModel(config).train()
+        report = quantize_model(model, CPTConfig(quantize_attention=True, attention_bits=attention_bits))
+        assert report.attention.endswith(f"at {'the forward bits' if attention_bits is None else '8 bits'}, counted "
+                                         "there")
+        meter = CostMeter(model, 8, 8)
+        set_precision(model, 4, 8)
+        model(input_ids=ids, labels=ids).loss.backward()
+        meter.end_step(4, 8)
+        gbitops[attention_bits] = meter.totals.to_dict()
+    macs = config.n_layer * 2 * 2 * config.n_head * 7 * 7 * (config.n_embd // config.n_head)
+    # the attention products alone differ: (8·8 + 2·8·8) against (4·4 + 2·8·4) bit operations per MAC
+    extra = macs * ((8 * 8 + 2 * 8 * 8) - (4 * 4 + 2 * 8 * 4)) / 1e9
+    assert gbitops[8]["gbitops"] - gbitops[None]["gbitops"] == pytest.approx(extra, rel=1e-6)
+    assert gbitops[8]["static_gbitops"] == pytest.approx(gbitops[None]["static_gbitops"], rel=1e-9)
+
+
+def test_attention_bits_need_quantized_attention_and_a_bit_width():
+    with pytest.raises(ValueError, match=r"CPTConfig.attention_bits \(8\) needs quantize_attention=True"):
+        CPTConfig(attention_bits=8)
+    with pytest.raises(ValueError, match="CPTConfig.attention_bits must be an integer"):
+        CPTConfig(quantize_attention=True, attention_bits=8.5)
+
+
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_full_precision_routing_keeps_the_model_and_dequantize_restores_it(attn_implementation):
     for name, model in _models(attn_implementation).items():
@@ -128,14 +175,14 @@ def test_models_without_the_attention_interface_are_named():
         quantize_model(nn.Sequential(nn.Linear(4, 4)), CPTConfig(quantize_attention=True))
 
 
-@pytest.mark.parametrize("quantize_attention", [False, True])
-def test_a_saved_model_reloads_with_the_same_attention(tmp_path, quantize_attention):
+@pytest.mark.parametrize("quantize_attention, attention_bits", [(False, None), (True, None), (True, 8)])
+def test_a_saved_model_reloads_with_the_same_attention(tmp_path, quantize_attention, attention_bits):
     from transformers import AutoModelForCausalLM
 
     from hf_cpt import save_quantized
 
     model = _models("sdpa")["gpt2"]
-    quantize_model(model, CPTConfig(quantize_attention=quantize_attention))
+    quantize_model(model, CPTConfig(quantize_attention=quantize_attention, attention_bits=attention_bits))
     model.train()
     set_precision(model, 4, 8)
     ids = torch.randint(5, 100, (2, 9))
@@ -147,4 +194,6 @@ def test_a_saved_model_reloads_with_the_same_attention(tmp_path, quantize_attent
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     loaded_attention = getattr(loaded, "cpt_attention", None)
     assert (loaded_attention is not None and loaded_attention.quantize) == quantize_attention
+    assert loaded.config.quantization_config.attention_bits == attention_bits
+    assert (loaded_attention.fixed_bits if loaded_attention is not None else None) == attention_bits
     torch.testing.assert_close(_logits(loaded), expected, rtol=1e-5, atol=1e-5)

@@ -88,6 +88,7 @@ CASES = [
     *[(f"bert-{scheme}", "bert", {"quant_scheme": scheme}, "save_model")
       for scheme in ("paper", "per-token", "rotated", "rotated-per-token")],
     ("gpt2-paper-attention", "gpt2", {"quant_scheme": "paper", "quantize_attention": True}, "save_model"),
+    ("llama-attention-8-bits", "llama", {"quantize_attention": True, "attention_bits": 8}, "save_model"),
     ("bert-default-hub", "bert", {}, "push_to_hub"),
     ("bert-errors-input-tokens", "bert", {"error_products": "input", "error_rotation": "tokens",
                                           "error_rounding": "nearest"}, "save_model"),

@@ -215,8 +215,20 @@ class ModuleSelection:
         "errors on the backward pass), through transformers' attention interface; per token when the scheme is "
         "per-token. Needs a model that dispatches attention through AttentionInterface."
     )
+    attention_bits: int | None = setting(
+        None,
+        "With quantize_attention: the bit-width of the attention products. None follows the schedule (the layers' "
+        "bits); an integer (e.g. 8) holds them there while the layers cycle, which keeps the accuracy the cycled "
+        "products lose on pretrained transformers (docs/backward.md). Full-precision steps stay full precision."
+    )
 
     def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if self.attention_bits is not None:
+            _bits(owner, "attention_bits", self.attention_bits)
+            if not self.quantize_attention:
+                raise ConfigError(owner, "attention_bits", f"({self.attention_bits}) needs quantize_attention=True "
+                                  "(the attention products are full precision otherwise).")
         for name in ("target_modules", "include_modules", "exclude_modules"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -6,7 +6,8 @@ ViT in current transformers) computes ``softmax(Q Kᵀ · scale + mask) V`` in a
 additive mask) and switches the model to it; no module is rewritten. The function:
 
 * with quantization on (``CPTConfig(quantize_attention=True)``), fake-quantizes Q and K before
-  ``Q Kᵀ`` and the probabilities P and V before ``P V`` at the forward bits, and quantizes the
+  ``Q Kᵀ`` and the probabilities P and V before ``P V`` at the forward bits (or at a fixed
+  ``attention_bits`` while the layers are quantized), and quantizes the
   error of both products at the error bits on the backward pass (the follow-up study's BERT code).
   Ranges are each batch's own: per tensor (the paper's scheme) or, with per-token activations, per
   row of Q, K and P and per channel of V (scales never vary along a product's reduced dimension);
@@ -37,9 +38,22 @@ class AttentionQuantizer:
     quantize: bool  # False: full-precision products, only counted
     granularity: str = "tensor"  # "tensor" or "token"
     replaced_implementation: str = "eager"  # restored by `uninstall_attention`
+    # Bit-width the products hold while the layers are quantized (None: the layers' bits, following the schedule).
+    fixed_bits: int | None = None
     quantized_macs: int = 0  # training-forward MACs since the cost meter last drained them
     float_macs: int = 0
     _modules: list = field(default_factory=list, repr=False)
+    _fixed_bits: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.fixed_bits is not None:
+            self._fixed_bits = torch.tensor(float(self.fixed_bits))
+
+    def bits(self, training: bool) -> torch.Tensor | None:
+        """The products' bit-width in this mode: None (full precision) whenever the layers run in full precision
+        or quantization is off, else ``fixed_bits`` or the layers' bits."""
+        bits = self.precision.forward_bits(training) if self.quantize else None
+        return bits if bits is None or self._fixed_bits is None else self._fixed_bits
 
     def drain_macs(self) -> tuple[int, int]:
         """(quantized, full-precision) attention MACs counted since the last call; resets both."""
@@ -82,7 +96,7 @@ def cpt_attention_forward(
     original_key, original_value = key, value
     key, value = _repeat_kv(key, query.shape[1]), _repeat_kv(value, query.shape[1])
     precision = state.precision
-    bits = precision.forward_bits(module.training) if state.quantize else None
+    bits = state.bits(module.training)
     training = module.training and torch.is_grad_enabled()
     quantize_backward = state.quantize and training and precision.backward_enabled
     if training:
@@ -139,11 +153,12 @@ def attention_support(model: nn.Module) -> str | None:
 
 
 def install_attention(model: nn.Module, precision: PrecisionState, quantize: bool, granularity: str = "tensor",
-                      replaced_implementation: str | None = None) -> AttentionQuantizer:
+                      replaced_implementation: str | None = None, fixed_bits: int | None = None) -> AttentionQuantizer:
     """Switch ``model`` to the ``"cpt"`` attention function; raises ValueError naming why it cannot.
 
     ``replaced_implementation`` (default: the model's current one) is the kernel the function calls for
     full-precision products (SDPA or eager arithmetic); a loaded checkpoint passes the trained model's.
+    ``fixed_bits`` holds the quantized products at that bit-width instead of the layers' bits.
     """
     reason = attention_support(model)
     if reason is not None:
@@ -151,7 +166,7 @@ def install_attention(model: nn.Module, precision: PrecisionState, quantize: boo
     _register()
     current = model.config._attn_implementation or "eager"
     replaced = replaced_implementation or (current if current != ATTENTION_NAME else "eager")
-    state = AttentionQuantizer(precision, quantize, granularity, replaced)
+    state = AttentionQuantizer(precision, quantize, granularity, replaced, fixed_bits=fixed_bits)
     for module in model.modules():
         if getattr(module, "config", None) is not None and not isinstance(module, type(model)):
             object.__setattr__(module, "cpt_attention", state)  # a plain attribute: not a submodule

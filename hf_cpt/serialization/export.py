@@ -137,6 +137,7 @@ def _model_settings(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str,
         "quantized_attention": attention.granularity if attention is not None and attention.quantize else None,
         # the loaded model runs attention through the same function, wrapping the same kernel
         "attention_routing": attention.replaced_implementation if attention is not None else None,
+        "attention_bits": attention.fixed_bits if attention is not None and attention.quantize else None,
         "layer_schemes": {
             name: [layer.cpt_granularity, layer.cpt_rotation_seed]
             for name, layer in quant_layers(model)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import EMA_INITS
 from ..nn.base import ACTIVATION_GRANULARITIES
-from ..numerics.bits import check_bits
+from ..numerics.bits import bits_problem, check_bits
 from ..numerics.errors import (
     ERROR_GRANULARITY_CHOICES,
     ERROR_PRODUCTS,
@@ -27,8 +27,9 @@ from ..version import __version__
 QUANT_METHOD = "cpt"
 # 2: layer_schemes (per-token / rotated layers). 3: packed files also hold each rotated layer's rotation
 # tensors, the attention routing of the trained model (`attention_routing`) and the `REQUIRES_HF_CPT` marker.
-FORMAT_VERSION = 3
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+# 4: `attention_bits` (attention products at a fixed bit-width), which an older reader would ignore.
+FORMAT_VERSION = 4
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 CHECKPOINT_FORMATS = ("packed", "portable")
 MIN_EXPORT_BITS = 1
 MAX_EXPORT_BITS = 8
@@ -102,6 +103,8 @@ class CheckpointFields:
     # Format 3: the implementation the trained model's "cpt" attention function wrapped ("sdpa" / "eager");
     # null: the model ran its own attention. The loaded model is routed the same way.
     attention_routing: str | None = None
+    # The fixed bit-width of quantized attention products (CPTConfig.attention_bits); null: the model's bits.
+    attention_bits: int | None = None
     quant_method: str = QUANT_METHOD
 
     def __post_init__(self) -> None:
@@ -202,6 +205,11 @@ class CheckpointFields:
                 f"quantization_config.attention_routing must be null or an attention implementation name, "
                 f"got {self.attention_routing!r}."
             )
+        if self.attention_bits is not None:
+            problem = bits_problem(self.attention_bits)
+            if problem is not None or self.quantized_attention is None:
+                raise ValueError(f"quantization_config.attention_bits {problem or 'needs quantized_attention'} "
+                                 f"(got {self.attention_bits!r}).")
         for name, choices in (("quantized_attention", (None, *ACTIVATION_GRANULARITIES)),
                               ("error_granularity", ERROR_GRANULARITY_CHOICES), ("error_rounding", ERROR_ROUNDINGS),
                               ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS),

@@ -183,7 +183,8 @@ class CPTHfQuantizer(HfQuantizer):
         if config.quantized_attention is not None or config.attention_routing is not None:
             # the trained model's attention function, wrapping the same kernel: the same arithmetic
             install_attention(model, precision, config.quantized_attention is not None,
-                              config.quantized_attention or "tensor", replaced_implementation=config.attention_routing)
+                              config.quantized_attention or "tensor", replaced_implementation=config.attention_routing,
+                              fixed_bits=config.attention_bits)
         return model
 
     def _unpack(self, model: nn.Module, config: CPTQuantizationConfig) -> None:
