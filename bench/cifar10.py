@@ -167,6 +167,13 @@ def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int], t
     harness.run_all(results, path, runs, seeds, build, "accuracy", "accuracy", profile, section=section, desc=desc)
 
 
+def add_slice_arguments(parser) -> None:
+    """The options that cap a CIFAR run for smoke tests (steps, training and test images)."""
+    parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests)")
+    parser.add_argument("--train_size", type=int, default=None, help="cap the training images (smoke tests)")
+    parser.add_argument("--test_size", type=int, default=None, help="cap the test images (smoke tests)")
+
+
 def load_cifar(data_dir: str, train_size: int | None, test_size: int | None):
     root = harness.data_file(data_dir, "cifar10")
     train = ImageDataset(*load_folder(os.path.join(root, "train"), train_size), augment=True)
@@ -182,9 +189,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
     parser.add_argument("--epochs", type=float, default=4)
     parser.add_argument("--cycles", type=int, default=8, help="CPT cycles over the run (the paper: 32 in 160 epochs)")
-    parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests)")
-    parser.add_argument("--train_size", type=int, default=None, help="cap the training images (smoke tests)")
-    parser.add_argument("--test_size", type=int, default=None, help="cap the test images (smoke tests)")
+    add_slice_arguments(parser)
     parser.add_argument("--no_profile", action="store_true", help="skip the precision profile")
     parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_vision"))
     args = parser.parse_args()

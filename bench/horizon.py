@@ -61,9 +61,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, nargs="+", default=DEFAULT_EPOCHS, help="training lengths")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
-    parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests)")
-    parser.add_argument("--train_size", type=int, default=None, help="cap the training images (smoke tests)")
-    parser.add_argument("--test_size", type=int, default=None, help="cap the test images (smoke tests)")
+    cifar10.add_slice_arguments(parser)
     parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_horizon"))
     args = parser.parse_args()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from results_page import _pyplot, mean, spread
+from results_page import _pyplot, finish_plot, mean, spread
 
 FILE = "horizon.json"
 COMMAND = "python bench/horizon.py"
@@ -127,13 +127,9 @@ def plot(data: dict, path: str) -> None:
         axis.errorbar(xs, ys, yerr=bars, marker="o", capsize=3, linewidth=1.2, label=DESCRIPTIONS.get(name, name))
     axis.set_xscale("log", base=2)
     axis.set_xticks(spans, [f"{e:g}" for e in spans])
-    axis.set_xlabel("training epochs (learning rate and cycles scaled to each length)")
-    axis.set_ylabel("test accuracy % (bars: range over seeds)")
-    axis.set_title("CIFAR-10, ResNet-20 from scratch: accuracy against training length")
-    axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_plot(fig, axis, path, "training epochs (learning rate and cycles scaled to each length)",
+                "test accuracy % (bars: range over seeds)",
+                "CIFAR-10, ResNet-20 from scratch: accuracy against training length", legend_size=7)
 
 
 def section(data: dict, figures_dir: str, link_dir: str) -> list[str]:

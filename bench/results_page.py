@@ -290,6 +290,17 @@ def _pyplot():
     return plt
 
 
+def finish_plot(fig, axis, path: str, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
+    """Label one-axis figure ``fig``, write it to ``path`` and free it."""
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
 def plot_curves(task: Task, runs: dict[str, list[dict]], path: str) -> None:
     """Training loss (top) and bit-width (bottom) against the step, first seed of each run."""
     plt = _pyplot()
@@ -355,13 +366,8 @@ def plot_sweep(rows: list[dict], references: dict[str, dict], path: str) -> None
                      label="FP32 (off the cost axis)")
     for group, color in colors.items():
         axis.scatter([], [], color=color, label=f"{group} cost")
-    axis.set_xlabel("training GBitOPs (cost meter)")
-    axis.set_ylabel("test accuracy %")
-    axis.set_title("Schedules of the follow-up study, ResNet-20 on CIFAR-10, 3-8/8 bits")
-    axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_plot(fig, axis, path, "training GBitOPs (cost meter)", "test accuracy %",
+                "Schedules of the follow-up study, ResNet-20 on CIFAR-10, 3-8/8 bits")
 
 
 # ----------------------------------------------------------------------------- page

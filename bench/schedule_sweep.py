@@ -41,9 +41,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--epochs", type=float, default=2)
     parser.add_argument("--cycles", type=int, default=8, help="cycles over the run (the follow-up's default: 8)")
-    parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests)")
-    parser.add_argument("--train_size", type=int, default=None, help="cap the training images (smoke tests)")
-    parser.add_argument("--test_size", type=int, default=None, help="cap the test images (smoke tests)")
+    cifar10.add_slice_arguments(parser)
     parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_schedule_sweep"))
     args = parser.parse_args()
 
