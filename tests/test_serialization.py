@@ -424,6 +424,14 @@ def test_unknown_format_version_is_named(packed_dir):
         auto_class.from_pretrained(path)
 
 
+@pytest.mark.parametrize("value, problem", [("8", "must be an integer"), (8, "needs quantized_attention")])
+def test_bad_attention_bits_are_named(packed_dir, value, problem):
+    path, auto_class = packed_dir  # a run without quantized attention
+    _edit_config(path, attention_bits=value)
+    with pytest.raises(ValueError, match=rf"quantization_config\.attention_bits {problem}"):
+        auto_class.from_pretrained(path)
+
+
 @pytest.mark.parametrize("field,value", [("bits", 12), ("bits", 0), ("float_weight_bits", 16), ("bits", "8")])
 def test_bits_out_of_range_are_named(packed_dir, field, value):
     path, auto_class = packed_dir
