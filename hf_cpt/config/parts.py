@@ -218,8 +218,8 @@ class ModuleSelection:
     attention_bits: int | None = setting(
         None,
         "With quantize_attention: the bit-width of the attention products. None follows the schedule (the layers' "
-        "bits); an integer (e.g. 8) holds them there while the layers cycle, which keeps the accuracy the cycled "
-        "products lose on pretrained transformers (docs/backward.md). Full-precision steps stay full precision."
+        "bits); an integer (e.g. 8) holds them there while the layers cycle (accuracy and cost measured in "
+        "docs/backward.md). Full-precision steps stay full precision."
     )
 
     def __post_init__(self) -> None:
