@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import horizon
 from results_page import _pyplot, finish_plot, mean, spread
 
 FILE = "horizon.json"
@@ -61,15 +62,17 @@ def _verdict(row: dict) -> str:
 
 
 def table(data: dict) -> list[str]:
-    spans = lengths(data)
-    names = list(dict.fromkeys(name for epochs in spans for name in runs_at(data, epochs)))
+    """Every planned run (`bench/horizon.py`'s defaults) and every recorded one, at every length."""
+    spans = sorted(set(lengths(data)) | {float(e) for e in horizon.DEFAULT_EPOCHS})
+    names = list(dict.fromkeys([*horizon.RUNS, *(name for epochs in spans for name in runs_at(data, epochs))]))
     longest = {name: runs_at(data, epochs)[name] for epochs in spans for name in runs_at(data, epochs)}
     lines = ["| run | " + " | ".join(f"{e:g} epochs" for e in spans) + " | cost vs static 8/8 (meter) |",
              "|---|" + "---|" * len(spans) + "---|"]
     for name in names:
         cells = [_cell(runs_at(data, epochs).get(name)) for epochs in spans]
-        quantized = longest[name][0]["cpt_config"].get("schedule") != "fp32"
-        cost = f"{mean(e['cost']['cost_vs_static'] for e in longest[name]):.3f}" if quantized else "-"
+        cost = "-"
+        if name in longest and longest[name][0]["cpt_config"].get("schedule") != "fp32":
+            cost = f"{mean(e['cost']['cost_vs_static'] for e in longest[name]):.3f}"
         lines.append(f"| {DESCRIPTIONS.get(name, name)} | " + " | ".join(cells) + f" | {cost} |")
     return lines
 
