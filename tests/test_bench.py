@@ -134,7 +134,8 @@ def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
 
 def _entry(seed, metric, cost_vs_static, **config):
     base = {"schedule": "static", "bits_min": 4, "bits_max": 8, "grad_bits": 8, "quant_scheme": "auto"}
-    cost = {"cost_vs_static": cost_vs_static, "cost_vs_fp32": cost_vs_static / 16, "full_precision_mac_share": 0.04}
+    cost = {"cost_vs_static": cost_vs_static, "cost_vs_fp32": cost_vs_static / 16, "full_precision_mac_share": 0.04,
+            "static_gbitops": 1.0, "fp32_gbitops": 16.0}
     return {"seed": seed, "metric": metric, "cpt_config": {**base, **config}, "cost": cost}
 
 
@@ -181,6 +182,8 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert "meets the 0.5-point target." in page and "misses the 0.5-point target." in page
     assert "one seed: a direction, not a result" in page  # the single CPT run
     assert "costs 0.800 of static 8/8 (above the 0.75 target)" in page
+    # and why: 4% of the MACs in FP32 at 16x the static price are 64% of static's BitOPs
+    assert "4.0% of its MACs ran in full precision" in page and "takes its cost below 0.64" in page
     summary = "\n".join(backward_page.readme_summary(ablation, pretrained, ("token", "stochastic", "both", "none")))
     assert "static 8/8, per-tensor errors | static 8/8, default errors |" in summary
     assert "| points vs FP32 | - | -5.00 | +0.00 |" in summary
