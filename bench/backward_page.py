@@ -161,6 +161,7 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
         lines.append(f"- {name}, {describe(option)}: {gap:+.2f} points against FP32 over {seeds} seed(s); "
                      f"{verdict} the {target}-point target"
                      + ("" if seeds >= 2 else " (one seed: a direction, not a result)") + ".")
+    lines += _attention_pairs(grouped)
     cpt = [(name, entries, option) for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0])
            if name.startswith("CPT 4-8/8") and "activations)" not in name]
     for name, entries, option in cpt:
@@ -209,6 +210,22 @@ def readme_summary(ablation: dict, pretrained: dict, default_errors: tuple) -> l
             "",
             "† measured before the cost meter counted the attention products: attention, in FP32 unless "
             "`quantize_attention=True`, is left out of both sides of this ratio."]
+
+
+def _attention_pairs(grouped: dict) -> list[str]:
+    """Each run with quantized attention against the same run without it, seed by seed (same data order and
+    initial head): what quantizing the attention products costs, apart from the seeds' spread."""
+    lines = []
+    for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
+        if " + attention" not in name:
+            continue
+        plain = {e["seed"]: e["metric"] for e in grouped.get((name.split(" + attention")[0], option), [])}
+        gaps = [100 * (e["metric"] - plain[e["seed"]]) for e in entries if e["seed"] in plain]
+        if gaps:
+            lines.append(f"- {name} against the same run without quantized attention, seed by seed "
+                         f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)
+                         + f" points (mean {mean(gaps):+.2f}).")
+    return lines
 
 
 def _cost_floor(entries: list[dict]) -> str:

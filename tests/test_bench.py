@@ -154,6 +154,8 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
         "renamed/seed1": _entry(1, 0.585, 1.0, **token),  # grouped by its config, not its name
         "cpt-4-8/8-error-token-input/seed0": _entry(0, 0.57, 0.80, schedule="cpt",
                                                     **{**token, "error_products": "input"}),
+        "static-8/8-error-token-attention-8/seed0": _entry(0, 0.575, 1.0, quantize_attention=True, attention_bits=8,
+                                                           **token),
     }}
     ablation["finetune"]["renamed/seed1"]["cost"].pop("full_precision_mac_share")
     from hf_cpt.numerics.errors import ErrorQuantization
@@ -184,6 +186,9 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert "costs 0.800 of static 8/8 (above the 0.75 target)" in page
     # and why: 4% of the MACs in FP32 at 16x the static price are 64% of static's BitOPs
     assert "4.0% of its MACs ran in full precision" in page and "takes its cost below 0.64" in page
+    # quantized attention against the same run without it, paired by seed
+    assert (f"- static 8/8 + attention at 8 bits against the same run without quantized attention, seed by seed "
+            f"({per_row}): -2.00 points (mean -2.00).") in page
     summary = "\n".join(backward_page.readme_summary(ablation, pretrained, ("token", "stochastic", "both", "none")))
     assert "static 8/8, per-tensor errors | static 8/8, default errors |" in summary
     assert "| points vs FP32 | - | -5.00 | +0.00 |" in summary
