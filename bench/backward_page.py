@@ -149,7 +149,7 @@ def scratch_section(title: str, results: dict, command: str, metric: tuple[str, 
 def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) -> list[str]:
     if fp32_points is None:
         return ["- No FP32 run yet: nothing to compare with."]
-    lines = []
+    lines = _noise(grouped)
     for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
         if name == "FP32":
             continue
@@ -210,6 +210,22 @@ def readme_summary(ablation: dict, pretrained: dict, default_errors: tuple) -> l
             "",
             "† measured before the cost meter counted the attention products: attention, in FP32 unless "
             "`quantize_attention=True`, is left out of both sides of this ratio."]
+
+
+def _noise(grouped: dict) -> list[str]:
+    """How far apart two runs of one setting land: the pooled standard deviation over seeds of every setting
+    with two or more, and the standard error of a difference of two such means; smaller gaps are unresolved."""
+    groups = [[100 * e["metric"] for e in entries] for entries in grouped.values() if len(entries) > 1]
+    freedom = sum(len(points) - 1 for points in groups)
+    if not freedom:
+        return []
+    deviation = (sum((p - mean(points)) ** 2 for points in groups for p in points) / freedom) ** 0.5
+    seeds = round(mean(len(points) for points in groups))
+    error = deviation * (2 / seeds) ** 0.5
+    return [f"- Seed-to-seed noise: one run of a setting lands within ±{deviation:.2f} points (pooled standard "
+            f"deviation over {len(groups)} settings with 2 or more seeds); the difference of two {seeds}-seed means "
+            f"has a standard error of {error:.2f} points, so gaps smaller than about {2 * error:.1f} points are not "
+            "resolved by these runs, the targets below included."]
 
 
 def _attention_pairs(grouped: dict) -> list[str]:

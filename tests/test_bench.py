@@ -186,6 +186,9 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert "costs 0.800 of static 8/8 (above the 0.75 target)" in page
     # and why: 4% of the MACs in FP32 at 16x the static price are 64% of static's BitOPs
     assert "4.0% of its MACs ran in full precision" in page and "takes its cost below 0.64" in page
+    # the noise the targets sit in: pooled over FP32, static per tensor and static per row (1, 1 and 0.5 points)
+    assert ("one run of a setting lands within ±1.22 points (pooled standard deviation over 3 settings with 2 or "
+            "more seeds); the difference of two 2-seed means has a standard error of 1.22 points") in page
     # quantized attention against the same run without it, paired by seed
     assert (f"- static 8/8 + attention at 8 bits against the same run without quantized attention, seed by seed "
             f"({per_row}): -2.00 points (mean -2.00).") in page
