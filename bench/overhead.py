@@ -471,6 +471,11 @@ def main() -> None:
             print(f"{'  same, glibc mmap threshold fixed':<44}{fixed[0]:>10.0f}{fixed[1]:>10.0f}"
                   f"{fixed[1] / fixed[0]:>8.3f}", flush=True)
             rows[-1].update(memory_ratio_fixed_mmap=fixed[1] / fixed[0])
+            if fused:  # how much of that is the compiler the fused error kernel brings into the process
+                eager = peak_memory_mib(memory_kinds[key], True, False, env=FIXED_MMAP_THRESHOLD)
+                print(f"{'  same, eager error quantizer (no compiler)':<44}{fixed[0]:>10.0f}{eager:>10.0f}"
+                      f"{eager / fixed[0]:>8.3f}", flush=True)
+                rows[-1].update(memory_ratio_eager_errors=eager / fixed[0])
     startup = {}
     if not args.no_startup:
         kind = FIRST_STEP_KIND if minilm_path() is not None else "gpt2_small"

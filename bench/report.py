@@ -155,6 +155,8 @@ def overhead_summary(overhead: dict) -> list[str]:
                       f"{row['quant_peak_mib']:,.0f} MiB; {target:.2f})")
             if "memory_ratio_fixed_mmap" in row:
                 memory += f"; {row['memory_ratio_fixed_mmap']:.3f} ‡"
+            if "memory_ratio_eager_errors" in row:
+                memory += f"; {row['memory_ratio_eager_errors']:.3f} §"
         anchor = row["target"] is None  # another implementation's overhead on the same layer
         ok = "" if anchor or row["ratio"] <= row["target"] else " (missed)"
         lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok} | "
@@ -163,6 +165,9 @@ def overhead_summary(overhead: dict) -> list[str]:
         lines += ["", "‡ the same two processes with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=131072`): "
                   "freed large blocks go back to the system, so the peak follows the memory alive rather than the "
                   "order of allocations."]
+    if any("memory_ratio_eager_errors" in row for row in overhead["rows"]):
+        lines += ["", "§ as ‡, with the eager error quantizer (`fused_error_quantizer=False`): the part of the peak "
+                  "that is torch.compile's machinery, which the fused kernel loads into the process."]
     startup, targets = overhead.get("startup"), overhead.get("targets", {})
     if startup:
         extra = startup["first_step_s"] - startup["second_step_s"]
