@@ -276,3 +276,37 @@ def test_anchor_rows_are_shown_as_anchors_and_the_published_file_runs_on_cpu(tmp
                         "    return torch.tensor(1e-8).expand_as(scale).cuda()\n")
     module = bench_overhead.published_quantizer(str(stand_in))
     assert torch.equal(module.min_scale(torch.ones(3)), torch.full((3,), 1e-8))  # no CUDA needed
+
+
+def test_horizon_page_judges_each_schedule_at_each_length_and_lists_what_is_not_run(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import horizon_page
+
+    def runs(epochs, **metrics):  # run name -> (seed 0, seed 1) accuracy
+        section = {}
+        for name, values in metrics.items():
+            schedule = "fp32" if name == "fp32" else "static" if name.startswith("static") else "cpt"
+            for seed, value in enumerate(values):
+                section[f"{name}/seed{seed}"] = {**_entry(seed, value, 0.6 if schedule == "cpt" else 1.0,
+                                                          schedule=schedule), "run": name, "train_seconds": 1800}
+        return {f"epochs-{epochs}": section}
+
+    data = {"settings": {"batch_size": 128}, "data": {"train": 10000},
+            **runs(4, **{"fp32": (0.58, 0.58), "static-8/8": (0.58, 0.59), "cpt-3-8/8-n32": (0.55, 0.56),
+                         "cpt-3-8/8-n8": (0.55, 0.55), "ct-3-8/8-n8-delay": (0.57, 0.58)}),
+            **runs(16, **{"static-8/8": (0.70, 0.71), "cpt-3-8/8-n32": (0.71, 0.72)})}
+    page = "\n".join(horizon_page.section(data, str(tmp_path), "results"))
+    assert (tmp_path / "horizon.png").stat().st_size > 1000
+    assert "| static 8/8 | 58.50 ± 0.50 (2) | 70.50 ± 0.50 (2) | not run yet | 1.000 |" in page
+    assert "| FP32 | 58.00 ± 0.00 (2) | not run yet | not run yet | - |" in page
+    assert ("- CPT 3-8/8, 32 cycles (the CPT paper) against static 8/8, at 0.600 of its cost: 4 epochs -3.00 "
+            "(worse than, 2 seed(s)); 16 epochs +1.00 (matches, 2 seed(s)).") in page
+    assert "From 4 to 16 epochs the gap moves by +4.00 points (in favour of CPT); it matches or beats static at " \
+           "16 epochs." in page
+    assert ("against the same 8 cycles without it (CPT 3-8/8, 8 cycles (the follow-up's default)): 4 epochs +2.50 "
+            "(better than).") in page
+    assert "Training time of these runs: 7.0 h" in page  # 14 runs of half an hour
+    rows = horizon_page.summary_rows(data)
+    assert [row[0] for row in rows] == ["vision, 4 epochs (accuracy %)", "vision, 16 epochs (accuracy %)"]
+    assert rows[1][2:] == ["70.50 ± 0.50 (2)", "cpt-3-8/8-n32: 71.50 ± 0.50 (2)", "0.600", "matches"]
+    assert rows[1][1] == "not run yet"
