@@ -55,7 +55,9 @@ def _gap(runs: dict[str, list[dict]], name: str, reference: str) -> dict | None:
 
 
 def _verdict(row: dict) -> str:
-    """The results page's words: a gap within the seeds' spreads matches."""
+    """The results page's words: a gap within the seeds' spreads matches; one seed has no spread to judge by."""
+    if row["seeds"] < 2:
+        return "one seed, not judged"
     if row["within"]:
         return "matches"
     return "better than" if row["gap"] > 0 else "worse than"
@@ -87,8 +89,8 @@ def findings(data: dict) -> list[str]:
         rows = [(epochs, row) for epochs, row in rows if row]
         if not rows:
             continue
-        parts = [f"{epochs:g} epochs {row['gap']:+.2f} ({_verdict(row)}, {row['seeds']} seed(s))"
-                 for epochs, row in rows]
+        parts = [f"{epochs:g} epochs {row['gap']:+.2f} ({_verdict(row)}"
+                 + (f", {row['seeds']} seeds)" if row["seeds"] > 1 else ")") for epochs, row in rows]
         lines.append(f"- {DESCRIPTIONS.get(name, name)} against static 8/8, at {rows[-1][1]['cost']:.3f} of its "
                      f"cost: " + "; ".join(parts) + ".")
         holds = [epochs for epochs, row in rows if row["gap"] >= 0 or row["within"]]

@@ -300,7 +300,7 @@ def test_horizon_page_judges_each_schedule_at_each_length_and_lists_what_is_not_
     assert "| static 8/8 | 58.50 ± 0.50 (2) | 70.50 ± 0.50 (2) | not run yet | 1.000 |" in page
     assert "| FP32 | 58.00 ± 0.00 (2) | not run yet | not run yet | - |" in page
     assert ("- CPT 3-8/8, 32 cycles (the CPT paper) against static 8/8, at 0.600 of its cost: 4 epochs -3.00 "
-            "(worse than, 2 seed(s)); 16 epochs +1.00 (matches, 2 seed(s)).") in page
+            "(worse than, 2 seeds); 16 epochs +1.00 (matches, 2 seeds).") in page
     assert "From 4 to 16 epochs the gap moves by +4.00 points (in favour of CPT); it matches or beats static at " \
            "16 epochs." in page
     assert ("against the same 8 cycles without it (CPT 3-8/8, 8 cycles (the follow-up's default)): 4 epochs +2.50 "
@@ -310,3 +310,5 @@ def test_horizon_page_judges_each_schedule_at_each_length_and_lists_what_is_not_
     assert [row[0] for row in rows] == ["vision, 4 epochs (accuracy %)", "vision, 16 epochs (accuracy %)"]
     assert rows[1][2:] == ["70.50 ± 0.50 (2)", "cpt-3-8/8-n32: 71.50 ± 0.50 (2)", "0.600", "matches"]
     assert rows[1][1] == "not run yet"
+    data["epochs-16"].pop("static-8/8/seed1")  # one seed has no spread: no verdict
+    assert horizon_page.summary_rows(data)[1][-1] == "one seed, not judged"
