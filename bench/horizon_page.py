@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import horizon
-from results_page import _pyplot, finish_plot, mean, spread
+from results_page import _pyplot, finish_plot, judge, mean, spread
 
 FILE = "horizon.json"
 COMMAND = "python bench/horizon.py"
@@ -50,17 +50,13 @@ def _gap(runs: dict[str, list[dict]], name: str, reference: str) -> dict | None:
         return None
     ours, theirs = [100 * e["metric"] for e in runs[name]], [100 * e["metric"] for e in runs[reference]]
     gap = mean(ours) - mean(theirs)
-    return {"gap": gap, "within": abs(gap) <= spread(ours) + spread(theirs), "seeds": min(len(ours), len(theirs)),
+    return {"gap": gap, "verdict": judge(gap, spread(ours) + spread(theirs)), "seeds": min(len(ours), len(theirs)),
             "cost": mean(e["cost"]["cost_vs_static"] for e in runs[name])}
 
 
 def _verdict(row: dict) -> str:
     """The results page's words: a gap within the seeds' spreads matches; one seed has no spread to judge by."""
-    if row["seeds"] < 2:
-        return "one seed, not judged"
-    if row["within"]:
-        return "matches"
-    return "better than" if row["gap"] > 0 else "worse than"
+    return "one seed, not judged" if row["seeds"] < 2 else row["verdict"]
 
 
 def table(data: dict) -> list[str]:
@@ -93,7 +89,11 @@ def findings(data: dict) -> list[str]:
                  + (f", {row['seeds']} seeds)" if row["seeds"] > 1 else ")") for epochs, row in rows]
         lines.append(f"- {DESCRIPTIONS.get(name, name)} against static 8/8, at {rows[-1][1]['cost']:.3f} of its "
                      f"cost: " + "; ".join(parts) + ".")
-        holds = [epochs for epochs, row in rows if row["gap"] >= 0 or row["within"]]
+        against_fp32 = [(epochs, _gap(runs_at(data, epochs), name, "fp32")) for epochs in spans]
+        against_fp32 = [f"{epochs:g} epochs {row['gap']:+.2f}" for epochs, row in against_fp32 if row]
+        if against_fp32:  # what a user compares with: the same training in full precision
+            lines.append("  Against FP32 training: " + "; ".join(against_fp32) + ".")
+        holds = [epochs for epochs, row in rows if row["verdict"] != "worse than" and row["seeds"] > 1]
         if len(rows) > 1:
             trend = rows[-1][1]["gap"] - rows[0][1]["gap"]
             direction = "in favour of CPT" if trend > 0 else "in favour of static 8/8"

@@ -213,10 +213,14 @@ def comparisons(task: Task, runs: dict[str, list[dict]]) -> list[dict]:
 
 def verdict(task: Task, row: dict) -> str:
     """'better than', 'matches' or 'worse than' the static run; a gap within the seeds' spreads matches."""
-    gap = row["metric"] - row["static_metric"]
-    if abs(gap) <= row["spread"] + row["static_spread"]:
+    return judge(row["metric"] - row["static_metric"], row["spread"] + row["static_spread"], task.higher_is_better)
+
+
+def judge(gap: float, spreads: float, higher_is_better: bool = True) -> str:
+    """The page's words for a gap between two means: 'matches' within the seeds' spreads, else better or worse."""
+    if abs(gap) <= spreads:
         return "matches"
-    return "better than" if (gap > 0) == task.higher_is_better else "worse than"
+    return "better than" if (gap > 0) == higher_is_better else "worse than"
 
 
 def gap_text(task: Task, a: float, b: float) -> str:

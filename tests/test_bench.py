@@ -303,6 +303,7 @@ def test_horizon_page_judges_each_schedule_at_each_length_and_lists_what_is_not_
             "(worse than, 2 seeds); 16 epochs +1.00 (matches, 2 seeds).") in page
     assert "From 4 to 16 epochs the gap moves by +4.00 points (in favour of CPT); it matches or beats static at " \
            "16 epochs." in page
+    assert "  Against FP32 training: 4 epochs -2.50." in page  # no FP32 run at 16 epochs: that length is left out
     assert ("against the same 8 cycles without it (CPT 3-8/8, 8 cycles (the follow-up's default)): 4 epochs +2.50 "
             "(better than).") in page
     assert "Training time of these runs: 7.0 h" in page  # 14 runs of half an hour

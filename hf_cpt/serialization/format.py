@@ -207,9 +207,10 @@ class CheckpointFields:
             )
         if self.attention_bits is not None:
             problem = bits_problem(self.attention_bits)
-            if problem is not None or self.quantized_attention is None:
-                raise ValueError(f"quantization_config.attention_bits {problem or 'needs quantized_attention'} "
-                                 f"(got {self.attention_bits!r}).")
+            if problem is None and self.quantized_attention is None:
+                problem = f"needs quantized_attention (got {self.attention_bits!r} without it)."
+            if problem is not None:
+                raise ValueError(f"quantization_config.attention_bits {problem}")
         for name, choices in (("quantized_attention", (None, *ACTIVATION_GRANULARITIES)),
                               ("error_granularity", ERROR_GRANULARITY_CHOICES), ("error_rounding", ERROR_ROUNDINGS),
                               ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS),
