@@ -1,12 +1,17 @@
 """What every results script shares: the JSON store (resumable), the environment record, and one
 `CPTTrainer` run turned into a JSON entry (metric, cost meter, timing, curve, precision profile).
 
-The scripts (`pretrained.py`, `cifar10.py`, `language_model.py`, `schedule_sweep.py`) write JSON under
-``bench/results/``; ``bench/report.py`` turns it into the docs. No figure is typed by hand.
+The scripts (`pretrained.py`, `cifar10.py`, `language_model.py`, `schedule_sweep.py`, `horizon.py`) write
+JSON under ``bench/results/``; ``bench/report.py`` turns it into the docs. No figure is typed by hand.
+
+Several processes may share one scan (one per core): each claims a (run, seed) before training it and
+merges its entry into the file on disk under a lock, so none repeats or overwrites another's work.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -59,6 +64,69 @@ def save_results(path: str, results: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def locked(path: str):
+    """Hold an exclusive lock on a results file (``<path>.lock``) while reading and writing it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _claim_file(path: str, section: str, key: str) -> str:
+    return os.path.join(path + ".claims", section, key.replace("/", "_"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim(path: str, section: str, key: str) -> bool:
+    """Claim one (run, seed) for this process; False when it is finished on disk or a live process holds it.
+
+    A claim left by a process that died (killed, interrupted) is taken over, so a scan stays resumable.
+    """
+    with locked(path):
+        if key in load_results(path).get(section, {}):
+            return False
+        claim_path = _claim_file(path, section, key)
+        if os.path.isfile(claim_path):
+            with open(claim_path) as f:
+                owner = int(f.read().strip() or 0)
+            if owner not in (0, os.getpid()) and _alive(owner):
+                return False
+        os.makedirs(os.path.dirname(claim_path), exist_ok=True)
+        with open(claim_path, "w") as f:
+            f.write(str(os.getpid()))
+    return True
+
+
+def record(path: str, results: dict, section: str, key: str, entry: dict) -> None:
+    """Merge one finished entry into the file on disk (keeping other processes' entries) and release its
+    claim; ``results`` becomes the merged content."""
+    with locked(path):
+        merged = load_results(path)
+        for name, value in results.items():
+            merged.setdefault(name, value)
+        merged.setdefault(section, {})[key] = entry
+        merged["environment"] = environment()
+        save_results(path, merged)
+        claim_path = _claim_file(path, section, key)
+        if os.path.isfile(claim_path):
+            os.remove(claim_path)
+    results.clear()
+    results.update(merged)
 
 
 def check_settings(results: dict, key: str, settings: dict, path: str) -> None:
@@ -126,7 +194,8 @@ def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int],
             build_trainer: Callable[[CPTConfig, int, str], Any], metric: str, label: str, profile: bool,
             transform: Callable[[float], float] | None = None, profile_dataset=None, section: str = "runs",
             desc: str = "runs") -> None:
-    """Train every (run, seed) not yet in ``results[section]``, saving the JSON after each (resumable).
+    """Train every (run, seed) not yet in ``results[section]``, saving the JSON after each (resumable); a
+    (run, seed) another live process has claimed is left to it.
 
     ``build_trainer(config, seed, work_name)`` returns a `CPTTrainer` for one run; ``label`` names the
     metric in the progress line.
@@ -135,13 +204,14 @@ def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int],
     todo = [(name, seed) for seed in seeds for name in runs if f"{name}/seed{seed}" not in done]
     for name, seed in tqdm(todo, desc=desc):
         key = f"{name}/seed{seed}"
+        if not claim(path, section, key):
+            tqdm.write(f"{key}: finished or under way in another process, skipped")
+            continue
         torch.manual_seed(seed)
         trainer = build_trainer(CPTConfig(**runs[name]), seed, key.replace("/", "_"))
         entry = train_and_record(trainer, metric, profile, transform, profile_dataset, run=name, seed=seed)
         entry["quantized_layers"] = len(trainer.cpt_report.quantized)
-        done[key] = entry
-        results["environment"] = environment()
-        save_results(path, results)
+        record(path, results, section, key, entry)
         tqdm.write(f"{key}: {label} {entry['metric']:.4f}, {entry['seconds_per_step']:.2f} s/step, "
                    f"cost vs FP32 {entry['cost']['cost_vs_fp32']:.4f}")
         del trainer

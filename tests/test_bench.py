@@ -313,3 +313,32 @@ def test_horizon_page_judges_each_schedule_at_each_length_and_lists_what_is_not_
     assert rows[1][1] == "not run yet"
     data["epochs-16"].pop("static-8/8/seed1")  # one seed has no spread: no verdict
     assert horizon_page.summary_rows(data)[1][-1] == "one seed, not judged"
+
+
+def test_processes_sharing_a_scan_skip_each_others_cells_and_keep_each_others_entries(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import harness
+
+    path = str(tmp_path / "scan.json")
+    harness.save_results(path, {"settings": {"a": 1}, "runs": {"fp32/seed0": {"metric": 1.0}}})
+    assert not harness.claim(path, "runs", "fp32/seed0")  # finished on disk
+    # a live process (this test's parent) holds static/seed0; a dead one held cpt/seed0
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for key, pid in (("static/seed0", os.getppid()), ("cpt/seed0", int(dead.stdout))):
+        claim_path = harness._claim_file(path, "runs", key)
+        os.makedirs(os.path.dirname(claim_path), exist_ok=True)
+        open(claim_path, "w").write(str(pid))
+    assert not harness.claim(path, "runs", "static/seed0")
+    assert harness.claim(path, "runs", "cpt/seed0")
+    # this process's memory predates an entry another process wrote meanwhile: recording keeps both
+    mine = harness.load_results(path)
+    other = harness.load_results(path)
+    other["runs"]["static/seed0"] = {"metric": 2.0}
+    harness.save_results(path, other)
+    harness.record(path, mine, "runs", "cpt/seed0", {"metric": 3.0})
+    on_disk = harness.load_results(path)
+    assert {k: v["metric"] for k, v in on_disk["runs"].items()} == {"fp32/seed0": 1.0, "static/seed0": 2.0,
+                                                                     "cpt/seed0": 3.0}
+    assert on_disk["settings"] == {"a": 1} and "environment" in on_disk
+    assert mine == on_disk
+    assert not os.path.exists(harness._claim_file(path, "runs", "cpt/seed0"))
