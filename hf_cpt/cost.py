@@ -119,6 +119,8 @@ class CostMeter:
         self._rotation_bitops = 0
         self._error_rotation_bitops = 0  # counted only for steps that quantize errors
         layers = [module for module in model.modules() if isinstance(module, tuple(QUANT_LAYER_CLASSES))]
+        # Shared inputs served so far (`hf_cpt.nn.shared_input`), as last seen by the hook.
+        self._reuses = next((m.cpt_precision.shared_inputs.reuses for m in layers if isinstance(m, QuantLayerMixin)), 0)
         # Bit operations per rotated value of each rotated layer (fixed for the run), looked up by the hook.
         self._rotation_price = {
             id(module): rotation_bitops_per_value(module.rotation)
@@ -131,6 +133,10 @@ class CostMeter:
             self._attention.drain_macs()  # what ran before the meter (a precision range test) is not this run's
 
     def _count(self, module: nn.Module, inputs, output) -> None:
+        reused = False  # whether the layer took its input rotated already by a sibling layer
+        if isinstance(module, QuantLayerMixin):
+            reuses = module.cpt_precision.shared_inputs.reuses
+            reused, self._reuses = reuses != self._reuses, reuses
         if not (module.training and torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
             return
         macs = layer_macs(module, output)
@@ -138,7 +144,7 @@ class CostMeter:
             self._quantized_macs += macs
             price = self._rotation_price.get(id(module))
             if price is not None and inputs:  # counted in end_step only for steps that quantize
-                self._rotation_bitops += (inputs[0].numel() + module.weight.numel()) * price
+                self._rotation_bitops += ((0 if reused else inputs[0].numel()) + module.weight.numel()) * price
             if self._error_rotation != "none":
                 features = output.shape[module.output_feature_dim]
                 if features not in self._error_rotation_price:

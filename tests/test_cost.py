@@ -92,6 +92,33 @@ def test_rotation_is_priced_forward_and_backward_and_reported_apart():
     assert totals.to_dict()["full_precision_mac_share"] == pytest.approx(share)
 
 
+class _TwoReaders(nn.Module):
+    """Two layers reading one input (an attention's query and key) and a third reading another input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(12, 20), nn.Linear(12, 20), nn.Linear(20, 12)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.q(h) * self.k(h))
+
+
+def test_an_input_rotated_once_for_sibling_layers_is_priced_once():
+    model = _TwoReaders()
+    quantize_model(model, CPTConfig(quant_scheme="rotated-per-token"))
+    prices = {name: rotation_bitops_per_value(getattr(model, name).rotation) for name in ("q", "out")}
+    set_precision(model, 4, 8)
+    model(torch.randn(6, 12)).sum()  # shared inputs served before the meter exists are not its concern
+    meter = CostMeter(model, static_bits=8, static_grad_bits=8)
+    before = model.q.cpt_precision.shared_inputs.reuses
+    source = torch.randn(6, 12, requires_grad=True)
+    model(source * 1).sum().backward()  # a non-leaf input, as inside a model: q rotates it, k reuses it
+    meter.end_step(4, 8)
+    assert model.q.cpt_precision.shared_inputs.reuses == before + 1
+    expected = (6 * 12 + 2 * 12 * 20) * prices["q"] + (6 * 20 + 20 * 12) * prices["out"]
+    assert meter.totals.rotation_bitops == expected
+
+
 def test_a_product_left_with_the_full_precision_error_is_priced_at_32_bit_errors():
     assert bitops_per_mac(8, 8, "both") == bitops_per_mac(8, 8) == 3 * 64
     assert bitops_per_mac(8, 8, "input") == 64 + 8 * 8 + 32 * 8  # the weight gradient: FP32 error x 8-bit input

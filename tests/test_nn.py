@@ -338,3 +338,94 @@ def test_training_keeps_only_what_the_needed_gradients_read(kind):
     layer[0].weight.requires_grad_(True)
     shapes = saved_shapes(torch.randn(shape))
     assert shape in shapes and weight_shape not in shapes and layer[0].weight.grad is not None
+
+
+class _Siblings(nn.Module):
+    """Three projections of one input (an attention's query, key and value) and a layer reading another input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(384, 16), nn.Linear(384, 16), nn.Linear(384, 16)
+        self.out = nn.Linear(16, 384)
+
+    def forward(self, h: torch.Tensor, clone: bool = False) -> torch.Tensor:
+        inputs = [h.clone() for _ in range(3)] if clone else [h] * 3  # clones: three inputs, nothing shared
+        mixed = self.q(inputs[0]) * self.k(inputs[1]) + self.v(inputs[2])
+        return self.out(mixed)
+
+
+@pytest.mark.parametrize("scheme", ["rotated-per-token", "per-token"])
+def test_sibling_layers_quantize_a_shared_input_once_with_the_same_results(scheme):
+    """Layers that read one input rotate and quantize it once: the same outputs and weight gradients bit for bit,
+    the same input gradient up to float summation order, and one copy of its codes kept for backward."""
+    torch.manual_seed(0)
+    model = _Siblings()
+    quantize_model(model, CPTConfig(quant_scheme=scheme, fused_error_quantizer=False))
+    set_precision(model, 6, 8)
+    model.train()
+    results = {}
+    source = torch.randn(2, 9, 384, requires_grad=True)
+    for clone in (True, False):
+        source.grad = None
+        h = source * 2  # a non-leaf input, as inside a model
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            out = model(h, clone)
+        torch.manual_seed(1)  # the same stochastic rounding of the errors
+        out.pow(2).sum().backward()
+        codes = {t.untyped_storage().data_ptr() for t in saved if t.dtype == torch.uint8 and t.shape == h.shape}
+        results[clone] = out.detach(), [p.grad.clone() for p in model.parameters()], source.grad.clone(), len(codes)
+        model.zero_grad()
+    (out_a, grads_a, grad_a, codes_a), (out_b, grads_b, grad_b, codes_b) = results[True], results[False]
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert (grad_a - grad_b).abs().max() <= 1e-5 * grad_b.abs().max()  # summed before or after rotating back
+    assert (codes_a, codes_b) == (3, 1)
+
+
+def test_a_shared_input_is_recomputed_after_an_edit_or_a_new_bit_width_and_released_with_its_input():
+    torch.manual_seed(0)
+    model = _Siblings()
+    quantize_model(model, CPTConfig(fused_error_quantizer=False))
+    shared = model.q.cpt_precision.shared_inputs
+    set_precision(model, 4, 8)
+    model.eval()
+    set_eval_precision(model, 4)
+    h = torch.randn(3, 384)
+    with torch.no_grad():
+        first = model.q(h)
+        h.mul_(3)  # an in-place edit: the held quantization is stale
+        assert torch.equal(model.q(h), model.q(h.clone()))
+        assert not torch.equal(model.q(h), first)
+        set_eval_precision(model, 8)  # another bit-width
+        assert torch.equal(model.k(h), model.k(h.clone()))
+        model.v(h)
+    assert shared._entry is not None
+    del h
+    assert shared._entry is None  # freed with its input
+
+
+def test_a_model_with_a_held_shared_input_copies_and_pickles(tmp_path):
+    torch.manual_seed(0)
+    model = _Siblings()
+    quantize_model(model, CPTConfig(fused_error_quantizer=False))
+    set_precision(model, 8, 8)
+    h = torch.randn(2, 384)
+    model.q(h)  # an input held for the siblings
+    assert model.q.cpt_precision.shared_inputs._entry is not None
+    twin = copy.deepcopy(model)
+    assert twin.q.cpt_precision.shared_inputs._entry is None
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert torch.equal(loaded(h), model(h))
+
+
+def test_one_leaf_input_trained_on_twice_is_not_shared_across_backward_passes():
+    torch.manual_seed(0)
+    model = _Siblings()
+    quantize_model(model, CPTConfig(fused_error_quantizer=False))
+    set_precision(model, 8, 8)
+    h = torch.randn(2, 384, requires_grad=True)
+    for _ in range(2):  # a second backward through a held rotation of the first graph would fail
+        model(h).sum().backward()
+    assert h.grad is not None

@@ -1,4 +1,5 @@
-"""`QuantLayerMixin`: the forward and backward every quantized layer shares (docs/method.md §2-§3).
+"""`QuantLayerMixin`: the forward every quantized layer shares (docs/method.md §2-§3); its training GEMM and
+backward are `hf_cpt.nn.products`.
 
 A layer is converted by changing its class (`hf_cpt.nn.layers.convert_layer`): parameters, their names
 and the ``state_dict`` keys stay exactly as they were, so optimizers, tied weights, peft and
@@ -13,20 +14,19 @@ import weakref
 import torch
 from torch import nn
 
-from ..numerics.errors import quantize_error
 from ..numerics.fake_quant import (
     channel_ranges,
     dequantize_codes,
     fake_quantize,
-    fake_quantize_compact,
     quantize_codes,
     quantize_ste,
-    restore_compact,
     tensor_range,
     token_range,
 )
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PrecisionState
+from .products import QuantizedProducts, quantized_operand
+from .shared_input import SharedInput
 
 
 def input_features(layer: nn.Module) -> int:
@@ -233,6 +233,7 @@ class QuantLayerMixin:
         weight = self.weight
         training_products = self.training and torch.is_grad_enabled()
         x_range = weight_range = (None, None)  # None: the operand is used as it is
+        x_quantized = None  # the input quantized already (shared with sibling layers), else None
         rotated_weight = weight_rotation = None  # in training: W R, computed once, and R for the weight gradient
         if bits is not None:
             frozen = self._frozen_weight()
@@ -248,22 +249,51 @@ class QuantLayerMixin:
                     weight = rotation.apply(weight, self.weight_feature_dim)
                 weight_range = channel_ranges(weight, self.weight_channel_dim)
             if self.quantizes_inputs:
-                if rotation is not None:
-                    if rotation.signs.dtype != x.dtype:  # e.g. bf16 activations under autocast
-                        rotation = rotation.to(x.device, x.dtype)
-                    x = rotation.apply(x, self.input_feature_dim)
-                x_range = self.input_range(x)
+                x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products)
         if training_products:
-            return _QuantizedProducts.apply(
+            return QuantizedProducts.apply(
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
                 precision.grad_bits if quantize_backward else None,
-                precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation,
+                precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation, x_quantized,
             )
-        if x_range[0] is not None:
+        if x_quantized is not None:
+            x = x_quantized[0]
+        elif x_range[0] is not None:
             x = quantize_ste(x, *x_range, bits)
         if weight_range[0] is not None:
             weight = quantize_ste(weight, *weight_range, bits)
         return self.compute(x, weight)
+
+    def _prepared_input(self, x: torch.Tensor, rotation: Rotation | None, bits: torch.Tensor, training: bool):
+        """(the input rotated, its range, its quantized operand or None). Per-token layers share all three with
+        the sibling layers that read the same input (`hf_cpt.nn.shared_input`); the others compute the first two."""
+        if rotation is not None and rotation.signs.dtype != x.dtype:  # e.g. bf16 activations under autocast
+            rotation = rotation.to(x.device, x.dtype)
+        shareable = (
+            self.cpt_granularity == "token"
+            and not (torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting())
+            and not x.is_inference()  # no version counter to tell an in-place edit
+            and not (x.is_leaf and x.requires_grad)  # one tensor fed to several forwards, each with a backward
+            and (training or not torch.is_grad_enabled())  # products with autograd's own backward: not shared
+        )
+        if not shareable:
+            if rotation is not None:
+                x = rotation.apply(x, self.input_feature_dim)
+            return x, self.input_range(x), None
+        precision = self.cpt_precision
+        rotation_key = None if rotation is None else (rotation.features, self.cpt_rotation_seed)
+        key = (self.input_feature_dim, x.dtype, rotation_key, id(bits),
+               bits._version, precision.compact_codes, training)
+        entry = precision.shared_inputs.get(x, key)
+        if entry is None:
+            rotated = None if rotation is None else rotation.apply(x, self.input_feature_dim)
+            source = x if rotated is None else rotated
+            x_range = token_range(source, self.input_feature_dim)
+            with torch.no_grad():
+                quantized = quantized_operand(source.detach(), *x_range, bits, precision.compact_codes, training)
+            entry = SharedInput(rotated, x_range, quantized)
+            precision.shared_inputs.put(x, key, entry)
+        return (x if entry.rotated is None else entry.rotated), entry.x_range, entry.quantized
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -303,96 +333,3 @@ class QuantLayerMixin:
                 minimum, maximum = channel_ranges(weight, self.weight_channel_dim)
                 snapped = fake_quantize(weight, minimum, maximum, torch.tensor(float(bits)))
             return snapped if rotated else self.rotate_weight(snapped, inverse=True)
-
-
-_NOT_SAVED = (None, None, None)
-
-
-def _quantized_operand(
-    t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor | None,
-    compact: bool, keep: bool,
-) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
-    """(the operand as the product uses it, what the backward saves to rebuild it: nothing unless ``keep``)."""
-    if minimum is None:
-        return t, ((t, None, None) if keep else _NOT_SAVED)
-    if compact and keep:
-        return fake_quantize_compact(t, minimum, maximum, bits)
-    value = fake_quantize(t, minimum, maximum, bits)
-    return value, ((value, None, None) if keep else _NOT_SAVED)
-
-
-def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read)."""
-    codes, scale, minimum = saved
-    if codes is None:
-        return torch.empty(shape, dtype=dtype, device="meta")
-    return codes if scale is None else restore_compact(codes, scale, minimum, dtype)
-
-
-class _QuantizedProducts(torch.autograd.Function):
-    """A quantized layer's GEMM in training (docs/method.md §2).
-
-    Forward: the input and weight fake-quantized over the given ranges (an operand without a range is used
-    as it is), then the layer's product. Saved for backward: only the operands a needed gradient reads (the
-    input for the weight gradient, the weight for the input gradient, as autograd itself does), each as the
-    integer codes of its quantized values (uint8 with its scale and minimum, up to 8 bits), not a float
-    copy, rebuilt bit for bit in backward.
-    Backward: straight-through for both operands; with error bits, the error is quantized once and each
-    product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
-    follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
-    under autocast. A rotated layer passes ``W R`` computed once outside autograd, and its weight gradient is
-    rotated back here (`_weight_gradient`), not by autograd through a second rotation of the weight.
-    """
-
-    @staticmethod
-    def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
-                rotated_weight, weight_rotation):
-        needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
-        keep_x = needs_weight or (needs_x and layer.input_gradient_reads_input)
-        x_value, x_saved = _quantized_operand(x, x_min, x_max, bits, compact, keep_x)
-        operand = weight if rotated_weight is None else rotated_weight
-        weight_value, weight_saved = _quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
-        ctx.save_for_backward(*x_saved, *weight_saved)
-        ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
-        ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.shapes = (x.shape, weight.shape)
-        return layer.compute(x_value, weight_value)
-
-    @staticmethod
-    def backward(ctx, error):
-        saved = ctx.saved_tensors
-        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        layer, errors = ctx.layer, ctx.errors
-        input_error = weight_error = error
-        if ctx.grad_bits is not None:
-            quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim)
-            input_error = quantized if errors.quantizes_input_gradient else error
-            weight_error = quantized if errors.quantizes_weight_gradient else error
-        compute_dtype = error.dtype
-        x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0]).to(compute_dtype)
-        weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1]).to(compute_dtype)
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = layer.input_gradient(input_error, x, weight).to(x_dtype)
-        if ctx.needs_input_grad[3]:
-            grad_weight = _weight_gradient(layer, weight_error, x, weight, ctx.weight_rotation).to(weight_dtype)
-        if bias_dtype is not None and ctx.needs_input_grad[6]:
-            feature_dim = layer.output_feature_dim % weight_error.dim()
-            grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
-        return grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None
-
-
-def _weight_gradient(
-    layer: QuantLayerMixin, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rotation: Rotation | None
-) -> torch.Tensor:
-    """The gradient of the layer's own weight ``W`` when it computed with ``W R``: ``dL/d(W R)`` rotated back by
-    ``R^T``, or, the same product since the layer is linear in its input's features, the product with the input
-    rotated back (``Q(x R) R^T``), whichever rotates fewer values (few tokens: the input)."""
-    if rotation is None:
-        return layer.weight_gradient(error, x, weight)
-    if rotation.signs.dtype != x.dtype:
-        rotation = rotation.to(x.device, x.dtype)
-    if x.numel() <= weight.numel():
-        return layer.weight_gradient(error, rotation.apply(x, layer.input_feature_dim, transpose=True), weight)
-    return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from ..numerics.errors import PAPER_ERRORS, ErrorQuantization, quantize_error_on_backward
+from .shared_input import SharedInputs
 
 
 class PrecisionState:
@@ -42,6 +43,8 @@ class PrecisionState:
         self.attention_errors = dataclasses.replace(errors, products="both", rotation="none")
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
+        # The last input of the per-token layers, rotated and quantized once for its sibling layers.
+        self.shared_inputs = SharedInputs()
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:

@@ -1,0 +1,109 @@
+"""The training GEMM of a quantized layer (docs/method.md §2): operands fake-quantized in forward, kept for
+backward as integer codes, errors quantized once in backward and the two gradient products formed.
+
+Used by `QuantLayerMixin.forward`; the layer supplies its product (``compute``) and its gradient products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics.errors import quantize_error
+from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, restore_compact
+from ..numerics.rotation import Rotation
+
+NOT_SAVED = (None, None, None)
+
+
+def quantized_operand(
+    t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor | None,
+    compact: bool, keep: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """(the operand as the product uses it, what the backward saves to rebuild it: nothing unless ``keep``)."""
+    if minimum is None:
+        return t, ((t, None, None) if keep else NOT_SAVED)
+    if compact and keep:
+        return fake_quantize_compact(t, minimum, maximum, bits)
+    value = fake_quantize(t, minimum, maximum, bits)
+    return value, ((value, None, None) if keep else NOT_SAVED)
+
+
+def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read)."""
+    codes, scale, minimum = saved
+    if codes is None:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return codes if scale is None else restore_compact(codes, scale, minimum, dtype)
+
+
+class QuantizedProducts(torch.autograd.Function):
+    """A quantized layer's GEMM in training (docs/method.md §2).
+
+    Forward: the input and weight fake-quantized over the given ranges (an operand without a range is used
+    as it is; an input quantized already, shared with sibling layers, comes as ``x_quantized``), then the
+    layer's product. Saved for backward: only the operands a needed gradient reads (the
+    input for the weight gradient, the weight for the input gradient, as autograd itself does), each as the
+    integer codes of its quantized values (uint8 with its scale and minimum, up to 8 bits), not a float
+    copy, rebuilt bit for bit in backward.
+    Backward: straight-through for both operands; with error bits, the error is quantized once and each
+    product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
+    follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
+    under autocast. A rotated layer passes ``W R`` computed once outside autograd, and its weight gradient is
+    rotated back here (`_weight_gradient`), not by autograd through a second rotation of the weight.
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
+                rotated_weight, weight_rotation, x_quantized):
+        needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        keep_x = needs_weight or (needs_x and layer.input_gradient_reads_input)
+        if x_quantized is None:
+            x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x)
+        else:  # the sibling layers' one copy: their backward keeps the same codes, not one copy each
+            x_value, x_saved = x_quantized[0], (x_quantized[1] if keep_x else NOT_SAVED)
+        operand = weight if rotated_weight is None else rotated_weight
+        weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
+        ctx.save_for_backward(*x_saved, *weight_saved)
+        ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
+        ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.shapes = (x.shape, weight.shape)
+        return layer.compute(x_value, weight_value)
+
+    @staticmethod
+    def backward(ctx, error):
+        saved = ctx.saved_tensors
+        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        layer, errors = ctx.layer, ctx.errors
+        input_error = weight_error = error
+        if ctx.grad_bits is not None:
+            quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim)
+            input_error = quantized if errors.quantizes_input_gradient else error
+            weight_error = quantized if errors.quantizes_weight_gradient else error
+        compute_dtype = error.dtype
+        x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0]).to(compute_dtype)
+        weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1]).to(compute_dtype)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = layer.input_gradient(input_error, x, weight).to(x_dtype)
+        if ctx.needs_input_grad[3]:
+            grad_weight = _weight_gradient(layer, weight_error, x, weight, ctx.weight_rotation).to(weight_dtype)
+        if bias_dtype is not None and ctx.needs_input_grad[6]:
+            feature_dim = layer.output_feature_dim % weight_error.dim()
+            grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
+        return grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None
+
+
+def _weight_gradient(
+    layer, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rotation: Rotation | None
+) -> torch.Tensor:
+    """The gradient of the layer's own weight ``W`` when it computed with ``W R``: ``dL/d(W R)`` rotated back by
+    ``R^T``, or, the same product since the layer is linear in its input's features, the product with the input
+    rotated back (``Q(x R) R^T``), whichever rotates fewer values (few tokens: the input)."""
+    if rotation is None:
+        return layer.weight_gradient(error, x, weight)
+    if rotation.signs.dtype != x.dtype:
+        rotation = rotation.to(x.device, x.dtype)
+    if x.numel() <= weight.numel():
+        return layer.weight_gradient(error, rotation.apply(x, layer.input_feature_dim, transpose=True), weight)
+    return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True)
