@@ -226,3 +226,24 @@ def test_rotation_has_data_under_a_meta_device_context():
     assert shapes == rotation_buffers(384) == {"rotation_signs": (384,), "rotation_factor_0": (12, 12),
                                                "rotation_factor_1": (32, 32)}
     assert layer.rotation_signs.device.type == "meta"
+
+
+@pytest.mark.parametrize("features", [1536, 3072])  # Sylvester parts of 128 and 256: applied as 16 x 8 and 16 x 16
+def test_a_resplit_rotation_is_the_same_matrix_and_compiles_into_one_graph(features):
+    import torch._dynamo
+
+    rotation = get_rotation(features, dtype=torch.float64)
+    assert rotation_module._axis_steps(rotation.factors, rotation.kinds, False)[0].shape == (16, 16)
+    x = torch.randn(4, features, dtype=torch.float64)
+    assert torch.allclose(rotation.apply(x), x @ kronecker_reference(rotation), atol=1e-12)
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    rotation32 = get_rotation(features)
+    x32 = torch.randn(4, features)
+    compiled = torch.compile(lambda t: rotation32.apply(t, transpose=True), backend=counting_backend)
+    assert torch.equal(compiled(x32), rotation32.apply(x32, transpose=True)) and len(graphs) == 1
