@@ -429,3 +429,35 @@ def test_one_leaf_input_trained_on_twice_is_not_shared_across_backward_passes():
     for _ in range(2):  # a second backward through a held rotation of the first graph would fail
         model(h).sum().backward()
     assert h.grad is not None
+
+
+def test_a_llama_shares_its_attention_and_gated_mlp_inputs_and_trains_as_without_sharing():
+    """Real sibling layers: q/k/v and gate/up of a Llama-style model. Two training steps with sharing give the
+    losses of the same steps with every input computed per layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    losses, reuses = {}, {}
+    for share in (True, False):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(copy.deepcopy(config))  # quantize_model sets the config's attention function
+        quantize_model(model, CPTConfig(fused_error_quantizer=False))
+        set_precision(model, 6, 8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = model.model.layers[0].self_attn.q_proj.cpt_precision.shared_inputs
+        if not share:
+            state.get = lambda x, key: None
+        losses[share] = []
+        for _ in range(2):
+            torch.manual_seed(1)  # the same stochastic rounding of the errors
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[share].append(loss.item())
+        reuses[share] = state.reuses
+    assert reuses == {True: 2 * 2 * 3, False: 0}  # 2 steps x 2 layers x (k, v, up)
+    assert losses[True][0] == losses[False][0]  # the same forward, bit for bit
+    assert losses[True][1] == pytest.approx(losses[False][1], rel=1e-5)  # gradients summed in another order
