@@ -20,10 +20,12 @@ records accuracy, the cost meter's report, time per step and the training curve 
 
 Resumable: results go to ``--output`` after every run, under one section per length; a finished
 (length, run, seed) is skipped when the command is run again. The lengths run shortest first, so that
-every length has all its runs before a longer one starts. ``python bench/report.py`` turns the JSON into
-``docs/RESULTS.md``.
+every length has all its runs before a longer one starts. Several processes can share the scan, one per core:
+each claims a (length, run, seed) before training it (`harness.claim`) and leaves the others' to them.
+``python bench/report.py`` turns the JSON into ``docs/RESULTS.md``.
 
-    nohup python bench/horizon.py > outputs/horizon.log 2>&1 &
+    OMP_NUM_THREADS=1 nohup python bench/horizon.py > outputs/horizon_a.log 2>&1 &
+    OMP_NUM_THREADS=1 nohup python bench/horizon.py > outputs/horizon_b.log 2>&1 &   # a second core
 """
 
 from __future__ import annotations
