@@ -130,3 +130,18 @@ def test_quantizing_a_peft_model_skips_adapters(tiny_bert):
     assert any(name.endswith("query.base_layer") for name in report.quantized)
     assert not any("lora_" in name for name in report.quantized)
     assert any("peft adapter" in reason for reason in report.kept.values())
+
+
+def test_quantizing_a_model_from_outside_transformers_does_not_load_transformers_modeling_code():
+    """A timm or hand-written model is told apart from a PreTrainedModel without importing transformers' modeling
+    stack (hundreds of modules, tens of MB its user never loads); a transformers model still routes attention."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch; from hf_cpt import CPTConfig, quantize_model; "
+        "report = quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), CPTConfig()); "
+        "print('transformers.modeling_utils' in sys.modules, 'not a transformers PreTrainedModel' in report.attention)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["False", "True"], result.stderr[-2000:]

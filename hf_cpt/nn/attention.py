@@ -19,6 +19,7 @@ Dropout on the probabilities and grouped key/value heads behave as in the eager 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -142,9 +143,10 @@ def _register() -> None:
 
 def attention_support(model: nn.Module) -> str | None:
     """None when ``model`` dispatches attention through the attention interface, else why not."""
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
+    # A PreTrainedModel exists only once transformers' modeling code is imported: a model from elsewhere (timm)
+    # is told apart without importing it (several hundred modules and tens of MB that its user never loads).
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None or not isinstance(model, modeling.PreTrainedModel):
         return f"{type(model).__name__} is not a transformers PreTrainedModel"
     if not model._can_set_attn_implementation():
         return (f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface "
