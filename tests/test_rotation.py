@@ -228,14 +228,21 @@ def test_rotation_has_data_under_a_meta_device_context():
     assert layer.rotation_signs.device.type == "meta"
 
 
-@pytest.mark.parametrize("features", [1536, 3072])  # Sylvester parts of 128 and 256: applied as 16 x 8 and 16 x 16
+@pytest.mark.parametrize("features", [768, 1536, 3072])  # Sylvester parts of 64, 128 and 256
 def test_a_resplit_rotation_is_the_same_matrix_and_compiles_into_one_graph(features):
     import torch._dynamo
 
     rotation = get_rotation(features, dtype=torch.float64)
-    assert rotation_module._axis_steps(rotation.factors, rotation.kinds, False)[0].shape == (16, 16)
+    sylvester = features // 12
+    for last_axis in (True, False):
+        split = rotation_module.SYLVESTER_SPLITS["last" if last_axis else "inner"].get(sylvester)
+        steps = rotation_module._axis_steps(rotation.factors, rotation.kinds, False, last_axis)
+        assert split is None or [step.shape[0] for step in steps] == [*split, 12]
+    assert rotation_module.SYLVESTER_SPLITS["inner"].get(sylvester) is not None
     x = torch.randn(4, features, dtype=torch.float64)
-    assert torch.allclose(rotation.apply(x), x @ kronecker_reference(rotation), atol=1e-12)
+    dense = kronecker_reference(rotation)
+    assert torch.allclose(rotation.apply(x), x @ dense, atol=1e-12)
+    assert torch.allclose(rotation.apply(x.T.contiguous(), dim=0), dense.T @ x.T, atol=1e-12)  # a Conv1D weight
     torch._dynamo.reset()
     graphs = []
 

@@ -28,11 +28,11 @@ import torch
 
 MAX_FACTOR = 32  # largest power-of-two Hadamard factor stored (the rotation's definition)
 MAX_MERGED_BLOCK = 256  # trailing factors merged into one block of at most this size when applied (speed only)
-# A power-of-two (Sylvester) part of 128 or 256 is applied as a 16-block over the last axis and the rest on the
-# next axis: the same matrix (H_a ⊗ H_b = H_ab for Sylvester's construction), 2-3x faster than one merged block
-# at 1536 and 3072 features on CPU (docs/method.md, "Rotation"). Speed only.
-SPLIT_SYLVESTER = (128, 256)
-SPLIT_BLOCK = 16
+# How a power-of-two (Sylvester) part of these sizes is applied instead of merged: block sizes, the rotated axis
+# first, when that axis is the last one ("last": the first block is a plain matrix product) or not ("inner": every
+# block is a batched product, e.g. a Conv1D weight's first axis). The same matrix whatever the split (H_a ⊗ H_b =
+# H_ab for Sylvester's construction); measured faster on CPU than one merged block (docs/benchmarks.md). Speed only.
+SYLVESTER_SPLITS = {"last": {128: (16, 8), 256: (16, 16)}, "inner": {64: (8, 8), 128: (16, 8), 256: (16, 16)}}
 MAX_PALEY_ORDER = 64  # larger Paley factors cost more than a dense factor for the odd part
 MAX_DENSE_FACTOR = 256  # largest odd part handled by a dense orthogonal factor
 DEFAULT_SEED = 0
@@ -168,18 +168,22 @@ def _sylvester_block(size: int, device: torch.device, dtype: torch.dtype) -> tor
     return (sylvester_hadamard(size) / math.sqrt(size)).to(device=device, dtype=dtype)
 
 
-def _axis_steps(factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...], transpose: bool) -> list[torch.Tensor]:
-    """The matrices `_rotate` contracts one axis at a time, last axis first: the trailing factors merged into one
-    block of at most `MAX_MERGED_BLOCK`, or, for a Sylvester part in `SPLIT_SYLVESTER`, split anew."""
+def _axis_steps(
+    factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...], transpose: bool, last_axis: bool = True
+) -> list[torch.Tensor]:
+    """The matrices `_rotate` contracts one axis at a time, innermost first: the trailing factors merged into one
+    block of at most `MAX_MERGED_BLOCK`, or a Sylvester part split anew as `SYLVESTER_SPLITS` says for a rotation
+    along the last axis (``last_axis``) or another."""
     remaining = [(f.t() if transpose else f).contiguous() for f in factors]
     sylvester = [f for f, kind in zip(factors, kinds) if kind == "sylvester"]
     power = 1
     for factor in sylvester:  # (a loop, not math.prod over a generator, which torch.compile cannot trace)
         power *= factor.shape[0]
-    if power in SPLIT_SYLVESTER and kinds[len(kinds) - len(sylvester):] == ("sylvester",) * len(sylvester):
+    split = SYLVESTER_SPLITS["last" if last_axis else "inner"].get(power)
+    if split is not None and kinds[len(kinds) - len(sylvester):] == ("sylvester",) * len(sylvester):
         # Sylvester blocks are symmetric: the same whether transposed or not.
         device, dtype = factors[0].device, factors[0].dtype
-        blocks = [_sylvester_block(SPLIT_BLOCK, device, dtype), _sylvester_block(power // SPLIT_BLOCK, device, dtype)]
+        blocks = [_sylvester_block(size, device, dtype) for size in split]
         return blocks + remaining[:len(remaining) - len(sylvester)][::-1]
     block = remaining.pop()
     while remaining and block.shape[0] * remaining[-1].shape[0] <= MAX_MERGED_BLOCK:
@@ -200,7 +204,7 @@ def _rotate(
     trailing = math.prod(x.shape[dim + 1:])
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
     y = x if transpose else x * signs
-    for factor in _axis_steps(factors, kinds, transpose):
+    for factor in _axis_steps(factors, kinds, transpose, last_axis=trailing == 1):
         size = factor.shape[0]
         if trailing == 1:  # the last axis: one plain matrix product
             y = y.reshape(-1, size) @ factor
