@@ -28,8 +28,8 @@ import torch
 
 MAX_FACTOR = 32  # largest power-of-two Hadamard factor stored (the rotation's definition)
 MAX_MERGED_BLOCK = 256  # trailing factors merged into one block of at most this size when applied (speed only)
-# How a power-of-two (Sylvester) part of these sizes is applied instead of merged: block sizes, the rotated axis
-# first, when that axis is the last one ("last": the first block is a plain matrix product) or not ("inner": every
+# How a power-of-two (Sylvester) part of these sizes is applied instead of merged: block sizes, innermost first,
+# when the rotated axis is the last one ("last": the first block is a plain matrix product) or not ("inner": every
 # block is a batched product, e.g. a Conv1D weight's first axis). The same matrix whatever the split (H_a ⊗ H_b =
 # H_ab for Sylvester's construction); measured faster on CPU than one merged block (docs/benchmarks.md). Speed only.
 SYLVESTER_SPLITS = {"last": {128: (16, 8), 256: (16, 16)}, "inner": {64: (8, 8), 128: (16, 8), 256: (16, 16)}}
