@@ -25,7 +25,7 @@ from ..numerics.fake_quant import (
 )
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PrecisionState
-from .products import QuantizedProducts, quantized_operand
+from .products import QuantizedProducts, keeps_input, quantized_operand
 from .shared_input import SharedInput
 
 
@@ -281,16 +281,18 @@ class QuantLayerMixin:
                 x = rotation.apply(x, self.input_feature_dim)
             return x, self.input_range(x), None
         precision = self.cpt_precision
+        # Codes only where this layer's backward reads its input (what the products would keep themselves).
+        keep = training and keeps_input(self, x.requires_grad, self.weight.requires_grad)
         rotation_key = None if rotation is None else (rotation.features, self.cpt_rotation_seed)
-        key = (self.input_feature_dim, x.dtype, rotation_key, id(bits),
-               bits._version, precision.compact_codes, training)
+        key = (self.input_feature_dim, x.dtype, rotation_key, id(bits), bits._version, precision.compact_codes,
+               training, keep)
         entry = precision.shared_inputs.get(x, key)
         if entry is None:
             rotated = None if rotation is None else rotation.apply(x, self.input_feature_dim)
             source = x if rotated is None else rotated
             x_range = token_range(source, self.input_feature_dim)
             with torch.no_grad():
-                quantized = quantized_operand(source.detach(), *x_range, bits, precision.compact_codes, training)
+                quantized = quantized_operand(source.detach(), *x_range, bits, precision.compact_codes, keep)
             entry = SharedInput(rotated, x_range, quantized)
             precision.shared_inputs.put(x, key, entry)
         return (x if entry.rotated is None else entry.rotated), entry.x_range, entry.quantized

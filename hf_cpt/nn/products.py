@@ -15,6 +15,12 @@ from ..numerics.rotation import Rotation
 NOT_SAVED = (None, None, None)
 
 
+def keeps_input(layer, needs_input_grad: bool, needs_weight_grad: bool) -> bool:
+    """Whether the backward reads the layer's input: the weight gradient does, the input gradient only where the
+    layer's product needs it (`QuantLayerMixin.input_gradient_reads_input`)."""
+    return needs_weight_grad or (needs_input_grad and layer.input_gradient_reads_input)
+
+
 def quantized_operand(
     t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor | None,
     compact: bool, keep: bool,
@@ -56,11 +62,11 @@ class QuantizedProducts(torch.autograd.Function):
     def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
                 rotated_weight, weight_rotation, x_quantized):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
-        keep_x = needs_weight or (needs_x and layer.input_gradient_reads_input)
+        keep_x = keeps_input(layer, needs_x, needs_weight)
         if x_quantized is None:
             x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x)
-        else:  # the sibling layers' one copy: their backward keeps the same codes, not one copy each
-            x_value, x_saved = x_quantized[0], (x_quantized[1] if keep_x else NOT_SAVED)
+        else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all
+            x_value, x_saved = x_quantized
         operand = weight if rotated_weight is None else rotated_weight
         weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
         ctx.save_for_backward(*x_saved, *weight_saved)

@@ -174,17 +174,16 @@ def _axis_steps(
     """The matrices `_rotate` contracts one axis at a time, innermost first: the trailing factors merged into one
     block of at most `MAX_MERGED_BLOCK`, or a Sylvester part split anew as `SYLVESTER_SPLITS` says for a rotation
     along the last axis (``last_axis``) or another."""
-    remaining = [(f.t() if transpose else f).contiguous() for f in factors]
-    sylvester = [f for f, kind in zip(factors, kinds) if kind == "sylvester"]
+    leading = len(factors) - kinds.count("sylvester")  # factor_sizes puts the odd-order factor first
     power = 1
-    for factor in sylvester:  # (a loop, not math.prod over a generator, which torch.compile cannot trace)
+    for factor in factors[leading:]:  # (a loop, not math.prod over a generator, which torch.compile cannot trace)
         power *= factor.shape[0]
     split = SYLVESTER_SPLITS["last" if last_axis else "inner"].get(power)
-    if split is not None and kinds[len(kinds) - len(sylvester):] == ("sylvester",) * len(sylvester):
+    remaining = [(f.t() if transpose else f).contiguous() for f in (factors[:leading] if split else factors)]
+    if split is not None:
         # Sylvester blocks are symmetric: the same whether transposed or not.
         device, dtype = factors[0].device, factors[0].dtype
-        blocks = [_sylvester_block(size, device, dtype) for size in split]
-        return blocks + remaining[:len(remaining) - len(sylvester)][::-1]
+        return [_sylvester_block(size, device, dtype) for size in split] + remaining[::-1]
     block = remaining.pop()
     while remaining and block.shape[0] * remaining[-1].shape[0] <= MAX_MERGED_BLOCK:
         block = torch.kron(remaining.pop(), block)
