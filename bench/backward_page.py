@@ -17,7 +17,8 @@ ATTENTION_TARGET = 1.5
 COST_TARGET = 0.75  # CPT 4-8/8 cost vs static 8/8
 # What runs recorded before these settings existed used: the paper's errors.
 ERROR_DEFAULTS = {"error_granularity": PAPER_ERRORS.granularity, "error_rounding": PAPER_ERRORS.rounding,
-                  "error_products": PAPER_ERRORS.products, "error_rotation": PAPER_ERRORS.rotation}
+                  "error_products": PAPER_ERRORS.products, "error_rotation": PAPER_ERRORS.rotation,
+                  "error_range": PAPER_ERRORS.range}
 
 
 def method(config: dict) -> str:
@@ -29,20 +30,26 @@ def method(config: dict) -> str:
         name += f" ({config['quant_scheme']} activations)"
     if config.get("quantize_attention"):
         name += " + attention" + (f" at {config['attention_bits']} bits" if config.get("attention_bits") else "")
+        grid = ErrorQuantization(range=config.get("error_range", PAPER_ERRORS.range)).for_attention().range
+        name += ", its errors zero-centred" if grid == "symmetric" else ", its errors min/max"
     return name + "".join(f" + {module}" for module in config.get("include_modules") or [])
 
 
-def errors(config: dict) -> tuple[str, str, str, str]:
-    return tuple(config.get(key, default) for key, default in ERROR_DEFAULTS.items())
+def errors(config: dict) -> tuple[str, ...]:
+    """The layers' error settings a run recorded: (granularity, rounding, products, rotation, grid)."""
+    recorded = [config.get(key, default) for key, default in ERROR_DEFAULTS.items()]
+    recorded[-1] = "minmax" if recorded[-1] == "auto" else recorded[-1]  # the layers' grid under "auto"
+    return tuple(recorded)
 
 
-def describe(option: tuple[str, str, str, str]) -> str:
-    granularity, rounding, products, rotation = option
+def describe(option: tuple[str, ...]) -> str:
+    granularity, rounding, products, rotation, grid = option
     ranges = "one range per tensor" if granularity == "tensor" else "one range per row (token)"
     used = {"both": "both products", "input": "input gradient only (weight gradient from the FP32 error)",
             "weight": "weight gradient only (input gradient from the FP32 error)"}[products]
     turned = {"none": "", "features": ", rotated across features", "tokens": ", rotated across tokens"}[rotation]
-    return f"{ranges}, {rounding} rounding{turned}, {used}"
+    centred = ", zero-centred grid" if grid == "symmetric" else ""
+    return f"{ranges}{centred}, {rounding} rounding{turned}, {used}"
 
 
 def groups(*sections: dict) -> dict[tuple[str, tuple], list[dict]]:
@@ -60,14 +67,15 @@ def _points(entries: list[dict]) -> float:
     return 100 * mean(e["metric"] for e in entries)
 
 
-def resolved_option(errors: ErrorQuantization, activations: str) -> tuple[str, str, str, str]:
-    """The (granularity, rounding, products, rotation) ``errors`` give a layer with ``activations`` ranges."""
+def resolved_option(errors: ErrorQuantization, activations: str) -> tuple[str, ...]:
+    """The (granularity, rounding, products, rotation, grid) ``errors`` give a layer with ``activations`` ranges."""
     resolved = errors.for_activations(activations)
-    return resolved.granularity, resolved.rounding, resolved.products, resolved.rotation
+    return resolved.granularity, resolved.rounding, resolved.products, resolved.rotation, resolved.range
 
 
 def backward_page(ablation: dict, pretrained: dict, default: ErrorQuantization,
-                  from_scratch: list[tuple[str, dict, str, tuple, str]] | None = None) -> str:
+                  from_scratch: list[tuple[str, dict, str, tuple, str]] | None = None,
+                  gradient_fidelity: dict | None = None) -> str:
     default_errors = resolved_option(default, "token")  # MiniLM's layers: rotated, per-token activations
     grouped = groups(pretrained.get("finetune", {}), ablation.get("finetune", {}))
     fp32 = next((entries for (name, _), entries in grouped.items() if name == "FP32"), None)
@@ -98,9 +106,39 @@ def backward_page(ablation: dict, pretrained: dict, default: ErrorQuantization,
     lines += ["", "† measured before the cost meter counted the attention products (in FP32 there): both cost "
               "ratios of that row leave them out, so they read lower than a row that counts them.",
               "", "## Findings", ""] + findings(grouped, fp32_points, default_errors)
+    if gradient_fidelity:
+        lines += [""] + gradient_section(gradient_fidelity)
     for title, results, command, metric, activations in from_scratch or []:
         lines += [""] + scratch_section(title, results, command, metric, resolved_option(default, activations))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def gradient_section(results: dict) -> list[str]:
+    """The gradient-fidelity table (bench/gradient_fidelity.py) and what separates the two attention grids."""
+    variants = results.get("variants", {})
+    groups = list(next(iter(variants.values()))["groups"]) if variants else []
+    lines = ["## Gradient fidelity: the errors of the attention products", "",
+             f"`python bench/gradient_fidelity.py`: {results['settings']['model']}, "
+             f"{results['settings']['batches']}, static 8/8. Cosine similarity of the quantized run's parameter "
+             f"gradients to FP32's: one draw (what one training step sees), and in brackets the mean of "
+             f"{results['settings']['draws']} draws (mostly the bias).", "",
+             "| variant | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+    for name, entry in variants.items():
+        cells = [f"{v['one_draw']:.4f} ({v['mean_of_draws']:.4f})" for v in entry["groups"].values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    def counterpart(name: str) -> str | None:  # the same variant with the attention errors zero-centred
+        wanted = name.replace("errors min/max", "errors zero-centred").replace(", min/max", ", attention zero-centred")
+        return next((other for other in variants if other != name and other.startswith(wanted)), None)
+
+    pairs = [(name, counterpart(name)) for name in variants if "min/max" in name and "attention" in name]
+    for minmax, centred in [(a, b) for a, b in pairs if b is not None]:
+        before = {g: 1 - v["one_draw"] for g, v in variants[minmax]["groups"].items()}
+        after = {g: 1 - v["one_draw"] for g, v in variants[centred]["groups"].items()}
+        worst = max(before, key=lambda g: before[g] / max(after[g], 1e-12))
+        lines += ["", f"- {centred} against {minmax}: the distance to FP32 (1 - cosine, one draw) of all gradients "
+                      f"goes from {before['all']:.4f} to {after['all']:.4f}; the most changed group, {worst}, from "
+                      f"{before[worst]:.4f} to {after[worst]:.4f}."]
+    return lines
 
 
 # (title, results file, the command that adds its per-row runs, (metric name, higher is better, scale), the

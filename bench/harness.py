@@ -193,12 +193,12 @@ def with_cycles(runs: dict[str, dict], cycles: int) -> dict[str, dict]:
 def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int],
             build_trainer: Callable[[CPTConfig, int, str], Any], metric: str, label: str, profile: bool,
             transform: Callable[[float], float] | None = None, profile_dataset=None, section: str = "runs",
-            desc: str = "runs") -> None:
+            desc: str = "runs", skip_profile: tuple[str, ...] = ()) -> None:
     """Train every (run, seed) not yet in ``results[section]``, saving the JSON after each (resumable); a
     (run, seed) another live process has claimed is left to it.
 
     ``build_trainer(config, seed, work_name)`` returns a `CPTTrainer` for one run; ``label`` names the
-    metric in the progress line.
+    metric in the progress line; runs whose schedule is in ``skip_profile`` get no precision profile.
     """
     done = results.setdefault(section, {})
     todo = [(name, seed) for seed in seeds for name in runs if f"{name}/seed{seed}" not in done]
@@ -209,7 +209,8 @@ def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int],
             continue
         torch.manual_seed(seed)
         trainer = build_trainer(CPTConfig(**runs[name]), seed, key.replace("/", "_"))
-        entry = train_and_record(trainer, metric, profile, transform, profile_dataset, run=name, seed=seed)
+        entry = train_and_record(trainer, metric, profile and trainer.cpt_config.schedule not in skip_profile,
+                                 transform, profile_dataset, run=name, seed=seed)
         entry["quantized_layers"] = len(trainer.cpt_report.quantized)
         record(path, results, section, key, entry)
         tqdm.write(f"{key}: {label} {entry['metric']:.4f}, {entry['seconds_per_step']:.2f} s/step, "

@@ -62,14 +62,17 @@ RUNS = {
     "cpt-4-8/8-paper": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2, quant_scheme="paper"),
     # The attention products quantized too (CPTConfig(quantize_attention=True)), as the follow-up's BERT code.
     "cpt-4-8/8-attention": dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2, quantize_attention=True,
-                                **PER_TENSOR),
+                                error_range="minmax", **PER_TENSOR),
 }
 # The backward ablation (docs/method.md §2, docs/backward.md): each error setting spelled out, so a run keeps its
 # meaning when defaults change (the per-tensor baselines are the runs above). PER_ROW is today's default.
 STATIC, CPT_4_8, CPT_5_8 = (dict(schedule="static", bits_max=8, grad_bits=8),
                             dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2),
                             dict(bits_min=5, bits_max=8, grad_bits=8, num_cycles=2))
-PER_ROW = dict(error_granularity="token", error_rounding="stochastic", error_products="both", error_rotation="none")
+PER_ROW = dict(error_granularity="token", error_rounding="stochastic", error_products="both", error_rotation="none",
+               error_range="minmax")
+# The attention products' errors on the zero-centred grid (error_range="auto", the default since it was measured).
+SYMMETRIC_ATTENTION = dict(quantize_attention=True, error_range="auto")
 BACKWARD_RUNS = {
     "static-8/8-error-token": {**STATIC, **PER_ROW},
     "cpt-4-8/8-error-token": {**CPT_4_8, **PER_ROW},
@@ -90,6 +93,9 @@ BACKWARD_RUNS = {
     "cpt-5-8/8-error-token-nearest": {**CPT_5_8, **PER_ROW, "error_rounding": "nearest"},
     "static-8/8-error-tensor-rotate-features": {**STATIC, **PER_ROW, "error_granularity": "tensor",
                                                 "error_rotation": "features"},
+    "cpt-4-8/8-error-token-attention-symmetric": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION},
+    "cpt-4-8/8-error-token-attention-8-symmetric": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION, "attention_bits": 8},
+    "static-8/8-error-token-attention-symmetric": {**STATIC, **PER_ROW, **SYMMETRIC_ATTENTION},
 }
 RUNS.update(BACKWARD_RUNS)
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]
@@ -192,7 +198,6 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
         TrainingArguments,
     )
 
-    section = results.setdefault("finetune", {})
     settings = {"train_size": train_size, "max_steps": max_steps}
     if eval_size is not None:
         settings["eval_size"] = eval_size
@@ -201,34 +206,24 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
     train_rows, eval_rows = mnli_split(data_dir, train_size)
     eval_rows = eval_rows[:eval_size] if eval_size is not None else eval_rows
     train, evaluation = PairDataset(train_rows, tokenizer), PairDataset(eval_rows, tokenizer)
-    todo = [(run, seed) for seed in seeds for run in runs
-            if f"{run}/seed{seed}" not in section]
     total_steps = max_steps if max_steps > 0 else -(-len(train) // 32)
-    for run, seed in tqdm(todo, desc="fine-tuning runs"):
-        key = f"{run}/seed{seed}"
-        torch.manual_seed(seed)
+
+    def build_trainer(config: CPTConfig, seed: int, work_name: str) -> CPTTrainer:
         model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=3)
-        config = CPTConfig(**RUNS[run])
         args = TrainingArguments(
-            output_dir=os.path.join(output_dir, key.replace("/", "_")), per_device_train_batch_size=32,
+            output_dir=os.path.join(output_dir, work_name), per_device_train_batch_size=32,
             per_device_eval_batch_size=64, learning_rate=1e-4, warmup_steps=max(1, total_steps // 10),
             num_train_epochs=1,
             max_steps=max_steps if max_steps > 0 else -1, seed=seed, logging_steps=5, save_strategy="no",
             report_to="none", use_cpu=True, disable_tqdm=False,
         )
-        trainer = CPTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                             data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=harness.accuracy,
-                             processing_class=tokenizer, cpt_config=config)
-        entry = harness.train_and_record(trainer, "accuracy", profile and config.schedule != "fp32", run=run,
-                                         seed=seed)
-        entry["quantization_report"] = {"quantized": len(trainer.cpt_report.quantized),
-                                        "schemes": sorted(set(trainer.cpt_report.schemes.values()))}
-        section[key] = entry
-        results["environment"] = harness.environment()
-        harness.save_results(path, results)
-        tqdm.write(f"{key}: accuracy {entry['metric']:.4f}, {entry['seconds_per_step']:.2f} s/step, "
-                   f"cost vs static {entry['cost']['cost_vs_static']}")
-        del trainer, model
+        return CPTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                          data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=harness.accuracy,
+                          processing_class=tokenizer, cpt_config=config)
+
+    # Several processes can share one scan (one per core): each claims a (run, seed) before training it.
+    harness.run_all(results, path, {run: RUNS[run] for run in runs}, seeds, build_trainer, "accuracy", "accuracy",
+                    profile, section="finetune", desc="fine-tuning runs", skip_profile=("fp32",))
 
 
 def main() -> None:

@@ -230,7 +230,8 @@ def main() -> None:
             scratch = [(title, results_page.load(args.results, file), command, metric, activations)
                        for title, file, command, metric, activations in backward_page.FROM_SCRATCH]
             f.write(backward_page.backward_page(ablation, pretrained, default,
-                                                [section for section in scratch if section[1]]))
+                                                [section for section in scratch if section[1]],
+                                                results_page.load(args.results, "gradient_fidelity.json")))
         print(f"wrote {path}")
         replace_block(args.readme, "backward-summary",
                       backward_page.readme_summary(ablation, pretrained,

@@ -31,7 +31,7 @@ from .nn.attention import find_attention_quantizer
 from .nn.base import QuantLayerMixin
 from .nn.layers import QUANT_LAYER_CLASSES
 from .numerics.bitops import bitops_per_mac, rotation_bitops, rotation_bitops_per_value
-from .numerics.errors import error_rotation_operations
+from .numerics.error_rotation import error_rotation_operations
 
 
 def layer_macs(module: nn.Module, output: torch.Tensor) -> int:

@@ -197,3 +197,64 @@ def test_a_saved_model_reloads_with_the_same_attention(tmp_path, quantize_attent
     assert loaded.config.quantization_config.attention_bits == attention_bits
     assert (loaded_attention.fixed_bits if loaded_attention is not None else None) == attention_bits
     torch.testing.assert_close(_logits(loaded), expected, rtol=1e-5, atol=1e-5)
+
+
+class _QuantizedGradient(torch.autograd.Function):
+    """Identity forward; the reference error quantizer (nearest rounding, per row) on the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, quantize):
+        ctx.quantize = quantize
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.quantize(grad), None
+
+
+def _row_error_quantizer(grid, bits):
+    def quantize(e):
+        if grid == "symmetric":
+            half = 2 ** (bits - 1) - 1
+            scale = torch.clamp(e.abs().amax(-1, keepdim=True) / half, min=1e-8)
+            return torch.clamp(torch.round(e / scale), -half, half) * scale
+        return reference_quantize(e, e.amin(-1, keepdim=True), e.amax(-1, keepdim=True), bits)
+    return quantize
+
+
+@pytest.mark.parametrize("error_range, grid", [("auto", "symmetric"), ("minmax", "minmax")])
+def test_attention_errors_use_the_zero_centred_grid_by_default(error_range, grid):
+    """The errors of both attention products, per row, on the grid error_range gives the attention (default:
+    zero-centred, docs/backward.md); the layers keep the min/max grid."""
+    from hf_cpt.numerics.errors import ErrorQuantization
+
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, 1, 6, 6)
+    mask[1, :, :, 4:] = torch.finfo(torch.float32).min  # padded keys: their score errors are exactly zero
+    errors = ErrorQuantization("auto", "nearest", range=error_range)
+    precision = PrecisionState(errors=errors)
+    precision.set(8, 5)
+    module = nn.Module().train()
+    module.cpt_attention = AttentionQuantizer(precision, True, "token")
+    upstream = torch.randn(2, 6, 3, 8)
+    out, _ = cpt_attention_forward(module, q, k, v, mask)
+    out.backward(upstream)
+    got = [t.grad.clone() for t in (q, k, v)]
+    assert precision.errors.for_activations("token").range == "minmax"
+
+    quantize_error = _row_error_quantizer(grid, 5)
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def forward_quantize(x, dim):  # the forward's fake quantization, straight-through
+        low, high = x.amin(dim, keepdim=True).detach(), x.amax(dim, keepdim=True).detach()
+        return x + (reference_quantize(x, low, high, 8) - x).detach()
+
+    rq, rk, rv = inputs
+    scores = _QuantizedGradient.apply(forward_quantize(rq, -1) @ forward_quantize(rk, -1).transpose(-1, -2),
+                                      quantize_error)
+    probabilities = torch.softmax(scores / 8**0.5 + mask, dim=-1)
+    output = _QuantizedGradient.apply(forward_quantize(probabilities, -1) @ forward_quantize(rv, -2), quantize_error)
+    output.transpose(1, 2).backward(upstream)
+    for mine, theirs in zip(got, inputs):
+        torch.testing.assert_close(mine, theirs.grad, rtol=1e-4, atol=1e-6)

@@ -49,6 +49,30 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     as_minilm = {**results, "fidelity": {"all-MiniLM-L6-v2 (pretrained)": results["fidelity"]["model (local)"]}}
     assert any(line.startswith("| output fidelity at 4 bits") for line in report.readme_summary(as_minilm))
 
+    # the gradient fidelity of the error grids, on the same model, and its section of the backward page
+    gradients = tmp_path / "gradients.json"
+    command = [sys.executable, os.path.join(ROOT, "bench", "gradient_fidelity.py"), "--model_path", str(model_dir),
+               "--data_dir", shared_data_dir, "--output", str(gradients), "--draws", "2"]
+    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fidelity = json.load(open(gradients))
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import backward_page
+    import gradient_fidelity
+
+    assert list(fidelity["variants"]) == list(gradient_fidelity.VARIANTS)
+    for entry in fidelity["variants"].values():
+        assert set(entry["groups"]) == set(gradient_fidelity.GROUPS)
+        assert all(-1 <= v["one_draw"] <= 1 and -1 <= v["mean_of_draws"] <= 1 for v in entry["groups"].values())
+    default = fidelity["variants"]["layers + attention, attention errors zero-centred (default)"]["groups"]["all"]
+    assert default["one_draw"] > 0.9  # 8-bit training keeps the direction of the gradient
+    section = "\n".join(backward_page.gradient_section(fidelity))
+    assert "| layers + attention, attention errors min/max | " in section
+    assert "- layers + attention, attention errors zero-centred (default) against layers + attention, attention " \
+           "errors min/max: the distance to FP32" in section
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0 and "layers, min/max" not in again.stdout  # resumable: nothing ran twice
+
 
 def _run_script(name: str, args: list[str]) -> subprocess.CompletedProcess:
     command = [sys.executable, os.path.join(ROOT, "bench", name), *args]
@@ -156,6 +180,9 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
                                                     **{**token, "error_products": "input"}),
         "static-8/8-error-token-attention-8/seed0": _entry(0, 0.575, 1.0, quantize_attention=True, attention_bits=8,
                                                            **token),
+        # the attention products' errors on the zero-centred grid (error_range="auto"): grouped apart
+        "static-8/8-error-token-attention/seed0": _entry(0, 0.585, 1.0, quantize_attention=True,
+                                                         **{**token, "error_range": "auto"}),
     }}
     ablation["finetune"]["renamed/seed1"]["cost"].pop("full_precision_mac_share")
     from hf_cpt.numerics.errors import ErrorQuantization
@@ -190,11 +217,33 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert ("one run of a setting lands within ±1.22 points (pooled standard deviation over 3 settings with 2 or "
             "more seeds); the difference of two 2-seed means has a standard error of 1.22 points") in page
     # quantized attention against the same run without it, paired by seed
-    assert (f"- static 8/8 + attention at 8 bits against the same run without quantized attention, seed by seed "
-            f"({per_row}): -2.00 points (mean -2.00).") in page
-    summary = "\n".join(backward_page.readme_summary(ablation, pretrained, ("token", "stochastic", "both", "none")))
+    assert (f"- static 8/8 + attention at 8 bits, its errors min/max against the same run without quantized "
+            f"attention, seed by seed ({per_row}): -2.00 points (mean -2.00).") in page
+    assert (f"- static 8/8 + attention, its errors zero-centred against the same run without quantized attention, "
+            f"seed by seed ({per_row}): -1.00 points (mean -1.00).") in page
+    summary = "\n".join(backward_page.readme_summary(ablation, pretrained,
+                                                     ("token", "stochastic", "both", "none", "minmax")))
     assert "static 8/8, per-tensor errors | static 8/8, default errors |" in summary
     assert "| points vs FP32 | - | -5.00 | +0.00 |" in summary
+
+
+def test_gradient_section_compares_the_attention_grids_group_by_group():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import backward_page
+
+    def variant(**one_draw):
+        return {"groups": {g: {"one_draw": v, "mean_of_draws": v + 0.0001} for g, v in one_draw.items()}}
+
+    results = {"settings": {"model": "MiniLM", "batches": "2 x 32 pairs", "draws": 6}, "variants": {
+        "layers + attention, attention errors min/max": variant(query=0.996, embeddings=0.990, all=0.998),
+        "layers + attention, attention errors zero-centred (default)": variant(query=0.999, embeddings=0.9995,
+                                                                               all=0.999),
+    }}
+    section = "\n".join(backward_page.gradient_section(results))
+    assert "| variant | query | embeddings | all |" in section and "mean of 6 draws" in section
+    assert "| layers + attention, attention errors min/max | 0.9960 (0.9961) | 0.9900 (0.9901) |" in section
+    # the group whose distance to FP32 shrank most: embeddings (0.0100 -> 0.0005, 20x; query 4x)
+    assert ("goes from 0.0020 to 0.0010; the most changed group, embeddings, from 0.0100 to 0.0005.") in section
 
 
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
@@ -297,7 +346,7 @@ def test_horizon_page_judges_each_schedule_at_each_length_and_lists_what_is_not_
             **runs(16, **{"static-8/8": (0.70, 0.71), "cpt-3-8/8-n32": (0.71, 0.72)})}
     page = "\n".join(horizon_page.section(data, str(tmp_path), "results"))
     assert (tmp_path / "horizon.png").stat().st_size > 1000
-    assert "| static 8/8 | 58.50 ± 0.50 (2) | 70.50 ± 0.50 (2) | not run yet | 1.000 |" in page
+    assert "| static 8/8 | 58.50 ± 0.50 (2) | not run yet | 70.50 ± 0.50 (2) | 1.000 |" in page
     assert "| FP32 | 58.00 ± 0.00 (2) | not run yet | not run yet | - |" in page
     assert ("- CPT 3-8/8, 32 cycles (the CPT paper) against static 8/8, at 0.600 of its cost: 4 epochs -3.00 "
             "(worse than, 2 seeds); 16 epochs +1.00 (matches, 2 seeds).") in page

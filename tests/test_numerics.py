@@ -125,17 +125,19 @@ def test_hashed_noise_is_the_lowbias32_hash_of_index_and_seed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("granularity, dtype", [("token", torch.float32), ("token", torch.bfloat16),
-                                                ("tensor", torch.float32)])
-def test_compiled_error_kernel_gives_the_eager_values_bit_for_bit(granularity, dtype):
+@pytest.mark.parametrize("granularity, dtype, grid", [("token", torch.float32, "minmax"),
+                                                      ("token", torch.bfloat16, "minmax"),
+                                                      ("tensor", torch.float32, "minmax"),
+                                                      ("token", torch.bfloat16, "symmetric"),
+                                                      ("tensor", torch.float32, "symmetric")])
+def test_compiled_error_kernel_gives_the_eager_values_bit_for_bit(granularity, dtype, grid):
     """The fused kernel and the formula a compiled model traces (eager here) agree exactly: the noise depends only
     on the element index and the seed."""
     from hf_cpt.numerics import errors as quantizer
 
-    source = (quantizer._quantize_error_rows_hashed_levels if granularity == "token"
-              else quantizer._quantize_error_hashed_levels)
-    kernel = quantizer._fused_error_kernel(granularity)
-    levels, seed = quantizer.num_levels(torch.tensor(6.0)), torch.tensor(4321, dtype=torch.int32)
+    source, levels_of = quantizer._KERNEL_SOURCES[granularity, grid]
+    kernel = quantizer._fused_error_kernel(granularity, grid)
+    levels, seed = levels_of(torch.tensor(6.0)), torch.tensor(4321, dtype=torch.int32)
     torch.manual_seed(0)
     for shape in [(1024, 96), (333, 257), (4096, 48)]:
         grad = (torch.randn(shape) * torch.logspace(-5, 0, shape[0]).view(-1, 1)).to(dtype)
@@ -174,6 +176,24 @@ def test_fused_compiled_error_quantizer_is_unbiased_and_on_grid():
     assert torch.isclose(q[2:, None], torch.tensor([0.0, 1 / 3, 2 / 3, 1.0])[None], atol=1e-6).any(1).all()
     second = quantize_error(x, torch.tensor(2.0), ErrorQuantization(fused=True))
     assert not torch.equal(q, second)  # fresh noise each call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("granularity", ["token", "tensor"])
+def test_fused_zero_centred_quantizer_runs_compiled_keeps_zeros_and_is_unbiased(granularity):
+    from hf_cpt.numerics import errors as quantizer
+
+    torch.manual_seed(0)
+    grad = torch.zeros(1024, 256)
+    grad[:, :8] = torch.rand(1024, 8)  # a sparse row: 8 values in [0, 1), the rest exactly zero
+    grad[:, 0] = 1.0
+    scheme = ErrorQuantization(granularity, range="symmetric", fused=True)
+    draws = torch.stack([quantize_error(grad, torch.tensor(3.0), scheme) for _ in range(64)])
+    assert quantizer._kernel_name(granularity, "symmetric") in quantizer._compiled_error_kernels
+    assert torch.equal(draws[:, :, 8:], torch.zeros_like(draws[:, :, 8:]))
+    assert torch.isclose(draws[..., None], torch.tensor([-1.0, -2 / 3, -1 / 3, 0.0, 1 / 3, 2 / 3, 1.0]),
+                         atol=1e-6).any(-1).all()  # the 3-bit zero-centred grid, step 1 / 3
+    assert abs(float(draws[:, :, 1:8].mean() - grad[:, 1:8].mean())) < 5 * (1 / 6) / (64 * 1024 * 7) ** 0.5
 
 
 def test_half_precision_inputs_are_quantized_in_float32():
@@ -240,6 +260,92 @@ def test_per_row_stochastic_rounding_is_the_reference_with_its_noise_and_unbiase
     # unbiased: the mean of 4000 draws lies within 5 standard errors (step / 2 / sqrt(4000)) of the error
     assert bool(((mean - grad).abs() <= 5 * step / 2 / 4000**0.5 + 1e-12).all())
     assert torch.equal(draws[:, :, 5:], torch.zeros_like(draws[:, :, 5:]))  # zero rows stay exactly zero
+
+
+# ----------------------------------------------------------------------------- the zero-centred error grid
+
+
+def reference_symmetric(grad, bits, per_row, noise=None):
+    """The zero-centred grid, docs/method.md §2, written literally range by range in float32: step
+    max|e| / (2^(b-1) - 1), codes clamped to +-(2^(b-1) - 1)."""
+    source = grad.float()
+    groups = source.reshape(-1, source.shape[-1]) if per_row else source.reshape(1, -1)
+    noise = None if noise is None else noise.reshape(groups.shape)
+    half = 2 ** (bits - 1) - 1
+    out = torch.empty_like(groups)
+    for i, group in enumerate(groups):
+        scale = torch.clamp(group.abs().max() / half, min=1e-8)
+        scaled = group / scale + (0 if noise is None else noise[i])
+        out[i] = torch.clamp(torch.round(scaled), -half, half) * scale
+    return out.reshape(source.shape).to(grad.dtype)
+
+
+def _sparse_error(dtype):
+    """An attention score error's shape: a few large values per row, the rest zero or tiny, padding rows zero."""
+    grad = _error_with_padding(torch.float32)
+    grad[..., 4:] *= 1e-4
+    grad[..., 10:] = 0.0
+    return grad.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("granularity", ["token", "tensor"])
+def test_zero_centred_errors_with_nearest_rounding_match_the_reference_and_keep_zeros(bits, dtype, granularity):
+    grad = _sparse_error(dtype)
+    got = quantize_error(grad, torch.tensor(float(bits)), ErrorQuantization(granularity, "nearest", range="symmetric"))
+    assert got.dtype == dtype and torch.isfinite(got.float()).all()
+    assert torch.equal(got, reference_symmetric(grad, bits, granularity == "token"))
+    zeros = grad == 0
+    assert bool(zeros.any()) and torch.equal(got[zeros], torch.zeros_like(got[zeros]))
+    groups = got.float().reshape(-1, grad.shape[-1]) if granularity == "token" else got.float().reshape(1, -1)
+    assert max(group.unique().numel() for group in groups) <= 2**bits - 1  # a signed b-bit code per range
+    # the min/max grid puts the zeros of a nonzero row between two levels: nearest rounding moves them all
+    minmax = quantize_error(grad, torch.tensor(float(bits)), ErrorQuantization(granularity, "nearest"))
+    assert bool((minmax[zeros & (grad.abs().sum(-1, keepdim=True) > 0)] != 0).any())
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+@pytest.mark.parametrize("granularity", ["token", "tensor"])
+def test_zero_centred_stochastic_rounding_is_the_reference_with_its_noise_unbiased_and_less_noisy(bits, granularity):
+    grad = _sparse_error(torch.float32)
+    scheme = ErrorQuantization(granularity, range="symmetric")
+    torch.manual_seed(7)
+    got = quantize_error(grad, torch.tensor(float(bits)), scheme)
+    torch.manual_seed(7)
+    expected = reference_symmetric(grad, bits, granularity == "token", torch.empty(grad.shape).uniform_(-0.5, 0.5))
+    assert torch.equal(got, expected)
+    draws = torch.stack([quantize_error(grad, torch.tensor(float(bits)), scheme) for _ in range(4000)])
+    magnitude = grad.abs().amax(-1, keepdim=True) if granularity == "token" else grad.abs().amax()
+    step = magnitude / (2 ** (bits - 1) - 1)
+    assert bool(((draws.mean(0) - grad).abs() <= 5 * step / 2 / 4000**0.5 + 1e-12).all())  # unbiased
+    assert torch.equal(draws[:, grad == 0], torch.zeros_like(draws[:, grad == 0]))  # zeros stay exactly zero
+    # the point of the grid: on a sparse error its noise is far below the min/max grid's
+    minmax = ErrorQuantization(granularity)
+    minmax_noise = torch.stack([quantize_error(grad, torch.tensor(float(bits)), minmax) - grad for _ in range(200)])
+    assert float((draws[:200] - grad).pow(2).mean()) < 0.5 * float(minmax_noise.pow(2).mean())
+
+
+def test_zero_centred_grid_at_one_bit_stays_finite_and_is_refused_by_the_config():
+    from hf_cpt import CPTConfig
+
+    got = quantize_error(torch.randn(8, 16), torch.tensor(1.0), ErrorQuantization("token", range="symmetric"))
+    assert torch.isfinite(got).all()
+    with pytest.raises(ValueError, match=r"CPTConfig.error_range .*needs at least 2 bits \(grad_bits is 1\)"):
+        CPTConfig(grad_bits=1, quantize_attention=True)
+    with pytest.raises(ValueError, match=r"CPTConfig.error_range .*\(grad_bits_min is 1\)"):
+        CPTConfig(error_range="symmetric", grad_schedule="cpt", grad_bits_min=1)
+    assert CPTConfig(grad_bits=1).error_range == "auto"  # no attention: every error on the min/max grid
+
+
+def test_auto_error_grid_is_zero_centred_for_the_attention_products_only():
+    auto = ErrorQuantization("auto", range="auto")
+    assert auto.for_activations("token").range == "minmax" and auto.for_activations("tensor").range == "minmax"
+    attention = auto.for_attention()
+    assert (attention.range, attention.products, attention.rotation) == ("symmetric", "both", "none")
+    assert ErrorQuantization(range="minmax", products="input").for_attention().range == "minmax"
+    with pytest.raises(ValueError, match="resolve 'auto'"):
+        quantize_error(torch.randn(4, 4), torch.tensor(8.0), ErrorQuantization("token", range="auto"))
 
 
 def test_layer_backward_uses_the_per_row_error_for_both_products():
@@ -312,6 +418,8 @@ def test_new_error_settings_are_validated_with_the_field_named():
         CPTConfig(error_products="bias")
     with pytest.raises(ValueError, match="CPTConfig.error_rotation must be one of"):
         CPTConfig(error_rotation="random")
+    with pytest.raises(ValueError, match="CPTConfig.error_range must be one of"):
+        CPTConfig(error_range="absmax")
 
 
 # ----------------------------------------------------------------------------- which products take the quantized error

@@ -704,7 +704,8 @@ def test_precision_profile_reaches_the_model_card(tmp_path):
 def test_error_settings_travel_with_the_checkpoint_and_train_the_loaded_model_the_same_way(tmp_path):
     torch.manual_seed(0)
     model, inputs, auto_class = _bert()
-    errors = dict(error_granularity="token", error_rounding="nearest", error_products="input", error_rotation="tokens")
+    errors = dict(error_granularity="token", error_rounding="nearest", error_products="input", error_rotation="tokens",
+                  error_range="symmetric")
     quantize_model(model, CPTConfig(**errors))
     save_quantized(model, tmp_path, 8, model_card=False)
     config = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
@@ -712,10 +713,25 @@ def test_error_settings_travel_with_the_checkpoint_and_train_the_loaded_model_th
     loaded = auto_class.from_pretrained(tmp_path)
     precision = hf_cpt.find_precision_state(loaded)
     assert (precision.errors.granularity, precision.errors.rounding, precision.errors.products,
-            precision.errors.rotation) == tuple(errors.values())
+            precision.errors.rotation, precision.errors.range) == tuple(errors.values())
 
 
-@pytest.mark.parametrize("field,value", [("error_products", "bias"), ("error_rotation", "random")])
+def test_a_checkpoint_written_before_the_error_grid_option_trains_further_on_the_min_max_grid(tmp_path):
+    torch.manual_seed(0)
+    model, inputs, auto_class = _bert()
+    quantize_model(model, CPTConfig(quantize_attention=True))
+    save_quantized(model, tmp_path, 8, model_card=False)
+    file = os.path.join(tmp_path, "config.json")
+    config = json.load(open(file))
+    assert config["quantization_config"]["error_range"] == "auto"
+    del config["quantization_config"]["error_range"]  # what files of earlier versions hold
+    json.dump(config, open(file, "w"))
+    precision = hf_cpt.find_precision_state(auto_class.from_pretrained(tmp_path))
+    assert precision.errors.range == "minmax" and precision.attention_errors.range == "minmax"
+
+
+@pytest.mark.parametrize("field,value", [("error_products", "bias"), ("error_rotation", "random"),
+                                         ("error_range", "absmax")])
 def test_unknown_error_setting_in_a_checkpoint_is_named(packed_dir, field, value):
     path, auto_class = packed_dir
     _edit_config(path, **{field: value})

@@ -91,7 +91,7 @@ CASES = [
     ("llama-attention-8-bits", "llama", {"quantize_attention": True, "attention_bits": 8}, "save_model"),
     ("bert-default-hub", "bert", {}, "push_to_hub"),
     ("bert-errors-input-tokens", "bert", {"error_products": "input", "error_rotation": "tokens",
-                                          "error_rounding": "nearest"}, "save_model"),
+                                          "error_rounding": "nearest", "error_range": "symmetric"}, "save_model"),
 ]
 
 
@@ -257,7 +257,7 @@ def test_trained_checkpoints_reload_exactly_in_a_fresh_process(trained_checkpoin
     wrong_errors = {e["name"]: results[e["name"]]["errors"] for e in first
                     if "train_more" not in e and results[e["name"]]["errors"] != e["errors"]}
     assert not wrong_errors, wrong_errors
-    assert results["bert-errors-input-tokens@8"]["errors"][3:] == ["input", "tokens"]
+    assert results["bert-errors-input-tokens@8"]["errors"][3:] == ["input", "tokens", "symmetric"]
     assert results["bert-default@8 written as format 2"]["format_version"] == 2  # older files keep loading
     # bf16 is documented: a CPT checkpoint rebuilds FP32 masters (and says so), so it stays exact
     bf16 = results["bert-default@8 torch_dtype=bfloat16"]

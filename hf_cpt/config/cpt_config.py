@@ -18,8 +18,9 @@ from .parts import PART_FIELDS, ActivationConfig, EvaluationConfig, ModuleSelect
 # The parts in the order their fields appear in CPTConfig (and in the recipes' --help).
 PARTS = (ScheduleConfig, ActivationConfig, ErrorQuantization, ModuleSelection, RangeTestConfig, EvaluationConfig)
 # Where a run's default differs from a part's own: a bare ErrorQuantization() is the CPT paper's per-tensor
-# scheme (usable with quantize_error as is); a CPTConfig resolves the ranges per layer (docs/backward.md).
-RUN_DEFAULTS = {"error_granularity": "auto"}
+# min/max scheme (usable with quantize_error as is); a CPTConfig resolves the ranges and grids per layer and for
+# the attention products (docs/backward.md).
+RUN_DEFAULTS = {"error_granularity": "auto", "error_range": "auto"}
 
 
 class _PartView:
@@ -50,6 +51,18 @@ class CPTConfigMethods:
             except ConfigError as error:
                 raise ConfigError("CPTConfig", "prt_start_bits", f"({self.prt_start_bits}) must not exceed "
                                   f"CPTConfig.bits_max ({self.bits_max}).") from error
+        self._check_error_grid()
+
+    def _check_error_grid(self) -> None:
+        # A zero-centred grid at 1 bit has no level but zero: every error would vanish.
+        zero_centred = self.error_range == "symmetric" or (self.error_range == "auto" and self.quantize_attention)
+        lowest, field = ((self.grad_bits_min, "grad_bits_min") if self.grad_schedule is not None
+                         else (self.grad_bits, "grad_bits"))
+        if zero_centred and lowest is not None and lowest < 2:
+            where = "every error" if self.error_range == "symmetric" else "the attention products' errors"
+            raise ConfigError("CPTConfig", "error_range",
+                              f"({self.error_range!r}) puts {where} on the zero-centred grid, which needs at least "
+                              f"2 bits ({field} is {lowest}); set error_range='minmax' or more error bits.")
 
     @classmethod
     def from_parts(cls, *parts: Any, **fields: Any) -> CPTConfig:

@@ -337,4 +337,4 @@ _register(RangeTestConfig, {"start_bits": "prt_start_bits", "steps_per_precision
 _register(EvaluationConfig)
 _register(ErrorQuantization, {"granularity": "error_granularity", "rounding": "error_rounding",
                               "fused": "fused_error_quantizer", "products": "error_products",
-                              "rotation": "error_rotation"})
+                              "rotation": "error_rotation", "range": "error_range"})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -39,8 +38,8 @@ class PrecisionState:
         self.batch_ranges_in_eval = False
         self.errors = errors
         # The attention products (two activations, no weight) quantize the errors of both their products,
-        # unrotated, with the layers' ranges and rounding.
-        self.attention_errors = dataclasses.replace(errors, products="both", rotation="none")
+        # unrotated, with the layers' rounding and granularity (range "auto": the zero-centred grid).
+        self.attention_errors = errors.for_attention()
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.

@@ -2,7 +2,8 @@
 
 Errors use stochastic rounding (uniform noise in [-1/2, 1/2) added before the clamp), which is
 unbiased inside the range, over one range per error tensor as in the CPT paper, or one range per
-row (token) with ``granularity="token"``; optionally in a rotated basis, and with nearest rounding.
+row (token) with ``granularity="token"``; on the min/max grid (the paper) or a zero-centred one
+(``range="symmetric"``); optionally in a rotated basis, and with nearest rounding.
 `ErrorQuantization` says which, and for which backward products. Large tensors go through one
 compiled kernel with counter-based (hashed) noise.
 
@@ -15,15 +16,22 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..utils import check_choice, setting
-from .fake_quant import _compute_dtype, fake_quantize, num_levels, quantization_scale, tensor_range, token_range
-from .rotation import Rotation, can_rotate, get_rotation, sylvester_hadamard
+from .error_rotation import ERROR_ROTATIONS, rotate_error
+from .fake_quant import (
+    MIN_SCALE,
+    _compute_dtype,
+    fake_quantize,
+    num_levels,
+    quantization_scale,
+    tensor_range,
+    token_range,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +42,13 @@ FUSED_MIN_NUMEL = 1 << 16
 ERROR_GRANULARITIES = ("tensor", "token")
 ERROR_GRANULARITY_CHOICES = ("auto", *ERROR_GRANULARITIES)
 ERROR_ROUNDINGS = ("stochastic", "nearest")
+# The grid of the quantized errors: min/max (the CPT paper) or zero-centred, ±max|e| with zero on the grid; "auto"
+# gives the attention products' errors the zero-centred grid and the layers' errors min/max (docs/method.md §2).
+ERROR_RANGES = ("minmax", "symmetric")
+ERROR_RANGE_CHOICES = ("auto", *ERROR_RANGES)
 # Which backward products use the quantized error: both, the input gradient only (the weight gradient
 # from the full-precision error, as SwitchBack does), or the weight gradient only.
 ERROR_PRODUCTS = ("both", "input", "weight")
-# An orthogonal rotation of the error before quantizing (and back after): none, across the output
-# features (the layer's own rotation construction), or across tokens in Hadamard blocks (as HALO does).
-ERROR_ROTATIONS = ("none", "features", "tokens")
-TOKEN_BLOCK = 64  # tokens mixed by one Hadamard block under rotation="tokens"
-ERROR_ROTATION_SEED = 1  # a rotation of the error independent of the layers' input rotations (seed 0)
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,18 @@ class ErrorQuantization:
         "Orthogonal rotation of the error before quantizing (and back): 'none', 'features' (across the output "
         "features) or 'tokens' (across tokens, in Hadamard blocks of 64, as HALO does)."
     )
+    range: str = setting(
+        "minmax",
+        "Grid of the quantized errors: 'minmax' (the range's min to max, the CPT paper), 'symmetric' (-max|e| to "
+        "max|e| with zero on the grid: values near zero stay near zero, which keeps a sparse error such as the "
+        "attention scores' from turning into noise) or 'auto' (CPTConfig's default: symmetric for the attention "
+        "products' errors, minmax for the layers'; docs/backward.md)."
+    )
 
     def __post_init__(self) -> None:
         for name, choices in (("granularity", ERROR_GRANULARITY_CHOICES), ("rounding", ERROR_ROUNDINGS),
-                              ("products", ERROR_PRODUCTS), ("rotation", ERROR_ROTATIONS)):
+                              ("products", ERROR_PRODUCTS), ("rotation", ERROR_ROTATIONS),
+                              ("range", ERROR_RANGE_CHOICES)):
             check_choice("ErrorQuantization", name, getattr(self, name), choices)
 
     def for_activations(self, activation_granularity: str) -> ErrorQuantization:
@@ -86,6 +101,13 @@ class ErrorQuantization:
         per-row errors bring a fine-tuned transformer near FP32; on a CNN trained from scratch they made no
         consistent difference, so its layers keep the paper's per-tensor errors)."""
         return _resolve_errors(self, activation_granularity)
+
+    def for_attention(self) -> ErrorQuantization:
+        """These settings for the attention products (two activations, no weight): the errors of both products,
+        unrotated; range "auto" becomes the zero-centred grid (the score gradient is zero almost everywhere in a
+        row, and a min/max grid puts those zeros between two levels: docs/backward.md)."""
+        return dataclasses.replace(self, products="both", rotation="none",
+                                   range="symmetric" if self.range == "auto" else self.range)
 
     @property
     def quantizes_input_gradient(self) -> bool:
@@ -102,9 +124,11 @@ PAPER_ERRORS = ErrorQuantization()  # the CPT paper: one range per tensor, stoch
 @functools.lru_cache(maxsize=64)
 def _resolve_errors(errors: ErrorQuantization, activation_granularity: str) -> ErrorQuantization:
     # Cached: every training forward of a layer asks, and the answer is fixed for the run.
-    if errors.granularity != "auto":
-        return errors
-    return dataclasses.replace(errors, granularity="token" if activation_granularity == "token" else "tensor")
+    granularity = errors.granularity
+    if granularity == "auto":
+        granularity = "token" if activation_granularity == "token" else "tensor"
+    grid = "minmax" if errors.range == "auto" else errors.range
+    return dataclasses.replace(errors, granularity=granularity, range=grid)
 
 
 def _stochastic_quantize(
@@ -114,6 +138,36 @@ def _stochastic_quantize(
     scale = quantization_scale(minimum, maximum, levels)
     codes = (x - minimum).div_(scale).add_(noise).clamp_min_(0.0).clamp_max_(levels).round_()
     return codes.mul_(scale).add_(minimum)
+
+
+def symmetric_levels(bits: torch.Tensor) -> torch.Tensor:
+    """Largest code magnitude on the zero-centred grid, ``2^(b-1) - 1``: codes ``-L..L``, a signed b-bit integer."""
+    return torch.exp2(bits - 1) - 1
+
+
+def _symmetric_round(
+    source: torch.Tensor, absmax: torch.Tensor, half: torch.Tensor, noise: torch.Tensor | None
+) -> torch.Tensor:
+    # The zero-centred grid: step max|e| / L, codes clamped to [-L, L]; zero is a level, so a zero stays zero and a
+    # value far below one step rounds to zero or its neighbour, not across an offset grid. (CPTConfig refuses it
+    # below 2 bits, where L = 0; the floor of one level keeps a direct call at 1 bit finite.)
+    half = half.clamp_min(1.0)
+    scale = (absmax / half).clamp_min(MIN_SCALE)
+    scaled = source / scale if noise is None else source / scale + noise
+    return torch.minimum(torch.maximum(torch.round(scaled), -half), half) * scale
+
+
+def quantize_error_symmetric(
+    grad: torch.Tensor, bits: torch.Tensor, per_row: bool, feature_dim: int = -1, stochastic: bool = True
+) -> torch.Tensor:
+    """Quantization on the zero-centred grid (`ErrorQuantization.range="symmetric"`), one ``max|e|`` per tensor
+    or per row over ``feature_dim``; stochastic rounding draws from the global RNG (the eager path)."""
+    source = _compute_dtype(grad)
+    magnitude = source.detach().abs()
+    absmax = magnitude.amax(dim=feature_dim, keepdim=True) if per_row else magnitude.amax()
+    noise = torch.empty_like(source).uniform_(-0.5, 0.5) if stochastic else None
+    half = symmetric_levels(bits.to(source.device)).to(source.dtype)
+    return _symmetric_round(source, absmax, half, noise).to(grad.dtype)
 
 
 def quantize_error_eager(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -171,6 +225,33 @@ def _quantize_error_rows_hashed_levels(grad: torch.Tensor, levels: torch.Tensor,
     return _hashed_stochastic_round(source, minimum, maximum, levels, seed).to(grad.dtype)
 
 
+def _quantize_error_symmetric_hashed(grad: torch.Tensor, half: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    # The zero-centred twins of the two kernels above: one max|e| per tensor (flat input) or per row.
+    flat = _compute_dtype(grad).reshape(-1)
+    noise = hashed_uniform_noise(flat.numel(), seed, flat.device)
+    return _symmetric_round(flat, flat.abs().amax(), half.to(flat.dtype), noise).view(grad.shape).to(grad.dtype)
+
+
+def _quantize_error_rows_symmetric_hashed(grad: torch.Tensor, half: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    source = _compute_dtype(grad)
+    noise = hashed_uniform_noise(source.numel(), seed, source.device).view(source.shape)
+    absmax = source.abs().amax(dim=-1, keepdim=True)
+    return _symmetric_round(source, absmax, half.to(source.dtype), noise).to(grad.dtype)
+
+
+# Each stochastic kernel by (granularity, range): its formula and the level count it takes from the bits.
+_KERNEL_SOURCES: dict[tuple[str, str], tuple[Callable, Callable]] = {
+    ("tensor", "minmax"): (_quantize_error_hashed_levels, num_levels),
+    ("token", "minmax"): (_quantize_error_rows_hashed_levels, num_levels),
+    ("tensor", "symmetric"): (_quantize_error_symmetric_hashed, symmetric_levels),
+    ("token", "symmetric"): (_quantize_error_rows_symmetric_hashed, symmetric_levels),
+}
+
+
+def _kernel_name(granularity: str, grid: str) -> str:
+    return granularity if grid == "minmax" else f"{granularity}/{grid}"
+
+
 _warmed_error_kernels: set[str] = set()
 _fused_disabled_reason: str | None = None
 
@@ -195,16 +276,16 @@ def _quiet_cuda_probe(kernel: str):
 _compiled_error_kernels: dict[str, Callable] = {}
 
 
-def _fused_error_kernel(granularity: str) -> Callable | None:
-    """The compiled stochastic error quantizer for ``granularity`` (compiled on first use, in the calling thread:
-    compiling in a background thread while the same kernel ran eagerly made the start of a CPU run slower, see
-    docs/benchmarks.md), None once compilation has failed."""
+def _fused_error_kernel(granularity: str, grid: str = "minmax") -> Callable | None:
+    """The compiled stochastic error quantizer for ``granularity`` and ``grid`` (compiled on first use, in the
+    calling thread: compiling in a background thread while the same kernel ran eagerly made the start of a CPU run
+    slower, see docs/benchmarks.md), None once compilation has failed."""
     if _fused_disabled_reason is not None:
         return None
-    if granularity not in _compiled_error_kernels:
-        source = _quantize_error_rows_hashed_levels if granularity == "token" else _quantize_error_hashed_levels
-        _compiled_error_kernels[granularity] = torch.compile(source, dynamic=True)
-    return _compiled_error_kernels[granularity]
+    name = _kernel_name(granularity, grid)
+    if name not in _compiled_error_kernels:
+        _compiled_error_kernels[name] = torch.compile(_KERNEL_SOURCES[granularity, grid][0], dynamic=True)
+    return _compiled_error_kernels[name]
 
 
 def _disable_fused(reason: str) -> None:
@@ -230,76 +311,21 @@ def quantize_error_per_row(grad: torch.Tensor, bits: torch.Tensor, feature_dim: 
     return _stochastic_quantize(source, minimum, maximum, bits.to(source.device), noise).to(grad.dtype)
 
 
-# ----------------------------------------------------------------------------- error rotations
-
-
-@functools.lru_cache(maxsize=32)
-def _feature_rotation(features: int, device: torch.device, dtype: torch.dtype) -> Rotation | None:
-    return get_rotation(features, ERROR_ROTATION_SEED, device, dtype) if can_rotate(features) else None
-
-
-@functools.lru_cache(maxsize=16)
-def _token_block(size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # Sylvester's H / sqrt(n) is symmetric and orthogonal: it is its own inverse.
-    return (sylvester_hadamard(size) / math.sqrt(size)).to(device=device, dtype=dtype)
-
-
-def error_rotation_operations(rotation: str, features: int) -> tuple[int, int]:
-    """(additions, multiplications) per error value for one direction of ``rotation`` (see `rotate_error`)."""
-    if rotation == "features":
-        matrix = _feature_rotation(features, torch.device("cpu"), torch.float32)
-        return matrix.operations_per_value if matrix is not None else (0, 0)
-    if rotation == "tokens":
-        return TOKEN_BLOCK.bit_length() - 1, 0  # a fast Walsh-Hadamard transform of each block
-    return 0, 0
-
-
-def rotate_error(
-    grad: torch.Tensor, rotation: str, feature_dim: int = -1
-) -> tuple[torch.Tensor, int, Callable[[torch.Tensor], torch.Tensor]]:
-    """``grad`` rotated for quantization: (rotated tensor, its feature dimension, the map back to ``grad``'s layout).
-
-    ``"features"``: ``e R`` over the feature dimension (sizes the rotation cannot factor stay unrotated).
-    ``"tokens"``: rows (tokens) mixed in blocks of `TOKEN_BLOCK` by a normalized Hadamard matrix, the last
-    block padded with zero rows that the map back drops. Rotations are orthogonal, so the map back is exact
-    up to float rounding and the quantization error is spread, not amplified.
-    """
-    source = _compute_dtype(grad)
-    if rotation == "features":
-        matrix = _feature_rotation(source.shape[feature_dim], source.device, source.dtype)
-        if matrix is None:
-            return grad, feature_dim, lambda q: q
-        return (matrix.apply(source, feature_dim), feature_dim,
-                lambda q: matrix.apply(q, feature_dim, transpose=True).to(grad.dtype))
-    if rotation != "tokens":
-        raise ValueError(f"error rotation must be one of {ERROR_ROTATIONS}, got {rotation!r}")
-    moved = source.movedim(feature_dim, -1)
-    features, rows = moved.shape[-1], moved.numel() // max(1, moved.shape[-1])
-    block = min(TOKEN_BLOCK, 1 << max(0, rows - 1).bit_length())
-    padded = torch.nn.functional.pad(moved.reshape(rows, features), (0, 0, 0, (-rows) % block))
-    hadamard = _token_block(block, source.device, source.dtype)
-    mixed = torch.matmul(hadamard, padded.view(-1, block, features)).view(-1, features)
-
-    def back(quantized: torch.Tensor) -> torch.Tensor:
-        unmixed = torch.matmul(hadamard, quantized.view(-1, block, features)).view(-1, features)[:rows]
-        return unmixed.reshape(moved.shape).movedim(-1, feature_dim).to(grad.dtype)
-
-    return mixed, -1, back
-
-
 def quantize_error(
     grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1
 ) -> torch.Tensor:
     """Quantization of an error tensor at ``bits`` with ``scheme`` (docs/method.md §2).
 
-    Ranges per tensor (the CPT paper) or per row over ``feature_dim``; stochastic or nearest rounding;
+    Ranges per tensor (the CPT paper) or per row over ``feature_dim``, on the min/max or the zero-centred grid;
+    stochastic or nearest rounding;
     optionally in a rotated basis (`rotate_error`) and rotated back. Stochastic rounding with
     ``scheme.fused`` runs one compiled kernel (range, hashed noise, rounding) for large tensors and falls
     back to the eager path, with one warning, if compilation is unavailable.
     """
-    if scheme.granularity not in ERROR_GRANULARITIES:
-        raise ValueError(f"error granularity must be one of {ERROR_GRANULARITIES} when quantizing, got "
-                         f"{scheme.granularity!r} (resolve 'auto' with ErrorQuantization.for_activations)")
+    if scheme.granularity not in ERROR_GRANULARITIES or scheme.range not in ERROR_RANGES:
+        raise ValueError(f"error granularity and range must be one of {ERROR_GRANULARITIES} and {ERROR_RANGES} when "
+                         f"quantizing, got {scheme.granularity!r} and {scheme.range!r} (resolve 'auto' with "
+                         "ErrorQuantization.for_activations or for_attention)")
     if grad.numel() == 0:
         return grad
     if scheme.rotation == "none":
@@ -311,24 +337,27 @@ def quantize_error(
 def _quantize_error_unrotated(
     grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int
 ) -> torch.Tensor:
-    per_row = scheme.granularity == "token"
+    per_row, symmetric = scheme.granularity == "token", scheme.range == "symmetric"
     if scheme.rounding == "nearest":
+        if symmetric:
+            return quantize_error_symmetric(grad, bits, per_row, feature_dim, stochastic=False)
         source = _compute_dtype(grad)
         minimum, maximum = token_range(source, feature_dim) if per_row else tensor_range(source)
         return fake_quantize(source, minimum, maximum, bits.to(source.device)).to(grad.dtype)
     # Inside a compiled graph the compiler fuses the plain formula; outside, the compiled kernel runs it.
     # (Not torch.compiler.is_compiling(): a process-wide flag, also set while another thread compiles.)
     in_graph = torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
-    kernel = None
+    kernel, levels_of = None, _KERNEL_SOURCES[scheme.granularity, scheme.range][1]
     if in_graph:
-        kernel = _quantize_error_rows_hashed_levels if per_row else _quantize_error_hashed_levels
+        kernel = _KERNEL_SOURCES[scheme.granularity, scheme.range][0]
     elif scheme.fused and grad.numel() >= FUSED_MIN_NUMEL:
-        kernel = _fused_error_kernel(scheme.granularity)
+        kernel = _fused_error_kernel(scheme.granularity, scheme.range)
     if kernel is not None:
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
-        levels = num_levels(bits.to(grad.device))
+        levels = levels_of(bits.to(grad.device))
         try:
-            with contextlib.nullcontext() if in_graph else _quiet_cuda_probe(scheme.granularity):
+            with (contextlib.nullcontext() if in_graph
+                  else _quiet_cuda_probe(_kernel_name(scheme.granularity, scheme.range))):
                 if per_row:  # as (rows, features): one compiled graph serves every rank and layout
                     rows = grad.movedim(feature_dim, -1)
                     flat = kernel(rows.reshape(-1, rows.shape[-1]), levels, seed)
@@ -339,6 +368,8 @@ def _quantize_error_unrotated(
             if in_graph:
                 raise
             _disable_fused(f"{type(error).__name__}: {error}")
+    if symmetric:
+        return quantize_error_symmetric(grad, bits, per_row, feature_dim)
     if per_row:
         return quantize_error_per_row(grad, bits, feature_dim)
     return quantize_error_eager(grad, bits)

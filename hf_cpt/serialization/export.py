@@ -150,6 +150,7 @@ def _model_settings(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str,
         "error_rounding": precision.errors.rounding,
         "error_products": precision.errors.products,
         "error_rotation": precision.errors.rotation,
+        "error_range": precision.errors.range,
         "cpt_config": json_safe(cpt_config.to_dict()) if cpt_config is not None else None,
         "hf_cpt_version": __version__,
     }

@@ -18,6 +18,7 @@ from ..numerics.bits import bits_problem, check_bits
 from ..numerics.errors import (
     ERROR_GRANULARITY_CHOICES,
     ERROR_PRODUCTS,
+    ERROR_RANGE_CHOICES,
     ERROR_ROTATIONS,
     ERROR_ROUNDINGS,
     ErrorQuantization,
@@ -93,6 +94,7 @@ class CheckpointFields:
     error_rounding: str = "stochastic"
     error_products: str = "both"
     error_rotation: str = "none"
+    error_range: str = "minmax"  # absent in files written before the option: the grid they trained with
     # For the record:
     cpt_config: dict[str, Any] | None = None  # the run's CPTConfig
     hf_cpt_version: str | None = None
@@ -129,7 +131,7 @@ class CheckpointFields:
     def errors(self) -> ErrorQuantization:
         """How the loaded model quantizes errors if trained further (absent in older files: the paper's)."""
         return ErrorQuantization(self.error_granularity, self.error_rounding, self.fused_error_quantizer,
-                                 self.error_products, self.error_rotation)
+                                 self.error_products, self.error_rotation, self.error_range)
 
     @property
     def packed(self) -> bool:
@@ -214,6 +216,7 @@ class CheckpointFields:
         for name, choices in (("quantized_attention", (None, *ACTIVATION_GRANULARITIES)),
                               ("error_granularity", ERROR_GRANULARITY_CHOICES), ("error_rounding", ERROR_ROUNDINGS),
                               ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS),
+                              ("error_range", ERROR_RANGE_CHOICES),
                               ("activation_ema_init", EMA_INITS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"quantization_config.{name} must be one of {list(choices)}, "
