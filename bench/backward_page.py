@@ -214,7 +214,7 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
     return lines
 
 
-README_METHODS = ("static 8/8", "CPT 4-8/8", "CPT 5-8/8", "CPT 4-8/8 + attention", "CPT 4-8/8 + attention at 8 bits",
+README_METHODS = ("static 8/8", "CPT 4-8/8", "CPT 5-8/8", "CPT 4-8/8 + attention, its errors zero-centred",
                   "CPT 4-8/8 (paper activations)")
 
 
