@@ -13,7 +13,7 @@ allocator statistics; on a GPU ``torch.cuda.max_memory_allocated`` is the figure
 quantized versions run at 8-bit weights/activations and 8-bit errors. A one-off warm-up step of each
 quantized case, which includes the ``torch.compile`` time of the fused error quantizer, is timed
 separately. Then, in fresh processes: the first and second CPT step of a fine-tuning run with an empty
-compile cache (what a new machine pays), and ``import hf_cpt`` against ``import transformers``.
+kernel caches (what a new machine pays), and ``import hf_cpt`` against ``import transformers``.
 """
 
 from __future__ import annotations
@@ -280,10 +280,11 @@ def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2, env
 
 
 def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
-    """The start of a CPT fine-tune of ``kind`` in a fresh process with an empty compile cache (a new machine):
-    the first and second step, the steady step (median of the later ones) and how much longer the first two
-    took than two steady steps; then the same extra time in a second fresh process that finds the compiled
-    kernels in the cache (every later run on that machine); also whether stderr mentions CUDA."""
+    """The start of a CPT fine-tune of ``kind`` in a fresh process with empty kernel caches (a new machine: neither
+    torch.compile's nor hf_cpt's native kernels): the first and second step, the steady step (median of the later
+    ones) and how much longer the first two took than two steady steps; then the same extra time in a second fresh
+    process that finds the built kernels in the caches (every later run on that machine); also whether stderr
+    mentions CUDA."""
     import tempfile
 
     body = (
@@ -292,8 +293,9 @@ def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
         "print(json.dumps(times))"
     )
     with tempfile.TemporaryDirectory() as cache:
+        caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"), "HF_CPT_CACHE": os.path.join(cache, "hf")}
         (times, stderr), (warm_times, _) = (
-            _run_case_in_fresh_process(kind, True, fused, body, {"TORCHINDUCTOR_CACHE_DIR": cache}) for _ in range(2)
+            _run_case_in_fresh_process(kind, True, fused, body, caches) for _ in range(2)
         )
     steady, warm_steady = statistics.median(times[2:]), statistics.median(warm_times[2:])
     return {"first_step_s": times[0], "second_step_s": times[1], "steady_step_s": steady,
@@ -481,10 +483,10 @@ def main() -> None:
         kind = FIRST_STEP_KIND if minilm_path() is not None else "gpt2_small"
         startup = {"first_step_kind": kind, **first_steps(kind, fused), **import_seconds(args.repeats)}
         extra = startup["first_step_s"] - startup["second_step_s"]
-        print(f"first CPT step ({kind}, fresh process, empty compile cache): {startup['first_step_s']:.2f} s, "
+        print(f"first CPT step ({kind}, fresh process, empty kernel caches): {startup['first_step_s']:.2f} s, "
               f"second {startup['second_step_s']:.2f} s (+{extra:.2f} s, target +{FIRST_STEP_TARGET_S} s), steady "
               f"{startup['steady_step_s']:.2f} s; the first two steps took {startup['start_extra_s']:+.2f} s more "
-              f"than two steady steps ({startup['warm_start_extra_s']:+.2f} s with a warm compile cache); "
+              f"than two steady steps ({startup['warm_start_extra_s']:+.2f} s with warm kernel caches); "
               f"CUDA mentioned on stderr: {startup['cuda_warning']}")
         print(f"import transformers {startup['import_transformers_s']:.2f} s, import hf_cpt "
               f"{startup['import_hf_cpt_s']:.2f} s (target +{IMPORT_TARGET_S} s)")

@@ -166,8 +166,8 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "freed large blocks go back to the system, so the peak follows the memory alive rather than the "
                   "order of allocations."]
     if any("memory_ratio_eager_errors" in row for row in overhead["rows"]):
-        lines += ["", "§ as ‡, with the eager error quantizer (`fused_error_quantizer=False`): the part of the peak "
-                  "that is torch.compile's machinery, which the fused kernel loads into the process."]
+        lines += ["", "§ as ‡, with the eager error quantizer (`fused_error_quantizer=False`) instead of the fused "
+                  "kernel."]
     startup, targets = overhead.get("startup"), overhead.get("targets", {})
     if startup:
         extra = startup["first_step_s"] - startup["second_step_s"]
@@ -175,13 +175,13 @@ def overhead_summary(overhead: dict) -> list[str]:
         imports = startup["import_hf_cpt_s"] - startup["import_transformers_s"]
         import_ok = "" if imports <= targets["import_extra_s"] else " (missed)"
         lines += ["", f"- First CPT step of a `{startup['first_step_kind']}` fine-tune in a fresh process with an "
-                  f"empty compile cache: {startup['first_step_s']:.2f} s against {startup['second_step_s']:.2f} s "
+                  f"empty kernel caches: {startup['first_step_s']:.2f} s against {startup['second_step_s']:.2f} s "
                   f"for the second (+{extra:.2f} s{first_ok}; target +{targets['first_step_extra_s']:.1f} s); "
                   f"CUDA mentioned on stderr: {'yes' if startup['cuda_warning'] else 'no'}."]
         if "steady_step_s" in startup:
             lines += [f"- The first two steps took {startup['start_extra_s']:+.2f} s more than two steady steps of "
-                      f"{startup['steady_step_s']:.2f} s; in a second fresh process that finds the compiled kernels "
-                      f"in the cache (every later run on the machine), {startup['warm_start_extra_s']:+.2f} s."]
+                      f"{startup['steady_step_s']:.2f} s; in a second fresh process that finds the built kernels "
+                      f"in the caches (every later run on the machine), {startup['warm_start_extra_s']:+.2f} s."]
         lines.append(f"- `import hf_cpt` {startup['import_hf_cpt_s']:.2f} s against `import transformers` "
                      f"{startup['import_transformers_s']:.2f} s in fresh processes (+{imports:.2f} s{import_ok}; "
                      f"target +{targets['import_extra_s']:.1f} s).")

@@ -272,7 +272,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert "+1.00 s; target +2.0 s" in table and "(+2.00 s (missed); target +1.5 s)" in table
     assert "CUDA mentioned on stderr: no" in table
     assert "- The first two steps took +2.00 s more than two steady steps of 2.50 s; in a second fresh process " \
-           "that finds the compiled kernels in the cache (every later run on the machine), +0.50 s." in table
+           "that finds the built kernels in the caches (every later run on the machine), +0.50 s." in table
 
 
 def test_results_page_shows_the_runs_of_todays_defaults_under_the_plain_names(tmp_path):

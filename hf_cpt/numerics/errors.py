@@ -5,35 +5,24 @@ unbiased inside the range, over one range per error tensor as in the CPT paper, 
 row (token) with ``granularity="token"``; on the min/max grid (the paper) or a zero-centred one
 (``range="symmetric"``); optionally in a rotated basis, and with nearest rounding.
 `ErrorQuantization` says which, and for which backward products. Large tensors go through one
-compiled kernel with counter-based (hashed) noise.
+fused kernel with counter-based (hashed) noise (`hf_cpt.numerics.error_kernels`).
 
 This module knows nothing about layers, schedules or the Trainer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..utils import check_choice, setting
+from . import error_kernels
+from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_round
 from .error_rotation import ERROR_ROTATIONS, rotate_error
-from .fake_quant import (
-    MIN_SCALE,
-    _compute_dtype,
-    fake_quantize,
-    num_levels,
-    quantization_scale,
-    tensor_range,
-    token_range,
-)
-
-logger = logging.getLogger(__name__)
+from .fake_quant import _compute_dtype, fake_quantize, num_levels, quantization_scale, tensor_range, token_range
 
 # Below this many elements the eager error quantizer is as fast as the compiled one.
 FUSED_MIN_NUMEL = 1 << 16
@@ -69,7 +58,8 @@ class ErrorQuantization:
     )
     fused: bool = setting(
         True,
-        "Quantize errors with one compiled kernel and counter-based noise (falls back to eager)."
+        "Quantize large error tensors in one fused kernel with counter-based noise: native C on CPU (built once per "
+        "machine), torch.compile on an accelerator; falls back to eager without a C compiler."
     )
     products: str = setting(
         "both",
@@ -140,34 +130,15 @@ def _stochastic_quantize(
     return codes.mul_(scale).add_(minimum)
 
 
-def symmetric_levels(bits: torch.Tensor) -> torch.Tensor:
-    """Largest code magnitude on the zero-centred grid, ``2^(b-1) - 1``: codes ``-L..L``, a signed b-bit integer."""
-    return torch.exp2(bits - 1) - 1
-
-
-def _symmetric_round(
-    source: torch.Tensor, absmax: torch.Tensor, half: torch.Tensor, noise: torch.Tensor | None
-) -> torch.Tensor:
-    # The zero-centred grid: step max|e| / L, codes clamped to [-L, L]; zero is a level, so a zero stays zero and a
-    # value far below one step rounds to zero or its neighbour, not across an offset grid. (CPTConfig refuses it
-    # below 2 bits, where L = 0; the floor of one level keeps a direct call at 1 bit finite.)
-    half = half.clamp_min(1.0)
-    scale = (absmax / half).clamp_min(MIN_SCALE)
-    scaled = source / scale if noise is None else source / scale + noise
-    return torch.minimum(torch.maximum(torch.round(scaled), -half), half) * scale
-
-
 def quantize_error_symmetric(
     grad: torch.Tensor, bits: torch.Tensor, per_row: bool, feature_dim: int = -1, stochastic: bool = True
 ) -> torch.Tensor:
     """Quantization on the zero-centred grid (`ErrorQuantization.range="symmetric"`), one ``max|e|`` per tensor
     or per row over ``feature_dim``; stochastic rounding draws from the global RNG (the eager path)."""
     source = _compute_dtype(grad)
-    magnitude = source.detach().abs()
-    absmax = magnitude.amax(dim=feature_dim, keepdim=True) if per_row else magnitude.amax()
+    _, scale, top = grid(source, symmetric_levels(bits.to(source.device)), per_row, True, feature_dim)
     noise = torch.empty_like(source).uniform_(-0.5, 0.5) if stochastic else None
-    half = symmetric_levels(bits.to(source.device)).to(source.dtype)
-    return _symmetric_round(source, absmax, half, noise).to(grad.dtype)
+    return symmetric_round(source, scale, top, noise).to(grad.dtype)
 
 
 def quantize_error_eager(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -176,126 +147,6 @@ def quantize_error_eager(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor
     minimum, maximum = tensor_range(source)
     noise = torch.empty_like(source).uniform_(-0.5, 0.5)
     return _stochastic_quantize(source, minimum, maximum, bits, noise).to(grad.dtype)
-
-
-def hashed_uniform_noise(numel: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Uniform noise in [-1/2, 1/2) from a 32-bit integer hash of (element index, seed).
-
-    A counter-based source: no RNG state to advance, so a compiler can fuse it into the kernel
-    that consumes it. int32 products wrap; shifts are masked to act as logical shifts.
-    """
-    # In place on one fresh tensor: the same values as the out-of-place formula, fewer full-size allocations
-    # when it runs eagerly.
-    h = torch.arange(numel, device=device, dtype=torch.int32).bitwise_xor_(seed)
-    h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
-    h.mul_(0x7FEB352D)
-    h.bitwise_xor_((h >> 15).bitwise_and_(0x1FFFF))
-    h.mul_(-0x7B935975)  # 0x846CA68B as a signed int32 (the "lowbias32" hash)
-    h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
-    return h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(1.0 / (1 << 24)).sub_(0.5)
-
-
-def quantize_error_hashed(grad: torch.Tensor, bits: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """Per-tensor stochastic quantization with hashed noise; meant to run compiled."""
-    return _quantize_error_hashed_levels(grad, num_levels(bits), seed)
-
-
-def _hashed_stochastic_round(
-    source: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor
-) -> torch.Tensor:
-    # The compiled kernels' shared formula: stochastic rounding over [minimum, maximum] with hashed noise.
-    noise = hashed_uniform_noise(source.numel(), seed, source.device).view(source.shape)
-    levels = levels.to(source.dtype)
-    scale = quantization_scale(minimum, maximum, levels)
-    codes = torch.round(torch.minimum(((source - minimum) / scale + noise).clamp_min(0.0), levels))
-    return codes * scale + minimum
-
-
-def _quantize_error_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    # Takes 2^b - 1 precomputed: with exp2 in the graph, the generated loop calls exp2 per vector.
-    flat = _compute_dtype(grad).reshape(-1)
-    minimum, maximum = torch.aminmax(flat)
-    return _hashed_stochastic_round(flat, minimum, maximum, levels, seed).view(grad.shape).to(grad.dtype)
-
-
-def _quantize_error_rows_hashed_levels(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    # Per row over the last dimension: the per-row twin of the per-tensor kernel above.
-    source = _compute_dtype(grad)
-    minimum, maximum = source.amin(dim=-1, keepdim=True), source.amax(dim=-1, keepdim=True)
-    return _hashed_stochastic_round(source, minimum, maximum, levels, seed).to(grad.dtype)
-
-
-def _quantize_error_symmetric_hashed(grad: torch.Tensor, half: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    # The zero-centred twins of the two kernels above: one max|e| per tensor (flat input) or per row.
-    flat = _compute_dtype(grad).reshape(-1)
-    noise = hashed_uniform_noise(flat.numel(), seed, flat.device)
-    return _symmetric_round(flat, flat.abs().amax(), half.to(flat.dtype), noise).view(grad.shape).to(grad.dtype)
-
-
-def _quantize_error_rows_symmetric_hashed(grad: torch.Tensor, half: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    source = _compute_dtype(grad)
-    noise = hashed_uniform_noise(source.numel(), seed, source.device).view(source.shape)
-    absmax = source.abs().amax(dim=-1, keepdim=True)
-    return _symmetric_round(source, absmax, half.to(source.dtype), noise).to(grad.dtype)
-
-
-# Each stochastic kernel by (granularity, range): its formula and the level count it takes from the bits.
-_KERNEL_SOURCES: dict[tuple[str, str], tuple[Callable, Callable]] = {
-    ("tensor", "minmax"): (_quantize_error_hashed_levels, num_levels),
-    ("token", "minmax"): (_quantize_error_rows_hashed_levels, num_levels),
-    ("tensor", "symmetric"): (_quantize_error_symmetric_hashed, symmetric_levels),
-    ("token", "symmetric"): (_quantize_error_rows_symmetric_hashed, symmetric_levels),
-}
-
-
-def _kernel_name(granularity: str, grid: str) -> str:
-    return granularity if grid == "minmax" else f"{granularity}/{grid}"
-
-
-_warmed_error_kernels: set[str] = set()
-_fused_disabled_reason: str | None = None
-
-
-@contextlib.contextmanager
-def _quiet_cuda_probe(kernel: str):
-    """The first call of a compiled kernel compiles it; on a machine without a GPU, torch's C++ toolchain probe
-    then warns that no CUDA runtime exists, which is no concern of a CPU run: silenced for that call only."""
-    if kernel in _warmed_error_kernels or torch.cuda.is_available():
-        yield
-        return
-    probe = logging.getLogger("torch.utils.cpp_extension")
-    level = probe.level
-    probe.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        probe.setLevel(level)
-        _warmed_error_kernels.add(kernel)
-
-
-_compiled_error_kernels: dict[str, Callable] = {}
-
-
-def _fused_error_kernel(granularity: str, grid: str = "minmax") -> Callable | None:
-    """The compiled stochastic error quantizer for ``granularity`` and ``grid`` (compiled on first use, in the
-    calling thread: compiling in a background thread while the same kernel ran eagerly made the start of a CPU run
-    slower, see docs/benchmarks.md), None once compilation has failed."""
-    if _fused_disabled_reason is not None:
-        return None
-    name = _kernel_name(granularity, grid)
-    if name not in _compiled_error_kernels:
-        _compiled_error_kernels[name] = torch.compile(_KERNEL_SOURCES[granularity, grid][0], dynamic=True)
-    return _compiled_error_kernels[name]
-
-
-def _disable_fused(reason: str) -> None:
-    global _fused_disabled_reason
-    _fused_disabled_reason = reason
-    logger.warning(
-        "hf_cpt: the compiled error quantizer is unavailable (%s); using the eager one. "
-        "Set CPTConfig(fused_error_quantizer=False) to silence this.",
-        reason.splitlines()[0],
-    )
 
 
 def quantize_error_per_row(grad: torch.Tensor, bits: torch.Tensor, feature_dim: int = -1) -> torch.Tensor:
@@ -344,30 +195,29 @@ def _quantize_error_unrotated(
         source = _compute_dtype(grad)
         minimum, maximum = token_range(source, feature_dim) if per_row else tensor_range(source)
         return fake_quantize(source, minimum, maximum, bits.to(source.device)).to(grad.dtype)
-    # Inside a compiled graph the compiler fuses the plain formula; outside, the compiled kernel runs it.
-    # (Not torch.compiler.is_compiling(): a process-wide flag, also set while another thread compiles.)
+    # Inside a compiled graph the compiler fuses the plain formula; outside, a fused kernel runs it (the native one
+    # on CPU, a compiled one elsewhere). (Not torch.compiler.is_compiling(): a process-wide flag, also set while
+    # another thread compiles.)
     in_graph = torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
-    kernel, levels_of = None, _KERNEL_SOURCES[scheme.granularity, scheme.range][1]
+    kernel, levels_of = None, KERNEL_SOURCES[scheme.granularity, scheme.range][1]
     if in_graph:
-        kernel = _KERNEL_SOURCES[scheme.granularity, scheme.range][0]
+        kernel = KERNEL_SOURCES[scheme.granularity, scheme.range][0]
     elif scheme.fused and grad.numel() >= FUSED_MIN_NUMEL:
-        kernel = _fused_error_kernel(scheme.granularity, scheme.range)
+        kernel = error_kernels.fused_kernel(grad.device, scheme.granularity, scheme.range)
     if kernel is not None:
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
         levels = levels_of(bits.to(grad.device))
         try:
-            with (contextlib.nullcontext() if in_graph
-                  else _quiet_cuda_probe(_kernel_name(scheme.granularity, scheme.range))):
-                if per_row:  # as (rows, features): one compiled graph serves every rank and layout
-                    rows = grad.movedim(feature_dim, -1)
-                    flat = kernel(rows.reshape(-1, rows.shape[-1]), levels, seed)
-                    return flat.view(rows.shape).movedim(-1, feature_dim)
-                # Flat input: one compiled graph serves tensors of every rank.
-                return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
+            if per_row:  # as (rows, features): one kernel serves every rank and layout
+                rows = grad.movedim(feature_dim, -1)
+                flat = kernel(rows.reshape(-1, rows.shape[-1]), levels, seed)
+                return flat.view(rows.shape).movedim(-1, feature_dim)
+            # Flat input: one kernel serves tensors of every rank.
+            return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
         except Exception as error:  # compiler missing or failing: keep training, eagerly
             if in_graph:
                 raise
-            _disable_fused(f"{type(error).__name__}: {error}")
+            error_kernels.disable_fused(f"{type(error).__name__}: {error}")
     if symmetric:
         return quantize_error_symmetric(grad, bits, per_row, feature_dim)
     if per_row:

@@ -1,0 +1,100 @@
+/* Stochastic rounding of errors on CPU: one pass over the tensor (docs/method.md §2, "The fused error kernel").
+ *
+ * The C twin of the hashed-noise formulas in error_kernels.py, value for value: the same lowbias32 hash of
+ * (element index, seed) gives the noise, and the arithmetic runs in the same float32 order (built with
+ * -ffp-contract=off, so no fused multiply-add changes a rounding). The grid (offset, scale, top code) of
+ * every row is computed by the caller; here each element is scaled, shifted by its noise, clamped and
+ * rounded half to even. Rows are split over POSIX threads; the noise depends only on the element index,
+ * so the result does not depend on the thread count.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+
+static inline float hashed_noise(uint32_t index, uint32_t seed) {
+    uint32_t h = index ^ seed;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    return (float)((h >> 8) & 0xFFFFFFu) * (1.0f / 16777216.0f) - 0.5f;
+}
+
+typedef struct {
+    const float *source;
+    float *out;
+    const float *offset; /* per row (stride 1) or one for the tensor (stride 0); unused on the zero-centred grid */
+    const float *scale;
+    int64_t range_stride, columns, first, last;
+    float top;
+    uint32_t seed;
+    int zero_centred;
+} job_t;
+
+static void run(const job_t *job) {
+    const float top = job->top;
+    for (int64_t start = job->first; start < job->last;) {
+        const int64_t row = start / job->columns;
+        const int64_t row_end = (row + 1) * job->columns;
+        const int64_t end = row_end < job->last ? row_end : job->last;
+        const float scale = job->scale[row * job->range_stride];
+        const float *x = job->source + start;
+        float *out = job->out + start;
+        const uint32_t base = (uint32_t)start;
+        const int64_t n = end - start;
+        if (job->zero_centred) {
+            /* round(x / s + u), clamped to [-L, L], times s */
+            for (int64_t i = 0; i < n; i++) {
+                float code = rintf(x[i] / scale + hashed_noise(base + (uint32_t)i, job->seed));
+                code = code < -top ? -top : code;
+                code = code > top ? top : code;
+                out[i] = code * scale;
+            }
+        } else {
+            /* round(min(max((x - m) / s + u, 0), L)) * s + m */
+            const float offset = job->offset[row * job->range_stride];
+            for (int64_t i = 0; i < n; i++) {
+                float code = (x[i] - offset) / scale + hashed_noise(base + (uint32_t)i, job->seed);
+                code = code < 0.0f ? 0.0f : code;
+                code = code > top ? top : code;
+                out[i] = rintf(code) * scale + offset;
+            }
+        }
+        start = end;
+    }
+}
+
+static void *run_thread(void *job) {
+    run((const job_t *)job);
+    return 0;
+}
+
+#define MAX_THREADS 64
+#define MIN_ELEMENTS_PER_THREAD 65536
+
+/* Quantize rows x columns float32 values (contiguous) into out; returns the number of threads used. */
+int hf_cpt_quantize_errors(const float *source, float *out, const float *offset, const float *scale,
+                           int64_t range_stride, int64_t rows, int64_t columns, float top, int32_t seed,
+                           int zero_centred, int threads) {
+    const int64_t total = rows * columns;
+    job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int64_t most = total / MIN_ELEMENTS_PER_THREAD + 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > most) threads = (int)most;
+    if (threads < 1) threads = 1;
+    for (int t = 0; t < threads; t++) {
+        job_t job = {source, out, offset, scale, range_stride, columns, total * t / threads,
+                     total * (t + 1) / threads, top, (uint32_t)seed, zero_centred};
+        jobs[t] = job;
+    }
+    int started = 1;
+    for (; started < threads; started++) {
+        if (pthread_create(&ids[started], 0, run_thread, &jobs[started]) != 0) break;
+    }
+    for (int t = started; t < threads; t++) run(&jobs[t]); /* threads that could not start */
+    run(&jobs[0]);
+    for (int t = 1; t < started; t++) pthread_join(ids[t], 0);
+    return threads;
+}

@@ -1,0 +1,101 @@
+"""Native CPU kernels: the package's C sources, built once per machine into a cached shared library.
+
+A small C file builds in a fraction of a second with the system's C compiler (the one ``torch.compile`` needs
+on CPU too), with none of the compiler stack's import time, memory or first-call stall. The library is cached
+under ``$HF_CPT_CACHE`` (default ``~/.cache/hf_cpt``), keyed by the source, the flags and the CPU (the build
+targets the machine it runs on), and reused by every later process, which then needs no compiler. Without a compiler, or
+when the build fails, `load` returns None and the caller keeps its other path.
+
+This module knows nothing about quantization.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Exact IEEE float32 arithmetic (no fused multiply-add, no fast-math), vectorized for this CPU.
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread")
+NATIVE_FLAGS = ("-march=native",)
+DISABLE_VARIABLE = "HF_CPT_NATIVE_KERNELS"  # "0" turns the native kernels off (the callers' other path runs)
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``$HF_CPT_CACHE``, else ``$XDG_CACHE_HOME/hf_cpt``, else ``~/.cache/hf_cpt``."""
+    if os.environ.get("HF_CPT_CACHE"):
+        return Path(os.environ["HF_CPT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_cpt"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_signature() -> str:
+    # -march=native code may not run on another CPU sharing this cache (a network home): key the build on the CPU.
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _build(source: Path, target: Path, compiler: str) -> str | None:
+    """Compile ``source`` into ``target`` (atomically: concurrent ranks may build the same library);
+    the compiler's complaint on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    complaint = None
+    for flags in (FLAGS + NATIVE_FLAGS, FLAGS):  # a compiler without -march=native still builds portable code
+        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as scratch:
+            partial = Path(scratch.name)
+        try:
+            run = subprocess.run([compiler, *flags, str(source), "-o", str(partial), "-lm"],
+                                 capture_output=True, text=True, timeout=120)
+            if run.returncode == 0:
+                os.replace(partial, target)
+                return None
+            complaint = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as error:
+            complaint = f"{type(error).__name__}: {error}"
+        finally:
+            partial.unlink(missing_ok=True)
+    return complaint
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The shared library built from ``hf_cpt/numerics/<name>.c`` (built on first use, then cached), or None."""
+    if os.environ.get(DISABLE_VARIABLE) == "0":
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *NATIVE_FLAGS, platform.machine(),
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        compiler = _compiler()
+        if compiler is None:
+            logger.info("hf_cpt: no C compiler found (set CC); the native %s kernel is off", name)
+            return None
+        try:
+            complaint = _build(source, target, compiler)
+        except OSError as error:  # an unwritable cache directory
+            complaint = f"{type(error).__name__}: {error}"
+        if complaint is not None:
+            logger.warning("hf_cpt: building the native %s kernel with %s failed (%s); using the other path",
+                           name, compiler, complaint)
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as error:
+        logger.warning("hf_cpt: loading %s failed (%s); using the other path", target, error)
+        return None

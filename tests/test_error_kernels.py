@@ -1,0 +1,201 @@
+"""The fused error quantizers (hf_cpt/numerics/error_kernels.py, error_kernels.c, native.py): one formula, the same
+values on every path (the formula run eagerly, torch.compile, the native C kernel)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_cpt.numerics import error_kernels, native
+from hf_cpt.numerics.error_kernels import KERNEL_SOURCES, hashed_uniform_noise
+from hf_cpt.numerics.errors import ErrorQuantization, quantize_error
+
+GRIDS = [("token", "minmax"), ("tensor", "minmax"), ("token", "symmetric"), ("tensor", "symmetric")]
+
+
+def test_hashed_noise_is_uniform():
+    noise = hashed_uniform_noise(1_000_000, torch.tensor(99, dtype=torch.int32), torch.device("cpu"))
+    assert noise.min() >= -0.5 and noise.max() < 0.5
+    assert abs(noise.mean().item()) < 1e-3
+    assert abs(noise.std().item() - (1 / 12) ** 0.5) < 1e-3
+    other = hashed_uniform_noise(1_000_000, torch.tensor(100, dtype=torch.int32), torch.device("cpu"))
+    assert abs(torch.corrcoef(torch.stack([noise, other]))[0, 1].item()) < 5e-3
+
+
+def _lowbias32_noise(index: int, seed: int) -> float:
+    """The hashed noise of one element, in Python integers (docs/method.md §2)."""
+    mask = 0xFFFFFFFF
+    h = (index ^ seed) & mask
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & mask
+    h ^= h >> 15
+    h = (h * 0x846CA68B) & mask
+    h ^= h >> 16
+    return (h >> 8) / (1 << 24) - 0.5
+
+
+def test_hashed_noise_is_the_lowbias32_hash_of_index_and_seed():
+    seed = 987654321
+    noise = hashed_uniform_noise(70_000, torch.tensor(seed, dtype=torch.int32), torch.device("cpu"))
+    for index in (0, 1, 2, 65_535, 65_536, 69_999):
+        assert noise[index].item() == _lowbias32_noise(index, seed)
+
+
+def _errors(shape, dtype, granularity):
+    """Errors spanning five orders of magnitude across rows, with padding rows of zeros at the end."""
+    grad = (torch.randn(shape) * torch.logspace(-5, 0, shape[0]).view(-1, 1)).to(dtype)
+    grad[-7:] = 0.0
+    return grad if granularity == "token" else grad.reshape(-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("granularity, dtype, grid", [("token", torch.float32, "minmax"),
+                                                      ("token", torch.bfloat16, "minmax"),
+                                                      ("tensor", torch.float32, "minmax"),
+                                                      ("token", torch.bfloat16, "symmetric"),
+                                                      ("tensor", torch.float32, "symmetric")])
+def test_compiled_error_kernel_gives_the_formulas_values_bit_for_bit(granularity, dtype, grid):
+    """The torch.compile kernel (an accelerator's fused path) and the formula a compiled model traces (eager here)
+    agree exactly: the noise depends only on the element index and the seed."""
+    source, levels_of = KERNEL_SOURCES[granularity, grid]
+    kernel = error_kernels._compiled_kernel(granularity, grid)
+    levels, seed = levels_of(torch.tensor(6.0)), torch.tensor(4321, dtype=torch.int32)
+    torch.manual_seed(0)
+    for shape in [(1024, 96), (333, 257), (4096, 48)]:
+        grad = _errors(shape, dtype, granularity)
+        assert torch.equal(kernel(grad, levels, seed), source(grad, levels, seed))
+
+
+def _native(granularity, grid):
+    kernel = error_kernels._native_kernel(granularity, grid)
+    if kernel is None:
+        pytest.skip("no C compiler on this machine")
+    return kernel
+
+
+@pytest.mark.parametrize("granularity, grid", GRIDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_gives_the_formulas_values_bit_for_bit_at_every_thread_count(granularity, grid, dtype):
+    """The C kernel (the CPU's fused path) equals the formula element for element, at 3 to 8 bits, for rows
+    spanning five orders of magnitude, padding rows of zeros, odd shapes, and any number of threads."""
+    source, levels_of = KERNEL_SOURCES[granularity, grid]
+    kernel = _native(granularity, grid)
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    try:
+        for bits, shape in [(3.0, (1024, 96)), (4.0, (333, 257)), (6.0, (4096, 48)), (8.0, (70_000, 3))]:
+            grad = _errors(shape, dtype, granularity)
+            levels, seed = levels_of(torch.tensor(bits)), torch.tensor(int(bits) * 977, dtype=torch.int32)
+            expected = source(grad, levels, seed)
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                got = kernel(grad, levels, seed)
+                assert got.dtype == grad.dtype and got.shape == grad.shape
+                assert torch.equal(got, expected), (bits, shape, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("granularity, grid", GRIDS)
+def test_native_kernel_propagates_a_non_finite_error_as_the_formula_does(granularity, grid):
+    source, levels_of = KERNEL_SOURCES[granularity, grid]
+    grad = _errors((512, 160), torch.float32, granularity)
+    grad.view(512, 160)[3, 5], grad.view(512, 160)[9, 1] = float("nan"), float("inf")
+    levels, seed = levels_of(torch.tensor(8.0)), torch.tensor(7, dtype=torch.int32)
+    expected = source(grad, levels, seed)
+    torch.testing.assert_close(_native(granularity, grid)(grad, levels, seed), expected, rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def test_a_cpu_tensor_takes_the_native_kernel_and_other_devices_the_compiled_one(monkeypatch):
+    _native("token", "minmax")
+    compiled = error_kernels._compiled_kernel("token", "minmax")
+    assert error_kernels.fused_kernel(torch.device("cpu"), "token") is error_kernels._native_kernels["token"]
+    assert error_kernels.fused_kernel(torch.device("meta"), "token") is compiled
+    monkeypatch.setattr(error_kernels, "_native_kernels", {"token": None})  # no C compiler on this machine
+    assert error_kernels.fused_kernel(torch.device("cpu"), "token") is compiled
+
+
+def test_a_failing_fused_kernel_falls_back_to_the_eager_quantizer_with_one_warning(monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(error_kernels, "_native_kernels", {"token": broken})
+    monkeypatch.setattr(error_kernels, "_fused_disabled_reason", None)
+    grad = torch.randn(512, 256)
+    scheme = ErrorQuantization("token", fused=True)
+    with caplog.at_level("WARNING", logger="hf_cpt.numerics.error_kernels"):
+        results = [quantize_error(grad, torch.tensor(8.0), scheme) for _ in range(3)]
+    assert [r.getMessage().count("no C++ compiler") for r in caplog.records] == [1]
+    assert error_kernels._fused_disabled_reason == "RuntimeError: no C++ compiler"
+    low, high = grad.amin(-1, keepdim=True), grad.amax(-1, keepdim=True)
+    for q in results:
+        codes = (q - low) / ((high - low) / 255)
+        assert torch.allclose(codes, codes.round(), atol=1e-3)
+
+
+def test_a_compiler_that_fails_leaves_no_library_and_one_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HF_CPT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that exits 1
+    native.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="hf_cpt.numerics.native"):
+            assert native.load("error_kernels") is None
+        assert any("building the native error_kernels kernel with false failed" in r.getMessage()
+                   for r in caplog.records)
+        assert list(tmp_path.iterdir()) == []  # no partial library left behind
+    finally:
+        native.load.cache_clear()
+
+
+# A backward step's errors, both granularities on both grids, in a fresh process; prints what ran.
+_FRESH_PROCESS = """
+import sys, torch
+from hf_cpt.numerics import error_kernels
+from hf_cpt.numerics.errors import ErrorQuantization, quantize_error
+for granularity in ('tensor', 'token'):
+    for grid in ('minmax', 'symmetric'):
+        q = quantize_error(torch.randn(256, 512), torch.tensor(8.0), ErrorQuantization(granularity, range=grid))
+        assert torch.isfinite(q).all()
+native = sorted(name for name, kernel in error_kernels._native_kernels.items() if kernel is not None)
+compiled = sorted(error_kernels._compiled_kernels)
+print('native', native, 'compiled', compiled, 'inductor', 'torch._inductor' in sys.modules)
+"""
+
+
+def _fresh(env_changes, tmp_path):
+    env = {**os.environ, "CUDA_HOME": str(tmp_path / "cuda"), **env_changes}  # a CUDA path without a CUDA runtime
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+@pytest.mark.slow
+def test_a_cpu_run_builds_the_native_kernel_once_per_machine_and_loads_no_compiler_stack(tmp_path):
+    if native._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    cache = tmp_path / "cache"
+    first = _fresh({"HF_CPT_CACHE": str(cache)}, tmp_path)
+    everything = "['tensor', 'tensor/symmetric', 'token', 'token/symmetric']"
+    assert f"native {everything} compiled [] inductor False" in first.stdout
+    assert "No CUDA runtime is found" not in first.stderr
+    built = sorted(path.name for path in cache.iterdir())
+    assert len(built) == 1 and built[0].startswith("error_kernels-") and built[0].endswith(".so")
+    # A later process on the machine reuses the library: it needs no compiler at all.
+    second = _fresh({"HF_CPT_CACHE": str(cache), "CC": str(tmp_path / "no-such-compiler")}, tmp_path)
+    assert f"native {everything} compiled []" in second.stdout
+    assert sorted(path.name for path in cache.iterdir()) == built
+
+
+@pytest.mark.slow
+def test_without_the_native_kernel_the_compiled_one_runs_and_prints_no_cuda_warning(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the warning concerns machines without a GPU")
+    control = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True,
+                             text=True, env={**os.environ, "CUDA_HOME": str(tmp_path)}, timeout=300)
+    assert "No CUDA runtime is found" in control.stderr  # what torch prints when nothing silences it
+    run = _fresh({native.DISABLE_VARIABLE: "0"}, tmp_path)
+    assert "native [] compiled ['tensor', 'tensor/symmetric', 'token', 'token/symmetric'] inductor True" in run.stdout
+    assert "No CUDA runtime is found" not in run.stderr
