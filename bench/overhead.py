@@ -11,9 +11,11 @@ BERT-small-shaped classifier, (d) training steps at realistic sizes: GPT-2 small
 (the `bench` extra), each with its peak resident memory measured in a fresh process per side (CPU: no
 allocator statistics; on a GPU ``torch.cuda.max_memory_allocated`` is the figure to use). The
 quantized versions run at 8-bit weights/activations and 8-bit errors. A one-off warm-up step of each
-quantized case, which includes the ``torch.compile`` time of the fused error quantizer, is timed
-separately. Then, in fresh processes: the first and second CPT step of a fine-tuning run with an empty
-kernel caches (what a new machine pays), and ``import hf_cpt`` against ``import transformers``.
+quantized case, which includes building the fused error quantizer (the C kernel on CPU, or
+``torch.compile``), is timed separately. Then, in fresh processes: the first and second CPT step of a
+fine-tuning run with empty kernel caches (what a new machine pays), and ``import hf_cpt`` against
+``import transformers``. ``--compare-kernels`` also times each quantized case with the ``torch.compile`` error
+kernel instead of the C one, interleaved with the others.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
+from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 
 Step = Callable[[], None]
 
@@ -324,27 +327,43 @@ def time_per_step(step: Step, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def run_case(case: Case, repeats: int) -> dict[str, float]:
+def _with_compiled_kernels(step: Step) -> Step:
+    def run():
+        with compiled_kernels_on_cpu():
+            step()
+
+    return run
+
+
+def run_case(case: Case, repeats: int, compare_kernels: bool = False) -> dict[str, float]:
+    """Medians of interleaved repeats of the plain and the quantized step; with ``compare_kernels`` also the
+    quantized step with the ``torch.compile`` error kernel instead of the C one, interleaved with both."""
     start = time.perf_counter()
-    case.quantized()  # first call: compiles the fused error kernels
+    case.quantized()  # first call: builds the fused error kernels
     warmup = time.perf_counter() - start
-    case.plain()
-    case.quantized()
-    plain, quantized = [], []
+    arms = {"plain": case.plain, "quant": case.quantized}
+    if compare_kernels:
+        arms["compiled"] = _with_compiled_kernels(case.quantized)
+    for step in arms.values():
+        step()
+    samples: dict[str, list[float]] = {name: [] for name in arms}
     for repeat in range(repeats):
-        # Alternate which goes first so that neither side always follows the other.
-        order = ((plain, case.plain), (quantized, case.quantized))
-        for samples, step in order if repeat % 2 == 0 else order[::-1]:
-            samples.append(time_per_step(step, case.iters))
-    plain_ms, quant_ms = statistics.median(plain) * 1e3, statistics.median(quantized) * 1e3
-    ratios = [q / p for q, p in zip(quantized, plain)]
-    return {
+        # Alternate the order so that no arm always follows another.
+        order = list(arms) if repeat % 2 == 0 else list(arms)[::-1]
+        for name in order:
+            samples[name].append(time_per_step(arms[name], case.iters))
+    plain_ms, quant_ms = statistics.median(samples["plain"]) * 1e3, statistics.median(samples["quant"]) * 1e3
+    ratios = [q / p for q, p in zip(samples["quant"], samples["plain"])]
+    result = {
         "plain_ms": plain_ms,
         "quant_ms": quant_ms,
         "ratio": quant_ms / plain_ms,
         "paired": statistics.median(ratios),
         "warmup_s": warmup,
     }
+    if compare_kernels:
+        result["compiled_kernel_ratio"] = statistics.median(samples["compiled"]) * 1e3 / plain_ms
+    return result
 
 
 def main() -> None:
@@ -361,6 +380,9 @@ def main() -> None:
                                                          "overhead.json"),
                         help="JSON of the rows, for bench/report.py ('' to skip)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--compare-kernels", action="store_true",
+                        help="also time each quantized case with the torch.compile error kernel instead of the C one "
+                        "(interleaved with the others)")
     parser.add_argument("--published-quantizer", metavar="FILE",
                         help="the CPT repository's cpt_cifar/modules/quantize.py: adds the published quantizer's "
                         "Linear and Conv2d rows (anchors)")
@@ -442,7 +464,7 @@ def main() -> None:
 
     print(f"command: python {' '.join(sys.argv)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"error quantizer: {'fused (torch.compile)' if fused else 'eager'}, repeats {args.repeats}")
+          f"error quantizer: {'fused' if fused else 'eager'}, repeats {args.repeats}")
     print("quantized: 8-bit weights/activations, 8-bit errors; times are medians per step")
     # Other processes on the same cores stall multi-threaded ops; the load average says how busy it was.
     load_at_start = os.getloadavg()[0]
@@ -456,7 +478,7 @@ def main() -> None:
     rows = []
     for key in selected:
         case = cases[key]()
-        result = run_case(case, args.repeats)
+        result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None)
         rows.append({"case": case.name, "target": case.target, **result})
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
@@ -464,6 +486,8 @@ def main() -> None:
         target = "anchor" if case.target is None else f"{case.target:.2f}"
         print(f"{case.name:<44}{result['plain_ms']:>10.1f}{result['quant_ms']:>10.1f}{result['ratio']:>8.3f}"
               f"{result['paired']:>8.3f}{target:>8}  {ok:<4}{result['warmup_s']:>10.2f}", flush=True)
+        if "compiled_kernel_ratio" in result:
+            print(f"{'  same, torch.compile error kernel':<44}{'':>10}{'':>10}{result['compiled_kernel_ratio']:>8.3f}")
         if key in memory_kinds and not args.no_memory:
             plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused) for q in (False, True))
             print(f"{'  peak memory (MiB, fresh process)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
@@ -473,9 +497,9 @@ def main() -> None:
             print(f"{'  same, glibc mmap threshold fixed':<44}{fixed[0]:>10.0f}{fixed[1]:>10.0f}"
                   f"{fixed[1] / fixed[0]:>8.3f}", flush=True)
             rows[-1].update(memory_ratio_fixed_mmap=fixed[1] / fixed[0])
-            if fused:  # how much of that is the compiler the fused error kernel brings into the process
+            if fused:  # what the fused error kernel adds to the peak
                 eager = peak_memory_mib(memory_kinds[key], True, False, env=FIXED_MMAP_THRESHOLD)
-                print(f"{'  same, eager error quantizer (no compiler)':<44}{fixed[0]:>10.0f}{eager:>10.0f}"
+                print(f"{'  same, eager error quantizer':<44}{fixed[0]:>10.0f}{eager:>10.0f}"
                       f"{eager / fixed[0]:>8.3f}", flush=True)
                 rows[-1].update(memory_ratio_eager_errors=eager / fixed[0])
     startup = {}
@@ -491,7 +515,7 @@ def main() -> None:
         print(f"import transformers {startup['import_transformers_s']:.2f} s, import hf_cpt "
               f"{startup['import_hf_cpt_s']:.2f} s (target +{IMPORT_TARGET_S} s)")
     print("ratio = median quantized / median plain; paired = median of per-repeat ratios;")
-    print("warm-up = first quantized step, including any torch.compile of the fused error kernel")
+    print("warm-up = first quantized step, including building the fused error kernel")
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.output:
         import json
@@ -501,7 +525,7 @@ def main() -> None:
             json.dump({"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME, "fused": fused,
                        "repeats": args.repeats, "load_average": [load_at_start, os.getloadavg()[0]],
-                       "rows": rows, "startup": startup,
+                       "compare_kernels": args.compare_kernels, "rows": rows, "startup": startup,
                        "targets": {"first_step_extra_s": FIRST_STEP_TARGET_S, "import_extra_s": IMPORT_TARGET_S}},
                       f, indent=1)
         print(f"results: {args.output}")

@@ -159,8 +159,9 @@ def overhead_summary(overhead: dict) -> list[str]:
                 memory += f"; {row['memory_ratio_eager_errors']:.3f} §"
         anchor = row["target"] is None  # another implementation's overhead on the same layer
         ok = "" if anchor or row["ratio"] <= row["target"] else " (missed)"
-        lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok} | "
-                     f"{'anchor' if anchor else format(row['target'], '.2f')} | {memory} |")
+        compiled = f" ({row['compiled_kernel_ratio']:.3f} ¶)" if "compiled_kernel_ratio" in row else ""
+        lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok}"
+                     f"{compiled} | {'anchor' if anchor else format(row['target'], '.2f')} | {memory} |")
     if any("memory_ratio_fixed_mmap" in row for row in overhead["rows"]):
         lines += ["", "‡ the same two processes with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=131072`): "
                   "freed large blocks go back to the system, so the peak follows the memory alive rather than the "
@@ -168,14 +169,17 @@ def overhead_summary(overhead: dict) -> list[str]:
     if any("memory_ratio_eager_errors" in row for row in overhead["rows"]):
         lines += ["", "§ as ‡, with the eager error quantizer (`fused_error_quantizer=False`) instead of the fused "
                   "kernel."]
+    if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
+        lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
+                  "values are the same bit for bit), timed in the same run, interleaved with the other two."]
     startup, targets = overhead.get("startup"), overhead.get("targets", {})
     if startup:
         extra = startup["first_step_s"] - startup["second_step_s"]
         first_ok = "" if extra <= targets["first_step_extra_s"] else " (missed)"
         imports = startup["import_hf_cpt_s"] - startup["import_transformers_s"]
         import_ok = "" if imports <= targets["import_extra_s"] else " (missed)"
-        lines += ["", f"- First CPT step of a `{startup['first_step_kind']}` fine-tune in a fresh process with an "
-                  f"empty kernel caches: {startup['first_step_s']:.2f} s against {startup['second_step_s']:.2f} s "
+        lines += ["", f"- First CPT step of a `{startup['first_step_kind']}` fine-tune in a fresh process with its "
+                  f"kernel caches empty: {startup['first_step_s']:.2f} s against {startup['second_step_s']:.2f} s "
                   f"for the second (+{extra:.2f} s{first_ok}; target +{targets['first_step_extra_s']:.1f} s); "
                   f"CUDA mentioned on stderr: {'yes' if startup['cuda_warning'] else 'no'}."]
         if "steady_step_s" in startup:
@@ -183,7 +187,7 @@ def overhead_summary(overhead: dict) -> list[str]:
                       f"{startup['steady_step_s']:.2f} s; in a second fresh process that finds the built kernels "
                       f"in the caches (every later run on the machine), {startup['warm_start_extra_s']:+.2f} s."]
         lines.append(f"- `import hf_cpt` {startup['import_hf_cpt_s']:.2f} s against `import transformers` "
-                     f"{startup['import_transformers_s']:.2f} s in fresh processes (+{imports:.2f} s{import_ok}; "
+                     f"{startup['import_transformers_s']:.2f} s in fresh processes ({imports:+.2f} s{import_ok}; "
                      f"target +{targets['import_extra_s']:.1f} s).")
     return lines
 

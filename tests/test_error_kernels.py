@@ -114,6 +114,9 @@ def test_a_cpu_tensor_takes_the_native_kernel_and_other_devices_the_compiled_one
     compiled = error_kernels._compiled_kernel("token", "minmax")
     assert error_kernels.fused_kernel(torch.device("cpu"), "token") is error_kernels._native_kernels["token"]
     assert error_kernels.fused_kernel(torch.device("meta"), "token") is compiled
+    with error_kernels.compiled_kernels_on_cpu():  # bench/overhead.py --compare-kernels
+        assert error_kernels.fused_kernel(torch.device("cpu"), "token") is compiled
+    assert error_kernels.fused_kernel(torch.device("cpu"), "token") is error_kernels._native_kernels["token"]
     monkeypatch.setattr(error_kernels, "_native_kernels", {"token": None})  # no C compiler on this machine
     assert error_kernels.fused_kernel(torch.device("cpu"), "token") is compiled
 

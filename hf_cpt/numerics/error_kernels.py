@@ -141,6 +141,19 @@ _native_kernels: dict[str, Callable | None] = {}
 _compiled_kernels: dict[str, Callable] = {}
 _warmed_compiled_kernels: set[str] = set()
 _fused_disabled_reason: str | None = None
+_prefer_compiled = False
+
+
+@contextlib.contextmanager
+def compiled_kernels_on_cpu():
+    """Inside this block CPU tensors take the ``torch.compile`` kernel instead of the C one (same values: for
+    side-by-side timing, bench/overhead.py ``--compare-kernels``)."""
+    global _prefer_compiled
+    previous, _prefer_compiled = _prefer_compiled, True
+    try:
+        yield
+    finally:
+        _prefer_compiled = previous
 
 
 @contextlib.contextmanager
@@ -181,7 +194,7 @@ def fused_kernel(device: torch.device, granularity: str, grid_name: str = "minma
     compiled one; None once a fused kernel has failed (`disable_fused`), leaving the caller's eager path."""
     if _fused_disabled_reason is not None:
         return None
-    if device.type == "cpu":
+    if device.type == "cpu" and not _prefer_compiled:
         name = kernel_name(granularity, grid_name)
         if name not in _native_kernels:
             _native_kernels[name] = _native_kernel(granularity, grid_name)
