@@ -83,7 +83,8 @@ def hashed_stochastic_quantize(
     grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, per_row: bool, zero_centred: bool
 ) -> torch.Tensor:
     """The fused kernels' formula: per row over the last dimension, or per tensor (``grad`` flat), on the min/max
-    or the zero-centred grid, with hashed noise; ``levels`` is the top code (2^b - 1, or 2^(b-1) - 1 centred)."""
+    or the zero-centred grid, with hashed noise; ``levels`` is the top code (2^b - 1, or 2^(b-1) - 1 centred),
+    computed before the kernel: with ``exp2`` inside a compiled graph the generated loop calls it per vector."""
     source = _compute_dtype(grad)
     offset, scale, top = grid(source, levels, per_row, zero_centred)
     noise = hashed_uniform_noise(source.numel(), seed, source.device).view(source.shape)
@@ -114,6 +115,8 @@ def kernel_name(granularity: str, grid_name: str) -> str:
 
 
 def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
+    """The C kernel (`error_kernels.c`) behind the formula's signature, or None where it cannot be built: the grid
+    is computed here with torch, the noise, clamp and rounding there, in one pass."""
     library = native.load("error_kernels")
     if library is None:
         return None
@@ -173,7 +176,7 @@ def _quiet_cuda_probe(kernel: str):
         _warmed_compiled_kernels.add(kernel)
 
 
-def _compiled_kernel(granularity: str, grid_name: str) -> Callable | None:
+def _compiled_kernel(granularity: str, grid_name: str) -> Callable:
     """The ``torch.compile`` kernel (compiled on first use, in the calling thread: compiling in a background
     thread while the same kernel ran eagerly made the start of a CPU run slower)."""
     name = kernel_name(granularity, grid_name)

@@ -24,7 +24,7 @@ from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_rou
 from .error_rotation import ERROR_ROTATIONS, rotate_error
 from .fake_quant import _compute_dtype, fake_quantize, num_levels, quantization_scale, tensor_range, token_range
 
-# Below this many elements the eager error quantizer is as fast as the compiled one.
+# Below this many elements the eager error quantizer is as fast as the fused one.
 FUSED_MIN_NUMEL = 1 << 16
 # How errors are quantized (docs/method.md §2): one range per tensor (the CPT paper) or per row (token); "auto"
 # follows each layer's activations (per row where they are per token, per tensor elsewhere).
