@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from . import native
-from .fake_quant import MIN_SCALE, _compute_dtype, num_levels, quantization_scale
+from .fake_quant import MIN_SCALE, _compute_dtype, num_levels, quantization_scale, tensor_range, token_range
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,7 @@ def grid(
         absmax = magnitude.amax(dim=dim, keepdim=True) if per_row else magnitude.amax()
         top = levels.clamp_min(1.0)
         return None, (absmax / top).clamp_min(MIN_SCALE), top
-    if per_row:
-        minimum, maximum = source.amin(dim=dim, keepdim=True), source.amax(dim=dim, keepdim=True)
-    else:
-        minimum, maximum = torch.aminmax(source)
+    minimum, maximum = token_range(source, dim) if per_row else tensor_range(source)
     return minimum, quantization_scale(minimum, maximum, levels), levels
 
 

@@ -170,8 +170,8 @@ def quantize_error(
     Ranges per tensor (the CPT paper) or per row over ``feature_dim``, on the min/max or the zero-centred grid;
     stochastic or nearest rounding;
     optionally in a rotated basis (`rotate_error`) and rotated back. Stochastic rounding with
-    ``scheme.fused`` runs one compiled kernel (range, hashed noise, rounding) for large tensors and falls
-    back to the eager path, with one warning, if compilation is unavailable.
+    ``scheme.fused`` runs one fused kernel (hashed noise, clamp, rounding; `error_kernels.fused_kernel`) for large
+    tensors and falls back to the eager path, with one warning, if no fused kernel can be built.
     """
     if scheme.granularity not in ERROR_GRANULARITIES or scheme.range not in ERROR_RANGES:
         raise ValueError(f"error granularity and range must be one of {ERROR_GRANULARITIES} and {ERROR_RANGES} when "
