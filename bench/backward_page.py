@@ -31,7 +31,10 @@ def method(config: dict) -> str:
     if config.get("quantize_attention"):
         name += " + attention" + (f" at {config['attention_bits']} bits" if config.get("attention_bits") else "")
         grid = ErrorQuantization(range=config.get("error_range", PAPER_ERRORS.range)).for_attention().range
-        name += ", its errors zero-centred" if grid == "symmetric" else ", its errors min/max"
+        if not config.get("attention_errors", True):
+            name += ", its errors in full precision"
+        else:
+            name += ", its errors zero-centred" if grid == "symmetric" else ", its errors min/max"
     return name + "".join(f" + {module}" for module in config.get("include_modules") or [])
 
 

@@ -96,6 +96,10 @@ BACKWARD_RUNS = {
     "cpt-4-8/8-error-token-attention-symmetric": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION},
     "cpt-4-8/8-error-token-attention-8-symmetric": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION, "attention_bits": 8},
     "static-8/8-error-token-attention-symmetric": {**STATIC, **PER_ROW, **SYMMETRIC_ATTENTION},
+    # the attention products quantized in the forward pass only, their errors in full precision: which half of the
+    # attention's accuracy cost is the forward's
+    "cpt-4-8/8-error-token-attention-forward": {**CPT_4_8, **PER_ROW, "quantize_attention": True,
+                                                "attention_errors": False},
 }
 RUNS.update(BACKWARD_RUNS)
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]

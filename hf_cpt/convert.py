@@ -202,10 +202,12 @@ def _prepare_attention(model: nn.Module, config: CPTConfig, precision: Precision
     current = model.config._attn_implementation or "eager"
     if not config.quantize_attention and current not in ("eager", "sdpa"):
         return f"not counted (attn_implementation={current!r} is kept)"
-    install_attention(model, precision, config.quantize_attention, granularity, fixed_bits=config.attention_bits)
+    install_attention(model, precision, config.quantize_attention, granularity, fixed_bits=config.attention_bits,
+                      quantize_errors=config.attention_errors)
     if config.quantize_attention:
         at = "the forward bits" if config.attention_bits is None else f"{config.attention_bits} bits"
-        return f"quantized ({'per token' if granularity == 'token' else 'per tensor'}) at {at}, counted there"
+        errors = "" if config.attention_errors else ", errors in full precision"
+        return f"quantized ({'per token' if granularity == 'token' else 'per tensor'}) at {at}{errors}, counted there"
     return f"full precision ({current}), counted at 32 bits"
 
 

@@ -9,7 +9,8 @@ shapes of each layer's forward pass, so any batch size or sequence length is cou
 
 The two attention products (``Q Kᵀ`` and ``P V``) of a model that runs the ``"cpt"`` attention
 function (`hf_cpt.nn.attention`) are counted the same way: at the step's bits (or the fixed
-``attention_bits``) when ``quantize_attention`` is on, else at 32 bits. Models whose attention the
+``attention_bits``) when ``quantize_attention`` is on, else at 32 bits; their errors at the error bits
+(32 with ``attention_errors=False``). Models whose attention the
 library cannot see (the `QuantizationReport` says so) leave it out of every total.
 
 A rotated layer (docs/method.md, "Rotation") also rotates its input and weight in full precision,
@@ -166,13 +167,15 @@ class CostMeter:
         totals = self.totals
 
         fixed = self._attention.fixed_bits if self._attention is not None else None
+        attention_errors = self._attention is None or self._attention.quantize_errors
 
         def price(bits: int | None, grad_bits: int | None) -> float:
-            # Attention products quantize the errors of both their products whatever error_products says, at their
-            # fixed bit-width (attention_bits) whenever the layers are quantized.
+            # Attention products quantize the errors of both their products whatever error_products says (unless
+            # attention_errors=False: 32-bit errors), at their fixed bit-width (attention_bits) whenever the layers
+            # are quantized.
             attention_bits = fixed if fixed is not None and bits is not None else bits
             return layers * bitops_per_mac(bits, grad_bits, self.error_products) + attention * bitops_per_mac(
-                attention_bits, grad_bits)
+                attention_bits, grad_bits if attention_errors else None)
 
         def rotations(bits: int | None, grad_bits: int | None) -> float:
             # Layers rotate inputs and weights when they quantize them (FP32 steps do not), errors likewise.

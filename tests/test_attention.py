@@ -99,6 +99,54 @@ def test_fixed_attention_bits_are_priced_at_their_bits():
     assert gbitops[8]["static_gbitops"] == pytest.approx(gbitops[None]["static_gbitops"], rel=1e-9)
 
 
+def _attention_gradients(quantize_errors: bool, grad_bits: int | None):
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    precision = PrecisionState()
+    precision.set(4, grad_bits)
+    module = nn.Module().train()
+    module.cpt_attention = AttentionQuantizer(precision, True, "token", quantize_errors=quantize_errors)
+    torch.manual_seed(6)  # the same stochastic rounding draws in every call
+    output, _ = cpt_attention_forward(module, q, k, v, torch.zeros(2, 1, 6, 6))
+    output.backward(torch.randn(output.shape, generator=torch.Generator().manual_seed(7)))
+    return output.detach(), [t.grad for t in (q, k, v)]
+
+
+def test_attention_errors_false_keeps_the_forward_and_leaves_the_errors_in_full_precision():
+    output, kept = _attention_gradients(quantize_errors=False, grad_bits=2)
+    no_error_quantization = _attention_gradients(quantize_errors=True, grad_bits=None)
+    quantized = _attention_gradients(quantize_errors=True, grad_bits=2)
+    torch.testing.assert_close(output, quantized[0], rtol=0, atol=0)  # the forward is the same quantized one
+    for got, expected, coarse in zip(kept, no_error_quantization[1], quantized[1]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert not torch.allclose(got, coarse, atol=1e-3)  # 2-bit errors would have changed every gradient
+
+
+def test_attention_errors_in_full_precision_are_priced_at_32_bits():
+    config = tiny_gpt2_config()
+    ids = torch.randint(5, 100, (2, 7))
+    gbitops = {}
+    for attention_errors in (True, False):
+        torch.manual_seed(3)
+        model = GPT2LMHeadModel(config).train()
+        report = quantize_model(model, CPTConfig(quantize_attention=True, attention_errors=attention_errors))
+        assert report.attention.endswith("errors in full precision, counted there") != attention_errors
+        meter = CostMeter(model, 8, 8)
+        set_precision(model, 4, 8)
+        model(input_ids=ids, labels=ids).loss.backward()
+        meter.end_step(4, 8)
+        gbitops[attention_errors] = meter.totals.to_dict()["gbitops"]
+    macs = config.n_layer * 2 * 2 * config.n_head * 7 * 7 * (config.n_embd // config.n_head)
+    # the attention products alone differ: (4·4 + 2·32·4) against (4·4 + 2·8·4) bit operations per MAC
+    extra = macs * (2 * 32 * 4 - 2 * 8 * 4) / 1e9
+    assert gbitops[False] - gbitops[True] == pytest.approx(extra, rel=1e-6)
+
+
+def test_attention_errors_false_needs_quantized_attention():
+    with pytest.raises(ValueError, match=r"CPTConfig.attention_errors=False needs quantize_attention=True"):
+        CPTConfig(attention_errors=False)
+
+
 def test_attention_bits_need_quantized_attention_and_a_bit_width():
     with pytest.raises(ValueError, match=r"CPTConfig.attention_bits \(8\) needs quantize_attention=True"):
         CPTConfig(attention_bits=8)

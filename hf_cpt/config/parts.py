@@ -221,6 +221,12 @@ class ModuleSelection:
         "bits); an integer (e.g. 8) holds them there while the layers cycle (accuracy and cost measured in "
         "docs/backward.md). Full-precision steps stay full precision."
     )
+    attention_errors: bool = setting(
+        True,
+        "With quantize_attention: quantize the attention products' errors in the backward pass at the error bits "
+        "(True), or keep them in full precision (False: those two backward products are priced at 32-bit errors). "
+        "Which half of the attention's accuracy cost each causes: docs/backward.md."
+    )
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -229,6 +235,9 @@ class ModuleSelection:
             if not self.quantize_attention:
                 raise ConfigError(owner, "attention_bits", f"({self.attention_bits}) needs quantize_attention=True "
                                   "(the attention products are full precision otherwise).")
+        if not self.attention_errors and not self.quantize_attention:
+            raise ConfigError(owner, "attention_errors", "=False needs quantize_attention=True (without it the "
+                              "attention products and their errors are full precision already).")
         for name in ("target_modules", "include_modules", "exclude_modules"):
             value = getattr(self, name)
             if isinstance(value, str):

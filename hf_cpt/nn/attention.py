@@ -8,7 +8,8 @@ additive mask) and switches the model to it; no module is rewritten. The functio
 * with quantization on (``CPTConfig(quantize_attention=True)``), fake-quantizes Q and K before
   ``Q Kᵀ`` and the probabilities P and V before ``P V`` at the forward bits (or at a fixed
   ``attention_bits`` while the layers are quantized), and quantizes the
-  error of both products at the error bits on the backward pass (the follow-up study's BERT code).
+  error of both products at the error bits on the backward pass (the follow-up study's BERT code;
+  ``attention_errors=False`` keeps those errors in full precision).
   Ranges are each batch's own: per tensor (the paper's scheme) or, with per-token activations, per
   row of Q, K and P and per channel of V (scales never vary along a product's reduced dimension);
 * always counts the forward MACs of both products while training, so that the cost meter prices
@@ -41,6 +42,7 @@ class AttentionQuantizer:
     replaced_implementation: str = "eager"  # restored by `uninstall_attention`
     # Bit-width the products hold while the layers are quantized (None: the layers' bits, following the schedule).
     fixed_bits: int | None = None
+    quantize_errors: bool = True  # False: the products' errors stay full precision (CPTConfig.attention_errors)
     quantized_macs: int = 0  # training-forward MACs since the cost meter last drained them
     float_macs: int = 0
     _modules: list = field(default_factory=list, repr=False)
@@ -99,7 +101,7 @@ def cpt_attention_forward(
     precision = state.precision
     bits = state.bits(module.training)
     training = module.training and torch.is_grad_enabled()
-    quantize_backward = state.quantize and training and precision.backward_enabled
+    quantize_backward = state.quantize and state.quantize_errors and training and precision.backward_enabled
     if training:
         macs = 2 * query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] * query.shape[3]
         if bits is not None:
@@ -155,12 +157,14 @@ def attention_support(model: nn.Module) -> str | None:
 
 
 def install_attention(model: nn.Module, precision: PrecisionState, quantize: bool, granularity: str = "tensor",
-                      replaced_implementation: str | None = None, fixed_bits: int | None = None) -> AttentionQuantizer:
+                      replaced_implementation: str | None = None, fixed_bits: int | None = None,
+                      quantize_errors: bool = True) -> AttentionQuantizer:
     """Switch ``model`` to the ``"cpt"`` attention function; raises ValueError naming why it cannot.
 
     ``replaced_implementation`` (default: the model's current one) is the kernel the function calls for
     full-precision products (SDPA or eager arithmetic); a loaded checkpoint passes the trained model's.
-    ``fixed_bits`` holds the quantized products at that bit-width instead of the layers' bits.
+    ``fixed_bits`` holds the quantized products at that bit-width instead of the layers' bits;
+    ``quantize_errors=False`` leaves their errors in full precision.
     """
     reason = attention_support(model)
     if reason is not None:
@@ -168,7 +172,8 @@ def install_attention(model: nn.Module, precision: PrecisionState, quantize: boo
     _register()
     current = model.config._attn_implementation or "eager"
     replaced = replaced_implementation or (current if current != ATTENTION_NAME else "eager")
-    state = AttentionQuantizer(precision, quantize, granularity, replaced, fixed_bits=fixed_bits)
+    state = AttentionQuantizer(precision, quantize, granularity, replaced, fixed_bits=fixed_bits,
+                               quantize_errors=quantize_errors)
     for module in model.modules():
         if getattr(module, "config", None) is not None and not isinstance(module, type(model)):
             object.__setattr__(module, "cpt_attention", state)  # a plain attribute: not a submodule
