@@ -203,6 +203,7 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
                      f"{verdict} the {target}-point target"
                      + ("" if seeds >= 2 else " (one seed: a direction, not a result)") + ".")
     lines += _attention_pairs(grouped)
+    lines += _attention_errors_share(grouped)
     cpt = [(name, entries, option) for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0])
            if name.startswith("CPT 4-8/8") and "activations)" not in name]
     for name, entries, option in cpt:
@@ -282,6 +283,25 @@ def _attention_pairs(grouped: dict) -> list[str]:
             lines.append(f"- {name} against the same run without quantized attention, seed by seed "
                          f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)
                          + f" points (mean {mean(gaps):+.2f}).")
+    return lines
+
+
+def _attention_errors_share(grouped: dict) -> list[str]:
+    """Each run whose attention errors are quantized against the same run with those errors in full precision
+    (`attention_errors=False`), seed by seed: the share of the attention's cost that its quantized errors add to
+    its quantized forward."""
+    lines = []
+    for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
+        if " + attention" not in name or "its errors in full precision" in name:
+            continue
+        forward_only = name.split(", its errors")[0] + ", its errors in full precision"
+        kept = {e["seed"]: e["metric"] for e in grouped.get((forward_only, option), [])}
+        gaps = [100 * (e["metric"] - kept[e["seed"]]) for e in entries if e["seed"] in kept]
+        if gaps:
+            lines.append(f"- {name} against the same run with the attention errors in full precision, seed by seed "
+                         f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)
+                         + f" points (mean {mean(gaps):+.2f}): what quantizing those errors adds to the quantized "
+                         "forward's cost.")
     return lines
 
 

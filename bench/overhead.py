@@ -7,7 +7,8 @@ one run, and reports median times and their ratio. Cases: (a) forward + backward
 Linear on 2048 tokens, with the default scheme and with the paper's, (b) forward + backward of a
 16->16 3x3 conv on a 128x16x32x32 batch, (c) one training step (forward, backward, AdamW) of a
 BERT-small-shaped classifier, (d) training steps at realistic sizes: GPT-2 small (124M,
-``GPT2Config()``), BERT-base at batch 4 and 16, ViT-S/16 (timm) and the pretrained MiniLM at batch 32
+``GPT2Config()``), also as one optimizer step of 4 accumulated micro-batches (each weight quantized once per
+step), BERT-base at batch 4 and 16, ViT-S/16 (timm) and the pretrained MiniLM at batch 32
 (the `bench` extra), each with its peak resident memory measured in a fresh process per side (CPU: no
 allocator statistics; on a GPU ``torch.cuda.max_memory_allocated`` is the figure to use). The
 quantized versions run at 8-bit weights/activations and 8-bit errors. A one-off warm-up step of each
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
+from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 
 Step = Callable[[], None]
@@ -53,8 +55,8 @@ class Case:
 
 
 QUANT_SCHEME = "auto"  # --quant-scheme
-CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "bert-base", "bert-base-16", "vit-s", "minilm",
-         "linear-torchao", "linear-published", "conv-published")
+CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16", "vit-s",
+         "minilm", "linear-torchao", "linear-published", "conv-published")
 FIRST_STEP_KIND = "minilm"  # the fine-tuning run a new user starts (GPT-2 small without the bench extra)
 FIRST_STEP_TARGET_S = 2.0  # first CPT step at most this much slower than the second
 IMPORT_TARGET_S = 1.5  # import hf_cpt at most this much slower than import transformers
@@ -177,6 +179,37 @@ def training_step(model: nn.Module, batch: dict) -> Step:
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def accumulation_step(model: nn.Module, batch: dict, micro_batches: int) -> Step:
+    """One optimizer step over ``micro_batches`` forward + backward passes (gradient accumulation), AdamW. A CPT
+    model advances its weight epoch at the step's start and end, as the Trainer integration does, so that its
+    micro-batches share one quantized copy of each weight."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    precision = find_precision_state(model) if is_quantized(model) else None
+    if precision is not None:
+        precision.weight_epoch = 0
+
+    def step() -> None:
+        if precision is not None:
+            precision.weight_epoch += 1
+        for _ in range(micro_batches):
+            (model(**batch)["loss"] / micro_batches).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if precision is not None:
+            precision.weight_epoch += 1
+
+    return step
+
+
+def accumulation_steps(build: Callable[[], nn.Module], batch: dict, fused: bool,
+                       micro_batches: int = 4) -> tuple[Step, Step]:
+    torch.manual_seed(0)
+    plain = build()
+    quantized = cpt_copy(copy.deepcopy(plain), fused)
+    return accumulation_step(plain, batch, micro_batches), accumulation_step(quantized, batch, micro_batches)
 
 
 def cpt_copy(model: nn.Module, fused: bool) -> nn.Module:
@@ -424,6 +457,8 @@ def main() -> None:
         # Realistic sizes: a full training step each, CPT 8/8 against the same model in FP32.
         "gpt2": lambda: Case("GPT-2 small (124M) train step, batch 2x128", *model_steps(*gpt2_small(), fused),
                              iters=1, target=1.25),
+        "gpt2-accumulate": lambda: Case("GPT-2 small, one step of 4 micro-batches of 2x128 (accumulation)",
+                                        *accumulation_steps(*gpt2_small(), fused), iters=1, target=1.25),
         "bert-base": lambda: Case("BERT-base train step, batch 4x128", *model_steps(*bert_base(), fused),
                                   iters=1, target=1.25),
         "bert-base-16": lambda: Case("BERT-base train step, batch 16x128", *model_steps(*bert_base_16(), fused),

@@ -120,8 +120,11 @@ class CostMeter:
         self._rotation_bitops = 0
         self._error_rotation_bitops = 0  # counted only for steps that quantize errors
         layers = [module for module in model.modules() if isinstance(module, tuple(QUANT_LAYER_CLASSES))]
-        # Shared inputs served so far (`hf_cpt.nn.shared_input`), as last seen by the hook.
-        self._reuses = next((m.cpt_precision.shared_inputs.reuses for m in layers if isinstance(m, QuantLayerMixin)), 0)
+        # Shared inputs served so far (`hf_cpt.nn.shared_input`), and weights reused within a step
+        # (`PrecisionState.weight_reuses`), as last seen by the hook.
+        precision = next((m.cpt_precision for m in layers if isinstance(m, QuantLayerMixin)), None)
+        self._reuses = precision.shared_inputs.reuses if precision is not None else 0
+        self._weight_reuses = precision.weight_reuses if precision is not None else 0
         # Bit operations per rotated value of each rotated layer (fixed for the run), looked up by the hook.
         self._rotation_price = {
             id(module): rotation_bitops_per_value(module.rotation)
@@ -134,10 +137,11 @@ class CostMeter:
             self._attention.drain_macs()  # what ran before the meter (a precision range test) is not this run's
 
     def _count(self, module: nn.Module, inputs, output) -> None:
-        reused = False  # whether the layer took its input rotated already by a sibling layer
+        reused = weight_reused = False  # an input rotated already by a sibling layer; a weight quantized this step
         if isinstance(module, QuantLayerMixin):
-            reuses = module.cpt_precision.shared_inputs.reuses
+            reuses, weight_reuses = module.cpt_precision.shared_inputs.reuses, module.cpt_precision.weight_reuses
             reused, self._reuses = reuses != self._reuses, reuses
+            weight_reused, self._weight_reuses = weight_reuses != self._weight_reuses, weight_reuses
         if not (module.training and torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
             return
         macs = layer_macs(module, output)
@@ -145,7 +149,8 @@ class CostMeter:
             self._quantized_macs += macs
             price = self._rotation_price.get(id(module))
             if price is not None and inputs:  # counted in end_step only for steps that quantize
-                self._rotation_bitops += ((0 if reused else inputs[0].numel()) + module.weight.numel()) * price
+                rotated = (0 if reused else inputs[0].numel()) + (0 if weight_reused else module.weight.numel())
+                self._rotation_bitops += rotated * price
             if self._error_rotation != "none":
                 features = output.shape[module.output_feature_dim]
                 if features not in self._error_rotation_price:

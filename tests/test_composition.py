@@ -110,9 +110,10 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
     whole.train()
     a, b = accumulated.cpt_callback.meter.totals, whole.cpt_callback.meter.totals
     assert a.steps == b.steps == 3 and a.steps_at_bits == b.steps_at_bits
-    # the same GEMM work; each micro-batch rotates the weights again, so the rotation costs more
+    # the same GEMM work, and the same rotations: each weight is rotated once per step, not once per micro-batch
     assert a.bitops - a.rotation_bitops == pytest.approx(b.bitops - b.rotation_bitops, rel=1e-9)
-    assert a.fp32_bitops == pytest.approx(b.fp32_bitops, rel=1e-9) and a.rotation_bitops > b.rotation_bitops
+    assert a.fp32_bitops == pytest.approx(b.fp32_bitops, rel=1e-9)
+    assert a.rotation_bitops == pytest.approx(b.rotation_bitops, rel=1e-9) and a.rotation_bitops > 0
     assert hf_cpt.find_precision_state(accumulated.model).current[0] is not None
 
 

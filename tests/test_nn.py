@@ -461,3 +461,79 @@ def test_a_llama_shares_its_attention_and_gated_mlp_inputs_and_trains_as_without
     assert reuses == {True: 2 * 2 * 3, False: 0}  # 2 steps x 2 layers x (k, v, up)
     assert losses[True][0] == losses[False][0]  # the same forward, bit for bit
     assert losses[True][1] == pytest.approx(losses[False][1], rel=1e-5)  # gradients summed in another order
+
+
+def _reuse_pair(make_layer, make_input, seed=0):
+    """Two copies of a rotated per-token layer (the default scheme), one reusing its weight codes."""
+    torch.manual_seed(seed)
+    plain = _wrap(make_layer())
+    quantize_model(plain, CPTConfig())
+    reusing = copy.deepcopy(plain)
+    for model in (plain, reusing):
+        set_precision(model, 5, 8)
+    reusing[0].cpt_precision.weight_epoch = 0
+    return plain, reusing, make_input()
+
+
+def _forward_backward(model, x):
+    x = x.clone().requires_grad_()
+    output = model(x)
+    output.backward(torch.ones_like(output))
+    return output.detach(), x.grad, model[0].weight.grad.clone()
+
+
+@pytest.mark.parametrize("make_layer, make_input", [(lambda: nn.Linear(12, 7), lambda: torch.randn(5, 3, 12)),
+                                                    (lambda: Conv1D(7, 12), lambda: torch.randn(5, 3, 12))])
+def test_weight_codes_are_reused_within_an_epoch_with_the_same_values(make_layer, make_input, monkeypatch):
+    plain, reusing, x = _reuse_pair(make_layer, make_input)
+    layer = reusing[0]
+    rotated_weights = []
+    apply = type(layer.rotation).apply
+    monkeypatch.setattr(type(layer.rotation), "apply", lambda self, t, dim=-1, transpose=False: (
+        rotated_weights.append(t.data_ptr() == layer.weight.data_ptr()) or apply(self, t, dim, transpose)))
+    for _ in range(3):  # gradient accumulation: the same weight, bits and epoch
+        expected, got = _forward_backward(plain, x), _forward_backward(reusing, x)
+        for a, b in zip(expected, got):
+            assert torch.equal(a, b)
+    assert sum(rotated_weights) == 1 and layer.cpt_precision.weight_reuses == 2
+    layer.eval()  # eval at the training bits: its own entry, then reused
+    plain.eval()
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(plain(x), reusing(x))
+    assert sum(rotated_weights) == 2 and layer.cpt_precision.weight_reuses == 3
+
+
+def test_reused_weight_codes_follow_the_weight_the_bits_and_the_epoch():
+    plain, reusing, x = _reuse_pair(lambda: nn.Linear(12, 7), lambda: torch.randn(5, 3, 12))
+    precision = reusing[0].cpt_precision
+
+    def same():
+        return torch.equal(plain(x), reusing(x))
+
+    assert same()
+    for model in (plain, reusing):  # an optimizer step: the weight's version changes
+        with torch.no_grad():
+            model[0].weight.mul_(1.5)
+    assert same() and precision.weight_reuses == 0
+    for model in (plain, reusing):  # new bits
+        set_precision(model, 3, 8)
+    assert same() and precision.weight_reuses == 0
+    for model in (plain, reusing):  # new values behind an unchanged version (as FSDP's all-gather writes them)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(model[0].weight):
+            model[0].weight.add_(0.25)
+    assert not same()  # the same epoch: the codes of the old values (why the Trainer advances it at every step)
+    precision.weight_epoch += 1
+    assert same()
+
+
+def test_weight_codes_are_not_reused_without_an_epoch_or_above_8_bits():
+    plain, reusing, x = _reuse_pair(lambda: nn.Linear(12, 7), lambda: torch.randn(5, 3, 12))
+    precision = reusing[0].cpt_precision
+    set_precision(reusing, 10, 8)
+    reusing(x), reusing(x)
+    assert precision.weight_reuses == 0
+    set_precision(reusing, 5, 8)
+    precision.weight_epoch = None
+    reusing(x), reusing(x)
+    assert precision.weight_reuses == 0 and "_reused_weight" not in reusing[0].__dict__

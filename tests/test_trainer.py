@@ -134,6 +134,39 @@ def test_bits_are_constant_across_gradient_accumulation(tiny_bert, tmp_path):
     assert probe.forward_bits == [(step, schedule(step)) for step in range(8) for _ in range(2)]
 
 
+def test_gradient_accumulation_rotates_each_weight_once_per_step_and_trains_the_same(tmp_path, monkeypatch):
+    from transformers import BertForSequenceClassification
+
+    from .helpers import tiny_bert_config
+
+    def train(reuse: bool):
+        if not reuse:
+            monkeypatch.setattr(QuantLayerMixin, "_weight_reuse_key", lambda self, bits, training: None)
+        torch.manual_seed(0)
+        trainer = CPTTrainer(
+            model=BertForSequenceClassification(tiny_bert_config()),
+            args=training_args(tmp_path / str(reuse), max_steps=4, gradient_accumulation_steps=3,
+                               per_device_train_batch_size=4),
+            train_dataset=token_classification_data(64),
+            cpt_config=CPTConfig(bits_min=4, bits_max=8, num_cycles=2),
+        )
+        trainer.train()
+        monkeypatch.undo()
+        callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, CPTCallback))
+        return trainer.model, callback.meter
+
+    reused_model, reused_meter = train(True)
+    plain_model, plain_meter = train(False)
+    for (name, a), b in zip(reused_model.state_dict().items(), plain_model.state_dict().values()):
+        assert torch.equal(a, b), name  # reusing the codes changes no value
+    layers = [m for m in reused_model.modules() if isinstance(m, QuantLayerMixin) and m.rotation is not None]
+    precision = layers[0].cpt_precision
+    assert precision.weight_reuses == 4 * 2 * len(layers) and precision.weight_epoch is None
+    # The meter counts the weight rotations that ran: one per step instead of one per micro-batch.
+    skipped = 4 * 2 * sum(m.weight.numel() * reused_meter._rotation_price[id(m)] for m in layers)
+    assert plain_meter.totals.rotation_bitops - reused_meter.totals.rotation_bitops == pytest.approx(skipped)
+
+
 def test_bits_after_resuming_from_a_checkpoint(tmp_path):
     from transformers import BertForSequenceClassification
 

@@ -18,8 +18,10 @@ from ..numerics.fake_quant import (
     channel_ranges,
     dequantize_codes,
     fake_quantize,
+    fake_quantize_compact,
     quantize_codes,
     quantize_ste,
+    restore_compact,
     tensor_range,
     token_range,
 )
@@ -110,7 +112,8 @@ class QuantLayerMixin:
 
     def _detach_precision(self) -> None:
         self.unfreeze_weight()
-        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed"):
+        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed",
+                    "_reused_weight"):
             self.__dict__.pop(key, None)
         for index in range(len(self.__dict__.pop("_rotation_kinds", ()))):
             self._buffers.pop(f"rotation_factor_{index}", None)
@@ -234,12 +237,19 @@ class QuantLayerMixin:
         training_products = self.training and torch.is_grad_enabled()
         x_range = weight_range = (None, None)  # None: the operand is used as it is
         x_quantized = None  # the input quantized already (shared with sibling layers), else None
+        weight_quantized = None  # (the weight as the product uses it, its codes) when reused or kept for reuse
         rotated_weight = weight_rotation = None  # in training: W R, computed once, and R for the weight gradient
         if bits is not None:
             frozen = self._frozen_weight()
             rotation = self.rotation if self.quantizes_inputs else None
+            reuse_key = None if frozen is not None else self._weight_reuse_key(bits, training_products)
+            reused = self._reused_codes(reuse_key)
             if frozen is not None:
                 weight = frozen  # the loaded codes, already in the rotated basis
+            elif reused is not None:  # quantized earlier in this optimizer step (or this evaluation)
+                weight_quantized = (restore_compact(*reused, weight.dtype), reused)
+                weight_rotation = rotation if training_products else None
+                precision.weight_reuses += 1
             elif rotation is not None and training_products:
                 rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim)
                 weight_rotation = rotation
@@ -248,6 +258,10 @@ class QuantLayerMixin:
                 if rotation is not None:
                     weight = rotation.apply(weight, self.weight_feature_dim)
                 weight_range = channel_ranges(weight, self.weight_channel_dim)
+            if reuse_key is not None and reused is None:
+                operand = rotated_weight if rotated_weight is not None else weight.detach()
+                weight_quantized = fake_quantize_compact(operand, *weight_range, bits)
+                self.__dict__["_reused_weight"] = (reuse_key, weakref.ref(self.weight), weight_quantized[1])
             if self.quantizes_inputs:
                 x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products)
         if training_products:
@@ -255,14 +269,47 @@ class QuantLayerMixin:
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
                 precision.grad_bits if quantize_backward else None,
                 precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation, x_quantized,
+                weight_quantized,
             )
         if x_quantized is not None:
             x = x_quantized[0]
         elif x_range[0] is not None:
             x = quantize_ste(x, *x_range, bits)
-        if weight_range[0] is not None:
+        if weight_quantized is not None:
+            weight = weight_quantized[0]
+        elif weight_range[0] is not None:
             weight = quantize_ste(weight, *weight_range, bits)
         return self.compute(x, weight)
+
+    def _weight_reuse_key(self, bits: torch.Tensor, training: bool) -> tuple | None:
+        """What must stay unchanged for this forward to reuse the weight's codes (`PrecisionState.weight_epoch`),
+        or None when it may not: no epoch (outside the Trainer), codes wider than 8 bits, a weight that needs its
+        gradient outside a training product, or code that torch.compile traces."""
+        precision = self.cpt_precision
+        if precision.weight_epoch is None or torch.compiler.is_dynamo_compiling():
+            return None
+        if training:
+            compact = precision.compact_codes
+        else:
+            if torch.is_grad_enabled() and self.weight.requires_grad:
+                return None
+            eval_bits = precision.fixed_eval_bits
+            compact = precision.compact_codes if eval_bits is None else eval_bits <= 8
+        if not compact:
+            return None
+        weight = self.weight
+        return (precision.weight_epoch, training, id(bits), bits._version, weight._version, weight.dtype,
+                weight.device)
+
+    def _reused_codes(self, key: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The weight's (codes, scale, minimum) kept under ``key`` by an earlier forward, else None."""
+        entry = self.__dict__.get("_reused_weight")
+        if key is None or entry is None:
+            return None
+        if entry[0] != key or entry[1]() is not self.weight:
+            del self.__dict__["_reused_weight"]  # stale: freed before this forward quantizes the weight anew
+            return None
+        return entry[2]
 
     def _prepared_input(self, x: torch.Tensor, rotation: Rotation | None, bits: torch.Tensor, training: bool):
         """(the input rotated, its range, its quantized operand or None). Per-token layers share all three with

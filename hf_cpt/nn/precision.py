@@ -44,6 +44,11 @@ class PrecisionState:
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
         self.shared_inputs = SharedInputs()
+        # Set by the Trainer integration, which advances it at every optimizer step's start and end: while it, the
+        # bits and a weight are unchanged (the micro-batches of one step, the batches of one evaluation), a layer
+        # reuses its weight's codes instead of rotating and quantizing it again. None: every forward does both.
+        self.weight_epoch: int | None = None
+        self.weight_reuses = 0  # forwards served so far with reused weight codes (the cost meter skips their rotation)
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:

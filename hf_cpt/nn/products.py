@@ -50,7 +50,8 @@ class QuantizedProducts(torch.autograd.Function):
     layer's product. Saved for backward: only the operands a needed gradient reads (the
     input for the weight gradient, the weight for the input gradient, as autograd itself does), each as the
     integer codes of its quantized values (uint8 with its scale and minimum, up to 8 bits), not a float
-    copy, rebuilt bit for bit in backward.
+    copy, rebuilt bit for bit in backward. A weight the layer quantized itself (reused within an optimizer step)
+    comes as ``weight_quantized``: (its value, its codes).
     Backward: straight-through for both operands; with error bits, the error is quantized once and each
     product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
     follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
@@ -60,15 +61,19 @@ class QuantizedProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
-                rotated_weight, weight_rotation, x_quantized):
+                rotated_weight, weight_rotation, x_quantized, weight_quantized=None):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         keep_x = keeps_input(layer, needs_x, needs_weight)
         if x_quantized is None:
             x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x)
         else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all
             x_value, x_saved = x_quantized
-        operand = weight if rotated_weight is None else rotated_weight
-        weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
+        if weight_quantized is None:
+            operand = weight if rotated_weight is None else rotated_weight
+            weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
+        else:  # quantized by the layer already (its codes kept for the other forwards of this optimizer step)
+            weight_value, codes = weight_quantized
+            weight_saved = codes if needs_x else NOT_SAVED
         ctx.save_for_backward(*x_saved, *weight_saved)
         ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
         ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
@@ -97,7 +102,8 @@ class QuantizedProducts(torch.autograd.Function):
         if bias_dtype is not None and ctx.needs_input_grad[6]:
             feature_dim = layer.output_feature_dim % weight_error.dim()
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
-        return grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None
+        return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
+                None)
 
 
 def _weight_gradient(
