@@ -168,48 +168,27 @@ def bert_steps(batch_size: int, seq_len: int, fused: bool) -> tuple[Step, Step]:
     return make(plain), make(quantized)
 
 
-def training_step(model: nn.Module, batch: dict) -> Step:
-    """One training step (forward, backward, AdamW) of ``model`` on ``batch``."""
+def training_step(model: nn.Module, batch: dict, micro_batches: int = 1) -> Step:
+    """One training step (forward, backward, AdamW) of ``model`` on ``batch``; with ``micro_batches`` > 1, that many
+    forward + backward passes accumulate before the optimizer step, and a CPT model advances its weight epoch at the
+    step's start and end, as the Trainer integration does, so that they share one quantized copy of each weight."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    reused = find_precision_state(model).reused_weights if micro_batches > 1 and is_quantized(model) else None
+    if reused is not None:
+        reused.epoch = 0
 
     def step() -> None:
-        model(**batch)["loss"].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
-def accumulation_step(model: nn.Module, batch: dict, micro_batches: int) -> Step:
-    """One optimizer step over ``micro_batches`` forward + backward passes (gradient accumulation), AdamW. A CPT
-    model advances its weight epoch at the step's start and end, as the Trainer integration does, so that its
-    micro-batches share one quantized copy of each weight."""
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    precision = find_precision_state(model) if is_quantized(model) else None
-    if precision is not None:
-        precision.weight_epoch = 0
-
-    def step() -> None:
-        if precision is not None:
-            precision.weight_epoch += 1
+        if reused is not None:
+            reused.epoch += 1
         for _ in range(micro_batches):
             (model(**batch)["loss"] / micro_batches).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if precision is not None:
-            precision.weight_epoch += 1
+        if reused is not None:
+            reused.epoch += 1
 
     return step
-
-
-def accumulation_steps(build: Callable[[], nn.Module], batch: dict, fused: bool,
-                       micro_batches: int = 4) -> tuple[Step, Step]:
-    torch.manual_seed(0)
-    plain = build()
-    quantized = cpt_copy(copy.deepcopy(plain), fused)
-    return accumulation_step(plain, batch, micro_batches), accumulation_step(quantized, batch, micro_batches)
 
 
 def cpt_copy(model: nn.Module, fused: bool) -> nn.Module:
@@ -218,12 +197,13 @@ def cpt_copy(model: nn.Module, fused: bool) -> nn.Module:
     return model
 
 
-def model_steps(build: Callable[[], nn.Module], batch: dict, fused: bool) -> tuple[Step, Step]:
+def model_steps(build: Callable[[], nn.Module], batch: dict, fused: bool, micro_batches: int = 1
+                ) -> tuple[Step, Step]:
     """A training step of a model and of its CPT 8/8 copy (same initial weights)."""
     torch.manual_seed(0)
     plain = build()
     quantized = cpt_copy(copy.deepcopy(plain), fused)
-    return training_step(plain, batch), training_step(quantized, batch)
+    return training_step(plain, batch, micro_batches), training_step(quantized, batch, micro_batches)
 
 
 def gpt2_small() -> tuple[Callable[[], nn.Module], dict]:
@@ -458,7 +438,7 @@ def main() -> None:
         "gpt2": lambda: Case("GPT-2 small (124M) train step, batch 2x128", *model_steps(*gpt2_small(), fused),
                              iters=1, target=1.25),
         "gpt2-accumulate": lambda: Case("GPT-2 small, one step of 4 micro-batches of 2x128 (accumulation)",
-                                        *accumulation_steps(*gpt2_small(), fused), iters=1, target=1.25),
+                                        *model_steps(*gpt2_small(), fused, micro_batches=4), iters=1, target=1.25),
         "bert-base": lambda: Case("BERT-base train step, batch 4x128", *model_steps(*bert_base(), fused),
                                   iters=1, target=1.25),
         "bert-base-16": lambda: Case("BERT-base train step, batch 16x128", *model_steps(*bert_base_16(), fused),

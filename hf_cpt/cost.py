@@ -121,10 +121,10 @@ class CostMeter:
         self._error_rotation_bitops = 0  # counted only for steps that quantize errors
         layers = [module for module in model.modules() if isinstance(module, tuple(QUANT_LAYER_CLASSES))]
         # Shared inputs served so far (`hf_cpt.nn.shared_input`), and weights reused within a step
-        # (`PrecisionState.weight_reuses`), as last seen by the hook.
+        # (`hf_cpt.nn.reused_weights`), as last seen by the hook.
         precision = next((m.cpt_precision for m in layers if isinstance(m, QuantLayerMixin)), None)
         self._reuses = precision.shared_inputs.reuses if precision is not None else 0
-        self._weight_reuses = precision.weight_reuses if precision is not None else 0
+        self._weight_reuses = precision.reused_weights.reuses if precision is not None else 0
         # Bit operations per rotated value of each rotated layer (fixed for the run), looked up by the hook.
         self._rotation_price = {
             id(module): rotation_bitops_per_value(module.rotation)
@@ -139,7 +139,8 @@ class CostMeter:
     def _count(self, module: nn.Module, inputs, output) -> None:
         reused = weight_reused = False  # an input rotated already by a sibling layer; a weight quantized this step
         if isinstance(module, QuantLayerMixin):
-            reuses, weight_reuses = module.cpt_precision.shared_inputs.reuses, module.cpt_precision.weight_reuses
+            precision = module.cpt_precision
+            reuses, weight_reuses = precision.shared_inputs.reuses, precision.reused_weights.reuses
             reused, self._reuses = reuses != self._reuses, reuses
             weight_reused, self._weight_reuses = weight_reuses != self._weight_reuses, weight_reuses
         if not (module.training and torch.is_grad_enabled() and isinstance(output, torch.Tensor)):

@@ -1,4 +1,5 @@
 import copy
+import io
 
 import pytest
 import torch
@@ -471,7 +472,7 @@ def _reuse_pair(make_layer, make_input, seed=0):
     reusing = copy.deepcopy(plain)
     for model in (plain, reusing):
         set_precision(model, 5, 8)
-    reusing[0].cpt_precision.weight_epoch = 0
+    reusing[0].cpt_precision.reused_weights.epoch = 0
     return plain, reusing, make_input()
 
 
@@ -495,13 +496,13 @@ def test_weight_codes_are_reused_within_an_epoch_with_the_same_values(make_layer
         expected, got = _forward_backward(plain, x), _forward_backward(reusing, x)
         for a, b in zip(expected, got):
             assert torch.equal(a, b)
-    assert sum(rotated_weights) == 1 and layer.cpt_precision.weight_reuses == 2
+    assert sum(rotated_weights) == 1 and layer.cpt_precision.reused_weights.reuses == 2
     layer.eval()  # eval at the training bits: its own entry, then reused
     plain.eval()
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(plain(x), reusing(x))
-    assert sum(rotated_weights) == 2 and layer.cpt_precision.weight_reuses == 3
+    assert sum(rotated_weights) == 2 and layer.cpt_precision.reused_weights.reuses == 3
 
 
 def test_reused_weight_codes_follow_the_weight_the_bits_and_the_epoch():
@@ -515,15 +516,15 @@ def test_reused_weight_codes_follow_the_weight_the_bits_and_the_epoch():
     for model in (plain, reusing):  # an optimizer step: the weight's version changes
         with torch.no_grad():
             model[0].weight.mul_(1.5)
-    assert same() and precision.weight_reuses == 0
+    assert same() and precision.reused_weights.reuses == 0
     for model in (plain, reusing):  # new bits
         set_precision(model, 3, 8)
-    assert same() and precision.weight_reuses == 0
+    assert same() and precision.reused_weights.reuses == 0
     for model in (plain, reusing):  # new values behind an unchanged version (as FSDP's all-gather writes them)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(model[0].weight):
             model[0].weight.add_(0.25)
     assert not same()  # the same epoch: the codes of the old values (why the Trainer advances it at every step)
-    precision.weight_epoch += 1
+    precision.reused_weights.epoch += 1
     assert same()
 
 
@@ -532,8 +533,20 @@ def test_weight_codes_are_not_reused_without_an_epoch_or_above_8_bits():
     precision = reusing[0].cpt_precision
     set_precision(reusing, 10, 8)
     reusing(x), reusing(x)
-    assert precision.weight_reuses == 0
+    assert precision.reused_weights.reuses == 0
     set_precision(reusing, 5, 8)
-    precision.weight_epoch = None
+    precision.reused_weights.epoch = None
     reusing(x), reusing(x)
-    assert precision.weight_reuses == 0 and "_reused_weight" not in reusing[0].__dict__
+    assert precision.reused_weights.reuses == 0 and not precision.reused_weights._entries
+
+
+def test_a_model_with_reused_weight_codes_pickles_and_its_copy_keeps_none():
+    _, reusing, x = _reuse_pair(lambda: nn.Linear(12, 7), lambda: torch.randn(5, 3, 12))
+    _forward_backward(reusing, x)
+    assert reusing[0].cpt_precision.reused_weights._entries  # the codes are kept (with a weak reference)
+    buffer = io.BytesIO()
+    torch.save(reusing, buffer)
+    buffer.seek(0)
+    copied = torch.load(buffer, weights_only=False)
+    assert copied[0].cpt_precision.reused_weights.epoch is None and not copied[0].cpt_precision.reused_weights._entries
+    assert torch.equal(copied(x), reusing(x))

@@ -161,7 +161,7 @@ def test_gradient_accumulation_rotates_each_weight_once_per_step_and_trains_the_
         assert torch.equal(a, b), name  # reusing the codes changes no value
     layers = [m for m in reused_model.modules() if isinstance(m, QuantLayerMixin) and m.rotation is not None]
     precision = layers[0].cpt_precision
-    assert precision.weight_reuses == 4 * 2 * len(layers) and precision.weight_epoch is None
+    assert precision.reused_weights.reuses == 4 * 2 * len(layers) and precision.reused_weights.epoch is None
     # The meter counts the weight rotations that ran: one per step instead of one per micro-batch.
     skipped = 4 * 2 * sum(m.weight.numel() * reused_meter._rotation_price[id(m)] for m in layers)
     assert plain_meter.totals.rotation_bitops - reused_meter.totals.rotation_bitops == pytest.approx(skipped)

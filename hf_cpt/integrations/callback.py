@@ -67,7 +67,7 @@ class CPTCallback(TrainerCallback):
             self._restore_activation_ranges(args, state, model)
             self._restore_cost(args, state)
         self._check_log_order(args)
-        self.precision.weight_epoch = 0  # from here on, weights change only at optimizer steps (on_step_end)
+        self.precision.reused_weights.epoch = 0  # from here on, weights change only at optimizer steps (on_step_end)
 
     @staticmethod
     def _precision_of(model: nn.Module | None) -> PrecisionState:
@@ -138,11 +138,11 @@ class CPTCallback(TrainerCallback):
             logger.info("hf_cpt: no %s to resume from; eval-mode activation ranges start afresh.", path)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.precision.weight_epoch += 1  # the micro-batches of this step share one quantized copy of each weight
+        self.precision.reused_weights.epoch += 1  # this step's micro-batches share one quantized copy of each weight
         self._set_bits(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.precision.weight_epoch += 1  # the optimizer has changed the weights (an evaluation may follow)
+        self.precision.reused_weights.epoch += 1  # the optimizer has changed the weights (an evaluation may follow)
         self.meter.end_step(self.bits, self.grad_bits)
 
     # -- logging ------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class CPTCallback(TrainerCallback):
     # -- end of training ----------------------------------------------------------------------
     def on_train_end(self, args, state, control, **kwargs):
         if self.precision is not None:
-            self.precision.weight_epoch = None  # weights are the user's again: no reuse across their edits
+            self.precision.reused_weights.epoch = None  # the weights are the user's again: nothing kept
         if self.meter is None:
             return
         report = self.cost_report()

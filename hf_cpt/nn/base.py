@@ -112,8 +112,10 @@ class QuantLayerMixin:
 
     def _detach_precision(self) -> None:
         self.unfreeze_weight()
-        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed",
-                    "_reused_weight"):
+        precision = self.__dict__.get("cpt_precision")
+        if precision is not None:
+            precision.reused_weights.drop(self)
+        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed"):
             self.__dict__.pop(key, None)
         for index in range(len(self.__dict__.pop("_rotation_kinds", ()))):
             self._buffers.pop(f"rotation_factor_{index}", None)
@@ -243,13 +245,12 @@ class QuantLayerMixin:
             frozen = self._frozen_weight()
             rotation = self.rotation if self.quantizes_inputs else None
             reuse_key = None if frozen is not None else self._weight_reuse_key(bits, training_products)
-            reused = self._reused_codes(reuse_key)
+            reused = None if reuse_key is None else precision.reused_weights.get(self, reuse_key)
             if frozen is not None:
                 weight = frozen  # the loaded codes, already in the rotated basis
             elif reused is not None:  # quantized earlier in this optimizer step (or this evaluation)
                 weight_quantized = (restore_compact(*reused, weight.dtype), reused)
                 weight_rotation = rotation if training_products else None
-                precision.weight_reuses += 1
             elif rotation is not None and training_products:
                 rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim)
                 weight_rotation = rotation
@@ -261,7 +262,7 @@ class QuantLayerMixin:
             if reuse_key is not None and reused is None:
                 operand = rotated_weight if rotated_weight is not None else weight.detach()
                 weight_quantized = fake_quantize_compact(operand, *weight_range, bits)
-                self.__dict__["_reused_weight"] = (reuse_key, weakref.ref(self.weight), weight_quantized[1])
+                precision.reused_weights.put(self, reuse_key, weight_quantized[1])
             if self.quantizes_inputs:
                 x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products)
         if training_products:
@@ -282,11 +283,11 @@ class QuantLayerMixin:
         return self.compute(x, weight)
 
     def _weight_reuse_key(self, bits: torch.Tensor, training: bool) -> tuple | None:
-        """What must stay unchanged for this forward to reuse the weight's codes (`PrecisionState.weight_epoch`),
-        or None when it may not: no epoch (outside the Trainer), codes wider than 8 bits, a weight that needs its
-        gradient outside a training product, or code that torch.compile traces."""
+        """What besides the epoch must stay unchanged for this forward to reuse the weight's codes
+        (`hf_cpt.nn.reused_weights`), or None when it may not: no epoch (outside the Trainer), codes wider than 8
+        bits, a weight that needs its gradient outside a training product, or code that torch.compile traces."""
         precision = self.cpt_precision
-        if precision.weight_epoch is None or torch.compiler.is_dynamo_compiling():
+        if precision.reused_weights.epoch is None or torch.compiler.is_dynamo_compiling():
             return None
         if training:
             compact = precision.compact_codes
@@ -298,18 +299,7 @@ class QuantLayerMixin:
         if not compact:
             return None
         weight = self.weight
-        return (precision.weight_epoch, training, id(bits), bits._version, weight._version, weight.dtype,
-                weight.device)
-
-    def _reused_codes(self, key: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The weight's (codes, scale, minimum) kept under ``key`` by an earlier forward, else None."""
-        entry = self.__dict__.get("_reused_weight")
-        if key is None or entry is None:
-            return None
-        if entry[0] != key or entry[1]() is not self.weight:
-            del self.__dict__["_reused_weight"]  # stale: freed before this forward quantizes the weight anew
-            return None
-        return entry[2]
+        return training, id(bits), bits._version, weight._version, weight.dtype, weight.device
 
     def _prepared_input(self, x: torch.Tensor, rotation: Rotation | None, bits: torch.Tensor, training: bool):
         """(the input rotated, its range, its quantized operand or None). Per-token layers share all three with

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from ..numerics.errors import PAPER_ERRORS, ErrorQuantization, quantize_error_on_backward
+from .reused_weights import ReusedWeights
 from .shared_input import SharedInputs
 
 
@@ -44,11 +45,9 @@ class PrecisionState:
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
         self.shared_inputs = SharedInputs()
-        # Set by the Trainer integration, which advances it at every optimizer step's start and end: while it, the
-        # bits and a weight are unchanged (the micro-batches of one step, the batches of one evaluation), a layer
-        # reuses its weight's codes instead of rotating and quantizing it again. None: every forward does both.
-        self.weight_epoch: int | None = None
-        self.weight_reuses = 0  # forwards served so far with reused weight codes (the cost meter skips their rotation)
+        # Each weight's codes, kept for the other forwards of one optimizer step while the Trainer integration
+        # sets an epoch (`hf_cpt.nn.reused_weights`).
+        self.reused_weights = ReusedWeights()
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:
