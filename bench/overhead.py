@@ -55,8 +55,9 @@ class Case:
 
 
 QUANT_SCHEME = "auto"  # --quant-scheme
-CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16", "vit-s",
-         "minilm", "linear-torchao", "linear-published", "conv-published")
+CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16",
+         "bert-base-16-attention", "vit-s", "minilm", "linear-torchao", "linear-published", "conv-published")
+CASE_OPTIONS = {"bert-base-16-attention": {"quantize_attention": True}}  # CPTConfig fields beside the defaults
 FIRST_STEP_KIND = "minilm"  # the fine-tuning run a new user starts (GPT-2 small without the bench extra)
 FIRST_STEP_TARGET_S = 2.0  # first CPT step at most this much slower than the second
 IMPORT_TARGET_S = 1.5  # import hf_cpt at most this much slower than import transformers
@@ -191,18 +192,19 @@ def training_step(model: nn.Module, batch: dict, micro_batches: int = 1) -> Step
     return step
 
 
-def cpt_copy(model: nn.Module, fused: bool) -> nn.Module:
-    quantize_model(model, CPTConfig(fused_error_quantizer=fused, quant_scheme=QUANT_SCHEME))
+def cpt_copy(model: nn.Module, fused: bool, **options) -> nn.Module:
+    quantize_model(model, CPTConfig(fused_error_quantizer=fused, quant_scheme=QUANT_SCHEME, **options))
     set_precision(model, 8, 8)
     return model
 
 
-def model_steps(build: Callable[[], nn.Module], batch: dict, fused: bool, micro_batches: int = 1
+def model_steps(build: Callable[[], nn.Module], batch: dict, fused: bool, micro_batches: int = 1, **options
                 ) -> tuple[Step, Step]:
-    """A training step of a model and of its CPT 8/8 copy (same initial weights)."""
+    """A training step of a model and of its CPT 8/8 copy (same initial weights; ``options``: more CPTConfig
+    fields)."""
     torch.manual_seed(0)
     plain = build()
-    quantized = cpt_copy(copy.deepcopy(plain), fused)
+    quantized = cpt_copy(copy.deepcopy(plain), fused, **options)
     return training_step(plain, batch, micro_batches), training_step(quantized, batch, micro_batches)
 
 
@@ -266,9 +268,11 @@ def vit_small() -> tuple[Callable[[], nn.Module], dict]:
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: str, env: dict | None = None):
-    """Build one side of model case ``kind`` in a fresh Python process (``step`` = one training step), run
-    ``body`` there and return (the JSON value its last line prints, the process's stderr)."""
+def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: str, env: dict | None = None,
+                               options: dict | None = None):
+    """Build one side of model case ``kind`` (``options``: more CPTConfig fields) in a fresh Python process
+    (``step`` = one training step), run ``body`` there and return (the JSON value its last line prints, the
+    process's stderr)."""
     import json
     import subprocess
 
@@ -276,7 +280,8 @@ def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: st
     code = (
         f"import json, sys, time, torch; sys.path.insert(0, {here!r}); import overhead as o; "
         f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; build, batch = o.{kind}(); torch.manual_seed(0); model = build(); "
-        f"model = o.cpt_copy(model, {fused}) if {quantized} else model; step = o.training_step(model, batch)\n"
+        f"model = o.cpt_copy(model, {fused}, **{options or {}!r}) if {quantized} else model; "
+        "step = o.training_step(model, batch)\n"
         + body
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -284,15 +289,16 @@ def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: st
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
-def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2, env: dict | None = None) -> float:
+def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2, env: dict | None = None,
+                    options: dict | None = None) -> float:
     """Peak resident memory of a fresh process that builds one side of a model case and trains ``steps``
-    (``env``: extra environment, e.g. `FIXED_MMAP_THRESHOLD`)."""
+    (``env``: extra environment, e.g. `FIXED_MMAP_THRESHOLD`; ``options``: more CPTConfig fields)."""
     body = (
         f"[step() for _ in range({steps})]\n"
         # VmHWM: this process's own peak (ru_maxrss would carry the forking parent's over exec)
         "print(json.dumps([int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')][0] / 1024))"
     )
-    return float(_run_case_in_fresh_process(kind, quantized, fused, body, env)[0])
+    return float(_run_case_in_fresh_process(kind, quantized, fused, body, env, options)[0])
 
 
 def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
@@ -443,6 +449,10 @@ def main() -> None:
                                   iters=1, target=1.25),
         "bert-base-16": lambda: Case("BERT-base train step, batch 16x128", *model_steps(*bert_base_16(), fused),
                                      iters=1, target=1.25, memory_target=0.9),
+        "bert-base-16-attention": lambda: Case(
+            "BERT-base, batch 16x128, quantize_attention",
+            *model_steps(*bert_base_16(), fused, **CASE_OPTIONS["bert-base-16-attention"]),
+            iters=1, target=1.25, memory_target=0.9),
         "vit-s": lambda: Case("ViT-S/16 (timm) train step, batch 4x224^2", *model_steps(*vit_small(), fused),
                               iters=1, target=1.25),
         "minilm": lambda: Case("pretrained MiniLM fine-tuning step, batch 32x128", *model_steps(*minilm(), fused),
@@ -466,7 +476,7 @@ def main() -> None:
     }
     published = published_quantizer(args.published_quantizer) if args.published_quantizer else None
     memory_kinds = {"gpt2": "gpt2_small", "bert-base": "bert_base", "bert-base-16": "bert_base_16",
-                    "vit-s": "vit_small", "minilm": "minilm"}
+                    "bert-base-16-attention": "bert_base_16", "vit-s": "vit_small", "minilm": "minilm"}
     selected = args.only or list(cases)
     if published is None:
         selected = [key for key in selected if not key.endswith("-published")]
@@ -504,16 +514,19 @@ def main() -> None:
         if "compiled_kernel_ratio" in result:
             print(f"{'  same, torch.compile error kernel':<44}{'':>10}{'':>10}{result['compiled_kernel_ratio']:>8.3f}")
         if key in memory_kinds and not args.no_memory:
-            plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused) for q in (False, True))
+            options = CASE_OPTIONS.get(key)
+            plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused, options=options)
+                                    for q in (False, True))
             print(f"{'  peak memory (MiB, fresh process)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
                   f"{quant_mib / plain_mib:>8.3f}{case.memory_target:>8.2f}", flush=True)
             rows[-1].update(plain_peak_mib=plain_mib, quant_peak_mib=quant_mib, memory_ratio=quant_mib / plain_mib)
-            fixed = [peak_memory_mib(memory_kinds[key], q, fused, env=FIXED_MMAP_THRESHOLD) for q in (False, True)]
+            fixed = [peak_memory_mib(memory_kinds[key], q, fused, env=FIXED_MMAP_THRESHOLD, options=options)
+                     for q in (False, True)]
             print(f"{'  same, glibc mmap threshold fixed':<44}{fixed[0]:>10.0f}{fixed[1]:>10.0f}"
                   f"{fixed[1] / fixed[0]:>8.3f}", flush=True)
             rows[-1].update(memory_ratio_fixed_mmap=fixed[1] / fixed[0])
             if fused:  # what the fused error kernel adds to the peak
-                eager = peak_memory_mib(memory_kinds[key], True, False, env=FIXED_MMAP_THRESHOLD)
+                eager = peak_memory_mib(memory_kinds[key], True, False, env=FIXED_MMAP_THRESHOLD, options=options)
                 print(f"{'  same, eager error quantizer':<44}{fixed[0]:>10.0f}{eager:>10.0f}"
                       f"{eager / fixed[0]:>8.3f}", flush=True)
                 rows[-1].update(memory_ratio_eager_errors=eager / fixed[0])

@@ -9,6 +9,7 @@ from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_eval_precisi
 from hf_cpt.cost import CostMeter
 from hf_cpt.nn.attention import AttentionQuantizer, cpt_attention_forward
 from hf_cpt.nn.precision import PrecisionState
+from hf_cpt.numerics.fake_quant import quantize_ste
 
 from .helpers import tiny_bert_config, tiny_gpt2_config
 
@@ -110,6 +111,58 @@ def _attention_gradients(quantize_errors: bool, grad_bits: int | None):
     output, _ = cpt_attention_forward(module, q, k, v, torch.zeros(2, 1, 6, 6))
     output.backward(torch.randn(output.shape, generator=torch.Generator().manual_seed(7)))
     return output.detach(), [t.grad for t in (q, k, v)]
+
+
+def _training_attention(q, k, v, bits, per_token):
+    """The training forward (errors unquantized) and the tensors autograd saved for its backward."""
+    precision = PrecisionState()
+    precision.set(bits, None)
+    module = nn.Module().train()
+    module.cpt_attention = AttentionQuantizer(precision, True, "token" if per_token else "tensor")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        output, _ = cpt_attention_forward(module, q, k, v, torch.zeros(2, 1, 6, 6))
+    return output, saved
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("dtype,bits", [(torch.float32, 4), (torch.bfloat16, 8), (torch.float32, 10)])
+def test_training_products_keep_codes_and_give_autograds_gradients(per_token, dtype, bits):
+    """Both products save their operands as uint8 codes (up to 8 bits) and still give, bit for bit, the output
+    and gradients of torch.matmul on the fake-quantized operands (the path without saved codes)."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(2, 3, 6, 8).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(2, 6, 3, 8, generator=torch.Generator().manual_seed(9)).to(dtype)
+    output, saved = _training_attention(q, k, v, bits, per_token)
+    output.backward(grad)
+    got = [output.detach()] + [t.grad for t in (q, k, v)]
+
+    bits_tensor = torch.tensor(float(bits))
+
+    def quantize(x, reduced_dim):
+        source = x.detach()
+        if per_token:
+            minimum, maximum = source.amin(reduced_dim, keepdim=True), source.amax(reduced_dim, keepdim=True)
+            return quantize_ste(x, minimum, maximum, bits_tensor)
+        return quantize_ste(x, source.min(), source.max(), bits_tensor)
+
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    scores = quantize(q2, -1) @ quantize(k2.transpose(2, 3), -2) * 8**-0.5
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    expected_output = (quantize(weights, -1) @ quantize(v2, -2)).transpose(1, 2)
+    expected_output.backward(grad)
+    expected = [expected_output.detach()] + [t.grad for t in (q2, k2, v2)]
+    for got_tensor, expected_tensor in zip(got, expected):
+        torch.testing.assert_close(got_tensor, expected_tensor, rtol=0, atol=0)
+
+    codes = [t for t in saved if t.dtype == torch.uint8]
+    # full-size float tensors: of Q, K, V or of P (the softmax keeps its own output: one of P's size)
+    floats = [t for t in saved if t.is_floating_point() and t.numel() in (q.numel(), 2 * 3 * 6 * 6)]
+    if bits <= 8:
+        assert sorted(tuple(t.shape) for t in codes) == sorted([(2, 3, 6, 8), (2, 3, 8, 6), (2, 3, 6, 6), (2, 3, 6, 8)])
+        assert len(floats) == 1
+    else:  # codes above 8 bits do not fit in uint8: the fake-quantized values are kept
+        assert codes == [] and len(floats) == 5
 
 
 def test_attention_errors_false_keeps_the_forward_and_leaves_the_errors_in_full_precision():

@@ -9,7 +9,8 @@ additive mask) and switches the model to it; no module is rewritten. The functio
   ``Q Kᵀ`` and the probabilities P and V before ``P V`` at the forward bits (or at a fixed
   ``attention_bits`` while the layers are quantized), and quantizes the
   error of both products at the error bits on the backward pass (the follow-up study's BERT code;
-  ``attention_errors=False`` keeps those errors in full precision).
+  ``attention_errors=False`` keeps those errors in full precision). In training both products keep
+  their operands for backward as uint8 codes (`QuantizedMatmul`), not float copies.
   Ranges are each batch's own: per tensor (the paper's scheme) or, with per-token activations, per
   row of Q, K and P and per channel of V (scales never vary along a product's reduced dimension);
 * always counts the forward MACs of both products while training, so that the cost meter prices
@@ -28,6 +29,7 @@ from torch import nn
 
 from ..numerics.fake_quant import quantize_ste, tensor_range, token_range
 from .precision import PrecisionState
+from .products import QuantizedMatmul
 
 ATTENTION_NAME = "cpt"
 
@@ -58,6 +60,11 @@ class AttentionQuantizer:
         bits = self.precision.forward_bits(training) if self.quantize else None
         return bits if bits is None or self._fixed_bits is None else self._fixed_bits
 
+    @property
+    def compact_codes(self) -> bool:
+        """Whether the training products' operands fit in uint8 codes (at most 8 bits)."""
+        return self.fixed_bits <= 8 if self.fixed_bits is not None else self.precision.compact_codes
+
     def drain_macs(self) -> tuple[int, int]:
         """(quantized, full-precision) attention MACs counted since the last call; resets both."""
         counts = (self.quantized_macs, self.float_macs)
@@ -65,13 +72,21 @@ class AttentionQuantizer:
         return counts
 
 
-def _quantize(x: torch.Tensor, bits: torch.Tensor, granularity: str, reduced_dim: int) -> torch.Tensor:
-    """Fake-quantize an input of a product whose reduced dimension is ``reduced_dim`` (STE backward)."""
+def _operand_range(x: torch.Tensor, granularity: str, reduced_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range of an input of a product whose reduced dimension is ``reduced_dim``."""
     if granularity == "token":
-        minimum, maximum = token_range(x, reduced_dim)  # scales along the kept dimensions only
-    else:
-        minimum, maximum = tensor_range(x)
-    return quantize_ste(x, minimum, maximum, bits)
+        return token_range(x, reduced_dim)  # scales along the kept dimensions only
+    return tensor_range(x)
+
+
+def _quantized_matmul(a: torch.Tensor, b: torch.Tensor, bits: torch.Tensor, state: AttentionQuantizer,
+                      training: bool) -> torch.Tensor:
+    """``Q(a) @ Q(b)`` (straight-through gradients); in training its backward keeps the operands' codes."""
+    a_range = _operand_range(a, state.granularity, -1)
+    b_range = _operand_range(b, state.granularity, -2)
+    if training:
+        return QuantizedMatmul.apply(a, *a_range, b, *b_range, bits, state.compact_codes)
+    return torch.matmul(quantize_ste(a, *a_range, bits), quantize_ste(b, *b_range, bits))
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -113,10 +128,10 @@ def cpt_attention_forward(
 
         return sdpa_attention_forward(module, query, original_key, original_value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    if bits is not None:
-        query = _quantize(query, bits, state.granularity, -1)
-        key = _quantize(key, bits, state.granularity, -1)
-    scores = torch.matmul(query, key.transpose(2, 3))
+    if bits is None:
+        scores = torch.matmul(query, key.transpose(2, 3))
+    else:
+        scores = _quantized_matmul(query, key.transpose(2, 3), bits, state, training)
     if quantize_backward:
         scores = precision.quantize_error_on_backward(scores, attention=True, granularity=state.granularity)
     scores = scores * scaling
@@ -124,11 +139,10 @@ def cpt_attention_forward(
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    probabilities = weights
-    if bits is not None:
-        probabilities = _quantize(weights, bits, state.granularity, -1)
-        value = _quantize(value, bits, state.granularity, -2)
-    output = torch.matmul(probabilities, value)
+    if bits is None:
+        output = torch.matmul(weights, value)
+    else:
+        output = _quantized_matmul(weights, value, bits, state, training)
     if quantize_backward:
         output = precision.quantize_error_on_backward(output, attention=True, granularity=state.granularity)
     return output.transpose(1, 2).contiguous(), weights

@@ -1,7 +1,10 @@
-"""The training GEMM of a quantized layer (docs/method.md §2): operands fake-quantized in forward, kept for
-backward as integer codes, errors quantized once in backward and the two gradient products formed.
+"""The training GEMMs of quantized products (docs/method.md §2): operands fake-quantized in forward, kept for
+backward as integer codes, not float copies.
 
-Used by `QuantLayerMixin.forward`; the layer supplies its product (``compute``) and its gradient products.
+`QuantizedProducts` is a quantized layer's (used by `QuantLayerMixin.forward`; the layer supplies its product,
+``compute``, and its gradient products): it also quantizes the error once and forms both gradient products.
+`QuantizedMatmul` is the attention's two products (``Q Kᵀ`` and ``P V``, `hf_cpt.nn.attention`), whose errors
+are quantized by their own node.
 """
 
 from __future__ import annotations
@@ -119,3 +122,32 @@ def _weight_gradient(
     if x.numel() <= weight.numel():
         return layer.weight_gradient(error, rotation.apply(x, layer.input_feature_dim, transpose=True), weight)
     return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True)
+
+
+class QuantizedMatmul(torch.autograd.Function):
+    """``Q(a) @ Q(b)`` over the given ranges in training, straight-through for both operands, each saved as the
+    integer codes of its quantized values (``compact``: uint8, up to 8 bits) where the other's gradient reads it:
+    autograd's own matmul would keep a float copy of both (docs/method.md §8). The gradients are those of
+    ``torch.matmul`` on the fake-quantized operands, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, a, a_min, a_max, b, b_min, b_max, bits, compact):
+        needs_a, needs_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        a_value, a_saved = quantized_operand(a, a_min, a_max, bits, compact, keep=needs_b)
+        b_value, b_saved = quantized_operand(b, b_min, b_max, bits, compact, keep=needs_a)
+        ctx.save_for_backward(*a_saved, *b_saved)
+        ctx.operands = ((a.dtype, a.shape), (b.dtype, b.shape))
+        return torch.matmul(a_value, b_value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        (a_dtype, a_shape), (b_dtype, b_shape) = ctx.operands
+        grad_a = grad_b = None  # in the error's dtype, as autograd's matmul backward runs under autocast
+        if ctx.needs_input_grad[0]:
+            b = _rebuilt_operand(saved[3:], b_dtype, b_shape).to(grad.dtype)
+            grad_a = grad.matmul(b.transpose(-1, -2)).to(a_dtype)
+        if ctx.needs_input_grad[3]:
+            a = _rebuilt_operand(saved[:3], a_dtype, a_shape).to(grad.dtype)
+            grad_b = a.transpose(-1, -2).matmul(grad).to(b_dtype)
+        return grad_a, None, None, grad_b, None, None, None, None
