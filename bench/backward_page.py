@@ -7,6 +7,8 @@ backward issue's: static 8/8 within 0.5 points of FP32, CPT within 1 point, CPT 
 
 from __future__ import annotations
 
+import math
+
 from results_page import mean, spread
 
 from hf_cpt.numerics.errors import PAPER_ERRORS, ErrorQuantization
@@ -203,6 +205,7 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
                      f"{verdict} the {target}-point target"
                      + ("" if seeds >= 2 else " (one seed: a direction, not a result)") + ".")
     lines += _attention_pairs(grouped)
+    lines += _attention_by_schedule(grouped, default_errors)
     lines += _attention_errors_share(grouped)
     cpt = [(name, entries, option) for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0])
            if name.startswith("CPT 4-8/8") and "activations)" not in name]
@@ -283,6 +286,29 @@ def _attention_pairs(grouped: dict) -> list[str]:
             lines.append(f"- {name} against the same run without quantized attention, seed by seed "
                          f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)
                          + f" points (mean {mean(gaps):+.2f}).")
+    return lines
+
+
+def _attention_by_schedule(grouped: dict, option: tuple) -> list[str]:
+    """The seed-by-seed gaps of `_attention_pairs` pooled per layer schedule over every attention variant (cycled
+    or held bits, errors quantized or not) with the layers' errors ``option``: whether quantizing the attention
+    products costs accuracy under that schedule, with how many pairs point the same way."""
+    pooled: dict[str, list[float]] = {}
+    for (name, variant_option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
+        if " + attention" not in name or variant_option != option:
+            continue
+        layers = name.split(" + attention")[0]
+        plain = {e["seed"]: e["metric"] for e in grouped.get((layers, option), [])}
+        pooled.setdefault(layers, []).extend(100 * (e["metric"] - plain[e["seed"]]) for e in entries
+                                             if e["seed"] in plain)
+    lines = []
+    for layers, gaps in pooled.items():
+        below = sum(g < 0 for g in gaps)
+        chance = sum(math.comb(len(gaps), k) for k in range(below, len(gaps) + 1)) / 2 ** len(gaps)
+        lines.append(f"- Quantized attention against the same run without it, pooled over its variants, {layers} "
+                     f"({describe(option)}): {len(gaps)} pairs, mean {mean(gaps):+.2f} points, {below} of {len(gaps)} "
+                     f"below zero (as many or more by chance, with no effect: {chance:.3f}; the variants share seeds, "
+                     "so the pairs are not independent).")
     return lines
 
 

@@ -8,9 +8,10 @@ Linear on 2048 tokens, with the default scheme and with the paper's, (b) forward
 16->16 3x3 conv on a 128x16x32x32 batch, (c) one training step (forward, backward, AdamW) of a
 BERT-small-shaped classifier, (d) training steps at realistic sizes: GPT-2 small (124M,
 ``GPT2Config()``), also as one optimizer step of 4 accumulated micro-batches (each weight quantized once per
-step), BERT-base at batch 4 and 16, ViT-S/16 (timm) and the pretrained MiniLM at batch 32
-(the `bench` extra), each with its peak resident memory measured in a fresh process per side (CPU: no
-allocator statistics; on a GPU ``torch.cuda.max_memory_allocated`` is the figure to use). The
+step), BERT-base at batch 4 and 16 (also with ``quantize_attention``), ViT-S/16 (timm) and the pretrained MiniLM
+at batch 32 (the `bench` extra), each with its peak resident memory measured in a fresh process per side (CPU: no
+allocator statistics; on a GPU ``torch.cuda.max_memory_allocated`` is the figure to use) and the memory one forward
+keeps for its backward (`saved_activation_mib`, which no allocator changes). The
 quantized versions run at 8-bit weights/activations and 8-bit errors. A one-off warm-up step of each
 quantized case, which includes building the fused error quantizer (the C kernel on CPU, or
 ``torch.compile``), is timed separately. Then, in fresh processes: the first and second CPT step of a
@@ -301,6 +302,33 @@ def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2, env
     return float(_run_case_in_fresh_process(kind, quantized, fused, body, env, options)[0])
 
 
+def saved_activation_mib(model: nn.Module, batch: dict) -> float:
+    """MiB that one training forward of ``model`` keeps for its backward: the distinct storages autograd saves,
+    parameters excluded (what a layer stores as its activations, independent of the allocator)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch)
+    return sum(kept.values()) / 2**20
+
+
+def saved_activations(kind: str, fused: bool, options: dict | None = None) -> tuple[float, float]:
+    """`saved_activation_mib` of the plain model of case ``kind`` and of its CPT 8/8 copy."""
+    build, batch = globals()[kind]()
+    torch.manual_seed(0)
+    plain = build()
+    quantized = cpt_copy(copy.deepcopy(plain), fused, **(options or {}))
+    return saved_activation_mib(plain, batch), saved_activation_mib(quantized, batch)
+
+
 def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
     """The start of a CPT fine-tune of ``kind`` in a fresh process with empty kernel caches (a new machine: neither
     torch.compile's nor hf_cpt's native kernels): the first and second step, the steady step (median of the later
@@ -530,6 +558,10 @@ def main() -> None:
                 print(f"{'  same, eager error quantizer':<44}{fixed[0]:>10.0f}{eager:>10.0f}"
                       f"{eager / fixed[0]:>8.3f}", flush=True)
                 rows[-1].update(memory_ratio_eager_errors=eager / fixed[0])
+            saved = saved_activations(memory_kinds[key], fused, options)
+            print(f"{'  kept for backward by one forward (MiB)':<44}{saved[0]:>10.0f}{saved[1]:>10.0f}"
+                  f"{saved[1] / saved[0]:>8.3f}", flush=True)
+            rows[-1].update(plain_saved_mib=saved[0], quant_saved_mib=saved[1])
     startup = {}
     if not args.no_startup:
         kind = FIRST_STEP_KIND if minilm_path() is not None else "gpt2_small"

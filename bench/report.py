@@ -157,6 +157,9 @@ def overhead_summary(overhead: dict) -> list[str]:
                 memory += f"; {row['memory_ratio_fixed_mmap']:.3f} ‡"
             if "memory_ratio_eager_errors" in row:
                 memory += f"; {row['memory_ratio_eager_errors']:.3f} §"
+            if "plain_saved_mib" in row:
+                memory += (f"; kept for backward {row['quant_saved_mib'] / row['plain_saved_mib']:.3f} "
+                           f"({row['plain_saved_mib']:,.0f} -> {row['quant_saved_mib']:,.0f} MiB) ◊")
         anchor = row["target"] is None  # another implementation's overhead on the same layer
         ok = "" if anchor or row["ratio"] <= row["target"] else " (missed)"
         compiled = f" ({row['compiled_kernel_ratio']:.3f} ¶)" if "compiled_kernel_ratio" in row else ""
@@ -169,6 +172,12 @@ def overhead_summary(overhead: dict) -> list[str]:
     if any("memory_ratio_eager_errors" in row for row in overhead["rows"]):
         lines += ["", "§ as ‡, with the eager error quantizer (`fused_error_quantizer=False`) instead of the fused "
                   "kernel."]
+    if any("plain_saved_mib" in row for row in overhead["rows"]):
+        lines += ["", "◊ what one training forward keeps for its backward (the distinct tensors autograd saves, "
+                  "parameters excluded), which no allocator changes. A quantized layer keeps the uint8 codes of its "
+                  "input and of its weight (a quarter of the weight's size, kept beside the weight, so at small "
+                  "batches the two sides are close); the rest is the model's own (LayerNorm inputs, dropout masks, "
+                  "GELU inputs, softmax outputs), and with `quantize_attention` the attention products keep codes too."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]

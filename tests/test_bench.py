@@ -221,6 +221,9 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
             f"attention, seed by seed ({per_row}): -2.00 points (mean -2.00).") in page
     assert (f"- static 8/8 + attention, its errors zero-centred against the same run without quantized attention, "
             f"seed by seed ({per_row}): -1.00 points (mean -1.00).") in page
+    # and both pooled per layer schedule, with the sign test's chance of that many pairs below zero
+    assert (f"- Quantized attention against the same run without it, pooled over its variants, static 8/8 ({per_row}): "
+            "2 pairs, mean -1.50 points, 2 of 2 below zero (as many or more by chance, with no effect: 0.250;") in page
     summary = "\n".join(backward_page.readme_summary(ablation, pretrained,
                                                      ("token", "stochastic", "both", "none", "minmax")))
     assert "static 8/8, per-tensor errors | static 8/8, default errors |" in summary
@@ -263,18 +266,48 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     # The renderer judges each figure against its own target: a memory ratio above its case's target, a first
     # step within its target and an import above it (figures chosen here to exercise each branch).
     row.update(plain_peak_mib=100.0, quant_peak_mib=95.0, memory_ratio=0.95, memory_target=0.9,
-               memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234)
+               memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234,
+               plain_saved_mib=40.0, quant_saved_mib=30.0)
     overhead["startup"] = {"first_step_kind": "minilm", "first_step_s": 4.0, "second_step_s": 3.0,
                            "steady_step_s": 2.5, "start_extra_s": 2.0, "warm_start_extra_s": 0.5,
                            "cuda_warning": False, "import_transformers_s": 1.0, "import_hf_cpt_s": 3.0}
     table = "\n".join(report.overhead_summary(overhead))
-    assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §" in table
+    assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §; kept for backward 0.750 (40 -> 30 MiB) ◊" in table
+    assert "◊ what one training forward keeps for its backward" in table
     assert "MALLOC_MMAP_THRESHOLD_=131072" in table and "§ as ‡, with the eager error quantizer" in table
     assert "| 1.200 (1.234 ¶) | 1.50 |" in table and "¶ the same quantized step with the `torch.compile`" in table
     assert "+1.00 s; target +2.0 s" in table and "(+2.00 s (missed); target +1.5 s)" in table
     assert "CUDA mentioned on stderr: no" in table
     assert "- The first two steps took +2.00 s more than two steady steps of 2.50 s; in a second fresh process " \
            "that finds the built kernels in the caches (every later run on the machine), +0.50 s." in table
+
+
+def test_saved_activation_memory_counts_what_autograd_keeps_apart_from_parameters():
+    """The bench's allocator-independent memory figure: a plain Linear keeps its float input (its weight is a
+    parameter, not counted); its CPT 8/8 copy keeps the uint8 codes of its input and of its weight instead, beside
+    the float output relu keeps for its own backward."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import overhead
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(256, 512)
+
+        def forward(self, x):
+            return self.layer(torch.relu(x))  # relu keeps its output too: (64, 256) floats
+
+    batch = {"x": torch.randn(64, 256, requires_grad=True)}  # an input gradient: the weight is kept too
+    plain = Model()
+    mib = 2**20
+    # relu's output, which is the Linear's input: one storage, counted once
+    assert overhead.saved_activation_mib(plain, batch) * mib == 64 * 256 * 4
+    quantized = overhead.cpt_copy(Model(), fused=False)
+    kept = overhead.saved_activation_mib(quantized, batch) * mib
+    codes = 64 * 256 + 512 * 256  # uint8 codes of the input and of the weight
+    floats = 64 * 256 * 4  # relu's own output
+    scales = 64 * 4 * 2 + 512 * 4 * 2  # a scale and a minimum per token and per output channel
+    assert codes + floats <= kept <= codes + floats + scales + 4096
 
 
 def test_results_page_shows_the_runs_of_todays_defaults_under_the_plain_names(tmp_path):
