@@ -254,7 +254,8 @@ def readme_summary(ablation: dict, pretrained: dict, default_errors: tuple) -> l
                 for c in columns) + " |",
             "",
             "† measured before the cost meter counted the attention products: attention, in FP32 unless "
-            "`quantize_attention=True`, is left out of both sides of this ratio."]
+            "`quantize_attention=True`, is left out of both sides of this ratio.",
+            ""] + _attention_by_schedule(grouped, default_errors)
 
 
 def _noise(grouped: dict) -> list[str]:

@@ -228,6 +228,7 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
                                                      ("token", "stochastic", "both", "none", "minmax")))
     assert "static 8/8, per-tensor errors | static 8/8, default errors |" in summary
     assert "| points vs FP32 | - | -5.00 | +0.00 |" in summary
+    assert "- Quantized attention against the same run without it, pooled over its variants, static 8/8" in summary
 
 
 def test_gradient_section_compares_the_attention_grids_group_by_group():
