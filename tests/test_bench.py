@@ -211,6 +211,9 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert "meets the 0.5-point target." in page and "misses the 0.5-point target." in page
     assert "one seed: a direction, not a result" in page  # the single CPT run
     assert "costs 0.800 of static 8/8 (above the 0.75 target)" in page
+    # the single CPT run meets the accuracy target at a cost above 0.75, on one seed: no setting meets both
+    assert "- CPT 4-8/8 within 1.0 point of FP32 at no more than 0.75 of static 8/8's cost (two or more seeds): " \
+        "no setting yet." in page
     # and why: 4% of the MACs in FP32 at 16x the static price are 64% of static's BitOPs
     assert "4.0% of its MACs ran in full precision" in page and "takes its cost below 0.64" in page
     # the noise the targets sit in: pooled over FP32, static per tensor and static per row (1, 1 and 0.5 points)
@@ -229,6 +232,23 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert "static 8/8, per-tensor errors | static 8/8, default errors |" in summary
     assert "| points vs FP32 | - | -5.00 | +0.00 |" in summary
     assert "- Quantized attention against the same run without it, pooled over its variants, static 8/8" in summary
+
+
+def test_backward_page_names_the_settings_that_meet_accuracy_and_cost_together():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import backward_page
+
+    option = ("token", "stochastic", "both", "none", "minmax")
+    grouped = {
+        ("CPT 4-8/8", option): [_entry(0, 0.59, 0.80), _entry(1, 0.59, 0.80)],  # accurate, too costly
+        ("CPT 4-8/8 + attention at 8 bits", option): [_entry(0, 0.575, 0.70), _entry(1, 0.575, 0.70)],  # both
+        ("CPT 4-8/8 + attention", option): [_entry(0, 0.55, 0.70), _entry(1, 0.55, 0.70)],  # cheap, inaccurate
+        ("CPT 4-8/8 + attention, one seed", option): [_entry(0, 0.60, 0.70)],  # one seed: not judged
+    }
+    (line,) = backward_page._both_targets(grouped, 58.0)
+    assert line == ("- CPT 4-8/8 within 1.0 point of FP32 at no more than 0.75 of static 8/8's cost (two or more "
+                    f"seeds): CPT 4-8/8 + attention at 8 bits ({backward_page.describe(option)}): -0.50 points over 2 "
+                    "seeds at 0.700.")
 
 
 def test_gradient_section_compares_the_attention_grids_group_by_group():
