@@ -256,7 +256,7 @@ def readme_summary(ablation: dict, pretrained: dict, default_errors: tuple) -> l
             "",
             "† measured before the cost meter counted the attention products: attention, in FP32 unless "
             "`quantize_attention=True`, is left out of both sides of this ratio.",
-            ""] + _attention_by_schedule(grouped, default_errors)
+            ""] + _attention_by_schedule(grouped, default_errors) + _both_targets(grouped, fp32_points)
 
 
 def _noise(grouped: dict) -> list[str]:

@@ -232,6 +232,7 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert "static 8/8, per-tensor errors | static 8/8, default errors |" in summary
     assert "| points vs FP32 | - | -5.00 | +0.00 |" in summary
     assert "- Quantized attention against the same run without it, pooled over its variants, static 8/8" in summary
+    assert "- CPT 4-8/8 within 1.0 point of FP32 at no more than 0.75 of static 8/8's cost" in summary
 
 
 def test_backward_page_names_the_settings_that_meet_accuracy_and_cost_together():
