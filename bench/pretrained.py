@@ -100,6 +100,11 @@ BACKWARD_RUNS = {
     # attention's accuracy cost is the forward's
     "cpt-4-8/8-error-token-attention-forward": {**CPT_4_8, **PER_ROW, "quantize_attention": True,
                                                 "attention_errors": False},
+    # the layers held at 4 bits, with and without 8-bit attention: does the attention cost accuracy whenever the
+    # layers run below 8 bits, or only while they change?
+    "static-4/8-error-token": {**STATIC, **PER_ROW, "bits_max": 4},
+    "static-4/8-error-token-attention-8-symmetric": {**STATIC, **PER_ROW, **SYMMETRIC_ATTENTION, "bits_max": 4,
+                                                     "attention_bits": 8},
 }
 RUNS.update(BACKWARD_RUNS)
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]

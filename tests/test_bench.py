@@ -180,6 +180,7 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
                                                     **{**token, "error_products": "input"}),
         "static-8/8-error-token-attention-8/seed0": _entry(0, 0.575, 1.0, quantize_attention=True, attention_bits=8,
                                                            **token),
+        "static-4/8-error-token/seed0": _entry(0, 0.50, 0.25, bits_max=4, **token),  # a probe: no target
         # the attention products' errors on the zero-centred grid (error_range="auto"): grouped apart
         "static-8/8-error-token-attention/seed0": _entry(0, 0.585, 1.0, quantize_attention=True,
                                                          **{**token, "error_range": "auto"}),
@@ -209,6 +210,8 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert "CPT 4-8/8 | one range per row (token), stochastic rounding, input gradient only" in page
     assert "- static 8/8, one range per row (token), stochastic rounding, both products: +0.00 points" in page
     assert "meets the 0.5-point target." in page and "misses the 0.5-point target." in page
+    assert (f"- static 4/8, {per_row}: -9.00 points against FP32 over 1 seed(s) (a probe below 8 bits: no target) "
+            "(one seed: a direction, not a result).") in page
     assert "one seed: a direction, not a result" in page  # the single CPT run
     assert "costs 0.800 of static 8/8 (above the 0.75 target)" in page
     # the single CPT run meets the accuracy target at a cost above 0.75, on one seed: no setting meets both
