@@ -277,6 +277,12 @@ def _noise(grouped: dict) -> list[str]:
             "resolved by these runs, the targets below included."]
 
 
+def _seed_gaps(entries: list[dict], baseline: list[dict]) -> list[float]:
+    """Each entry against the baseline run of the same seed (same data order and initial head), in points."""
+    by_seed = {e["seed"]: e["metric"] for e in baseline}
+    return [100 * (e["metric"] - by_seed[e["seed"]]) for e in entries if e["seed"] in by_seed]
+
+
 def _attention_pairs(grouped: dict) -> list[str]:
     """Each run with quantized attention against the same run without it, seed by seed (same data order and
     initial head): what quantizing the attention products costs, apart from the seeds' spread."""
@@ -284,8 +290,7 @@ def _attention_pairs(grouped: dict) -> list[str]:
     for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
         if " + attention" not in name:
             continue
-        plain = {e["seed"]: e["metric"] for e in grouped.get((name.split(" + attention")[0], option), [])}
-        gaps = [100 * (e["metric"] - plain[e["seed"]]) for e in entries if e["seed"] in plain]
+        gaps = _seed_gaps(entries, grouped.get((name.split(" + attention")[0], option), []))
         if gaps:
             lines.append(f"- {name} against the same run without quantized attention, seed by seed "
                          f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)
@@ -317,9 +322,7 @@ def _attention_by_schedule(grouped: dict, option: tuple) -> list[str]:
         if " + attention" not in name or variant_option != option:
             continue
         layers = name.split(" + attention")[0]
-        plain = {e["seed"]: e["metric"] for e in grouped.get((layers, option), [])}
-        pooled.setdefault(layers, []).extend(100 * (e["metric"] - plain[e["seed"]]) for e in entries
-                                             if e["seed"] in plain)
+        pooled.setdefault(layers, []).extend(_seed_gaps(entries, grouped.get((layers, option), [])))
     lines = []
     for layers, gaps in pooled.items():
         below = sum(g < 0 for g in gaps)
@@ -340,8 +343,7 @@ def _attention_errors_share(grouped: dict) -> list[str]:
         if " + attention" not in name or "its errors in full precision" in name:
             continue
         forward_only = name.split(", its errors")[0] + ", its errors in full precision"
-        kept = {e["seed"]: e["metric"] for e in grouped.get((forward_only, option), [])}
-        gaps = [100 * (e["metric"] - kept[e["seed"]]) for e in entries if e["seed"] in kept]
+        gaps = _seed_gaps(entries, grouped.get((forward_only, option), []))
         if gaps:
             lines.append(f"- {name} against the same run with the attention errors in full precision, seed by seed "
                          f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)

@@ -203,10 +203,15 @@ def model_steps(build: Callable[[], nn.Module], batch: dict, fused: bool, micro_
                 ) -> tuple[Step, Step]:
     """A training step of a model and of its CPT 8/8 copy (same initial weights; ``options``: more CPTConfig
     fields)."""
+    plain, quantized = model_pair(build, fused, **options)
+    return training_step(plain, batch, micro_batches), training_step(quantized, batch, micro_batches)
+
+
+def model_pair(build: Callable[[], nn.Module], fused: bool, **options) -> tuple[nn.Module, nn.Module]:
+    """A model and its CPT 8/8 copy, with the same initial weights."""
     torch.manual_seed(0)
     plain = build()
-    quantized = cpt_copy(copy.deepcopy(plain), fused, **options)
-    return training_step(plain, batch, micro_batches), training_step(quantized, batch, micro_batches)
+    return plain, cpt_copy(copy.deepcopy(plain), fused, **options)
 
 
 def gpt2_small() -> tuple[Callable[[], nn.Module], dict]:
@@ -323,9 +328,7 @@ def saved_activation_mib(model: nn.Module, batch: dict) -> float:
 def saved_activations(kind: str, fused: bool, options: dict | None = None) -> tuple[float, float]:
     """`saved_activation_mib` of the plain model of case ``kind`` and of its CPT 8/8 copy."""
     build, batch = globals()[kind]()
-    torch.manual_seed(0)
-    plain = build()
-    quantized = cpt_copy(copy.deepcopy(plain), fused, **(options or {}))
+    plain, quantized = model_pair(build, fused, **(options or {}))
     return saved_activation_mib(plain, batch), saved_activation_mib(quantized, batch)
 
 

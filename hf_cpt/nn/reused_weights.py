@@ -2,8 +2,8 @@
 
 A weight changes only at optimizer steps, so the micro-batches of one step (gradient accumulation) and the batches
 of one evaluation can compute with the codes the first forward rounded it to. `ReusedWeights` holds them, one entry
-per layer, while an epoch that the Trainer integration advances at every step's start and end is unchanged; with no
-epoch (outside the Trainer) nothing is kept. This module knows nothing about quantization.
+per layer, for one epoch, which the Trainer integration advances at every step's start and end (a new epoch drops
+every entry); with no epoch (outside the Trainer) nothing is kept. This module knows nothing about quantization.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 
 
 class ReusedWeights:
-    """The codes each layer's weight was last quantized to, keyed by what they depend on (the caller's key, with
-    the epoch) and by the weight tensor itself."""
+    """The codes each layer's weight was quantized to in this epoch, keyed by what they depend on (the caller's
+    key) and by the weight tensor itself."""
 
     def __init__(self) -> None:
         self._epoch: int | None = None
@@ -25,14 +25,14 @@ class ReusedWeights:
 
     @property
     def epoch(self) -> int | None:
-        """None: every forward quantizes its weight. Setting None also drops every entry."""
+        """None: every forward quantizes its weight. A new value (None included) drops every entry."""
         return self._epoch
 
     @epoch.setter
     def epoch(self, value: int | None) -> None:
-        self._epoch = value
-        if value is None:
+        if value != self._epoch:
             self._entries.clear()
+        self._epoch = value
 
     def get(self, layer: Any, key: tuple[Any, ...]) -> tuple[torch.Tensor, ...] | None:
         """The codes ``layer`` kept under ``key`` in this epoch; a stale entry is dropped (before the layer quantizes
@@ -40,14 +40,14 @@ class ReusedWeights:
         entry = self._entries.get(id(layer))
         if entry is None:
             return None
-        if entry[0] != (self._epoch, *key) or entry[1]() is not layer.weight:
+        if entry[0] != key or entry[1]() is not layer.weight:
             del self._entries[id(layer)]
             return None
         self.reuses += 1
         return entry[2]
 
     def put(self, layer: Any, key: tuple[Any, ...], codes: tuple[torch.Tensor, ...]) -> None:
-        self._entries[id(layer)] = ((self._epoch, *key), weakref.ref(layer.weight), codes)
+        self._entries[id(layer)] = (key, weakref.ref(layer.weight), codes)
 
     def drop(self, layer: Any) -> None:
         self._entries.pop(id(layer), None)
