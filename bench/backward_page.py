@@ -30,6 +30,8 @@ def method(config: dict) -> str:
             else f"CPT {config['bits_min']}-{config['bits_max']}/{config['grad_bits']}")
     if config.get("quant_scheme", "auto") != "auto":
         name += f" ({config['quant_scheme']} activations)"
+    if config.get("integer_matmul") is True:  # runs without the field used the float product
+        name += INTEGER_LABEL
     if config.get("quantize_attention"):
         name += " + attention" + (f" at {config['attention_bits']} bits" if config.get("attention_bits") else "")
         grid = ErrorQuantization(range=config.get("error_range", PAPER_ERRORS.range)).for_attention().range
@@ -207,6 +209,7 @@ def findings(grouped: dict, fp32_points: float | None, default_errors: tuple) ->
             line += f"; {'meets' if gap >= -target else 'misses'} the {target}-point target"
         lines.append(line + ("" if seeds >= 2 else " (one seed: a direction, not a result)") + ".")
     lines += _attention_pairs(grouped)
+    lines += _integer_pairs(grouped)
     lines += _attention_by_schedule(grouped, default_errors)
     lines += _attention_errors_share(grouped)
     cpt = [(name, entries, option) for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0])
@@ -295,6 +298,23 @@ def _attention_pairs(grouped: dict) -> list[str]:
             lines.append(f"- {name} against the same run without quantized attention, seed by seed "
                          f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)
                          + f" points (mean {mean(gaps):+.2f}).")
+    return lines
+
+
+INTEGER_LABEL = " (forward on integer codes)"
+
+
+def _integer_pairs(grouped: dict) -> list[str]:
+    """Each run whose layers' forward ran on integer codes against the same run with the float product, seed by
+    seed: the two compute the same values up to float rounding, so any gap is the noise such a change sets off."""
+    lines = []
+    for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
+        if INTEGER_LABEL not in name:
+            continue
+        gaps = _seed_gaps(entries, grouped.get((name.replace(INTEGER_LABEL, ""), option), []))
+        if gaps:
+            lines.append(f"- {name} against the same run with the float product, seed by seed ({describe(option)}): "
+                         + ", ".join(f"{g:+.2f}" for g in gaps) + f" points (mean {mean(gaps):+.2f}).")
     return lines
 
 

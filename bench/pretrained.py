@@ -105,6 +105,10 @@ BACKWARD_RUNS = {
     "static-4/8-error-token": {**STATIC, **PER_ROW, "bits_max": 4},
     "static-4/8-error-token-attention-8-symmetric": {**STATIC, **PER_ROW, **SYMMETRIC_ATTENTION, "bits_max": 4,
                                                      "attention_bits": 8},
+    # the layers' training forward on integer codes (integer_matmul, "auto" on a CPU with int8 dot products), against
+    # the float product that every run above used (they predate it, or ran on a CPU without those instructions)
+    "cpt-4-8/8-error-token-integer": {**CPT_4_8, **PER_ROW, "integer_matmul": True},
+    "static-8/8-error-token-integer": {**STATIC, **PER_ROW, "integer_matmul": True},
 }
 RUNS.update(BACKWARD_RUNS)
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]

@@ -186,6 +186,8 @@ def _from_cli(value: Any, tp) -> Any:
     if isinstance(value, str) and str not in members and get_origin(tp) is not Literal:
         if dict in members or any(get_origin(m) is dict for m in members):
             return json.loads(value)
+    if isinstance(value, str) and bool in members and value.lower() in ("true", "false"):
+        return value.lower() == "true"  # e.g. bool | str: True, False or "auto"
     if isinstance(value, str) and len(members) > 1:
         for number in (int, float):
             if number in members:

@@ -184,6 +184,8 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
         # the attention products' errors on the zero-centred grid (error_range="auto"): grouped apart
         "static-8/8-error-token-attention/seed0": _entry(0, 0.585, 1.0, quantize_attention=True,
                                                          **{**token, "error_range": "auto"}),
+        # the layers' forward on integer codes: its own row, paired with the float product's run seed by seed
+        "static-8/8-error-token-integer/seed1": _entry(1, 0.60, 1.0, integer_matmul=True, **token),
     }}
     ablation["finetune"]["renamed/seed1"]["cost"].pop("full_precision_mac_share")
     from hf_cpt.numerics.errors import ErrorQuantization
@@ -227,6 +229,9 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
             f"attention, seed by seed ({per_row}): -2.00 points (mean -2.00).") in page
     assert (f"- static 8/8 + attention, its errors zero-centred against the same run without quantized attention, "
             f"seed by seed ({per_row}): -1.00 points (mean -1.00).") in page
+    assert f"| static 8/8 (forward on integer codes) | {per_row} (default) | 1 | 60.00 ± 0.00 |" in page
+    assert (f"- static 8/8 (forward on integer codes) against the same run with the float product, seed by seed "
+            f"({per_row}): +1.50 points (mean +1.50).") in page
     # and both pooled per layer schedule, with the sign test's chance of that many pairs below zero
     assert (f"- Quantized attention against the same run without it, pooled over its variants, static 8/8 ({per_row}): "
             "2 pairs, mean -1.50 points, 2 of 2 below zero (as many or more by chance, with no effect: 0.250;") in page

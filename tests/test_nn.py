@@ -63,7 +63,8 @@ def test_forward_uses_quantized_input_and_weight(make_layer, make_input, quant_c
     torch.manual_seed(1)
     model = _wrap(make_layer())
     reference_layer = copy.deepcopy(model[0])
-    quantize_model(model, PAPER)
+    # the float product, bit for bit (the product on integer codes: tests/test_integer_matmul.py)
+    quantize_model(model, CPTConfig(quant_scheme="paper", integer_matmul=False))
     set_precision(model, 4, None)
     x = make_input()
     got = model(x)
@@ -230,7 +231,10 @@ def test_training_saves_uint8_codes_and_the_backward_is_the_float_one_bit_for_bi
     """The backward rebuilds each quantized operand from its codes: same gradients as saving the float copy."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 6))
-    quantize_model(model, CPTConfig(include_modules=["2"], quant_scheme=scheme, fused_error_quantizer=False))
+    # the float product on both sides (codes save the same operands either way; with uint8 codes the forward could run
+    # on them, a product tested in tests/test_integer_matmul.py)
+    quantize_model(model, CPTConfig(include_modules=["2"], quant_scheme=scheme, fused_error_quantizer=False,
+                                    integer_matmul=False))
     model.train()
     x = torch.randn(5, 7, 12, requires_grad=True)  # so that both products of both layers are needed
     grads = {}

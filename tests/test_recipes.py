@@ -221,6 +221,9 @@ def test_cli_values_become_the_config_types(tmp_path):
     )
     assert config.bits_min == "auto" and config.eval_bits == 5
     assert training_args.do_eval and not training_args.do_train
+    for flag, expected in (("false", False), ("True", True), ("auto", "auto")):  # a bool | str field
+        _, _, config, _ = common.parse_arguments(argv=["--output_dir", str(tmp_path), "--cpt_integer_matmul", flag])
+        assert config.integer_matmul == expected
 
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])

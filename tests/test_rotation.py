@@ -153,14 +153,15 @@ def test_schemes_match_an_independent_reference(scheme, make_layer, make_input, 
     expected = _reference_forward(layer, x, bits, layer.cpt_granularity, rotated)
     scale = expected.abs().max()
     assert ((got - expected).abs() <= 1e-5 * scale).all()
-    # eval mode: per-token and rotated layers quantize the same way (per-token needs no running range)
+    # eval mode: per-token and rotated layers quantize the same way (per-token needs no running range); training's
+    # product may run on the integer codes (integer_matmul), which rounds differently from eval's float product
     if "per-token" in scheme:
         model.eval()
         set_precision(model, bits, None)
         from hf_cpt import set_eval_precision
 
         set_eval_precision(model, bits)
-        assert torch.equal(model(x), got.float()) or torch.allclose(model(x), got.float(), atol=1e-6)
+        assert ((model(x).double() - got).abs() <= 1e-5 * scale).all()
 
 
 @pytest.mark.parametrize("make_layer, make_input, kind", _layers())

@@ -179,10 +179,20 @@ class ActivationConfig:
         "zeros",
         "Start of the running activation range: 'zeros' (CPT code) or 'first_batch'."
     )
+    integer_matmul: bool | str = setting(
+        "auto",
+        "Training forward of Linear / GPT-2 Conv1D layers at 8 bits or fewer: the product computed on the operands' "
+        "integer codes (exact int32 sums, then scaled), instead of a float GEMM of the fake-quantized values. "
+        "'auto': on a CPU with int8 dot-product instructions (VNNI, AMX), where it is about 4x a float32 GEMM; "
+        "True: on every CPU; False: never. The same values up to float rounding; eval and exports are unchanged "
+        "(docs/method.md §2)."
+    )
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
+        if self.integer_matmul not in (True, False, "auto"):
+            raise ConfigError(owner, "integer_matmul", f"must be True, False or 'auto', got {self.integer_matmul!r}.")
         if not is_int(self.rotation_seed) or self.rotation_seed < 0:
             raise ConfigError(owner, "rotation_seed", f"must be an integer >= 0, got {self.rotation_seed!r}.")
         if not is_number(self.activation_momentum) or not 0.0 <= self.activation_momentum < 1.0:

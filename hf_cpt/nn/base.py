@@ -25,6 +25,7 @@ from ..numerics.fake_quant import (
     tensor_range,
     token_range,
 )
+from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PrecisionState
 from .products import QuantizedProducts, keeps_input, quantized_operand
@@ -241,6 +242,9 @@ class QuantLayerMixin:
         x_quantized = None  # the input quantized already (shared with sibling layers), else None
         weight_quantized = None  # (the weight as the product uses it, its codes) when reused or kept for reuse
         rotated_weight = weight_rotation = None  # in training: W R, computed once, and R for the weight gradient
+        integer = (training_products and self.compute_on_codes is not None and precision.compact_codes
+                   and input_features(self) <= MAX_REDUCED_SIZE
+                   and precision.integer_products(weight.device))  # the product on the operands' integer codes
         if bits is not None:
             frozen = self._frozen_weight()
             rotation = self.rotation if self.quantizes_inputs else None
@@ -264,13 +268,13 @@ class QuantLayerMixin:
                 weight_quantized = fake_quantize_compact(operand, *weight_range, bits)
                 precision.reused_weights.put(self, reuse_key, weight_quantized[1])
             if self.quantizes_inputs:
-                x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products)
+                x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products, integer)
         if training_products:
             return QuantizedProducts.apply(
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
                 precision.grad_bits if quantize_backward else None,
                 precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation, x_quantized,
-                weight_quantized,
+                weight_quantized, integer,
             )
         if x_quantized is not None:
             x = x_quantized[0]
@@ -287,7 +291,7 @@ class QuantLayerMixin:
         (`hf_cpt.nn.reused_weights`), or None when it may not: no epoch (outside the Trainer), codes wider than 8
         bits, a weight that needs its gradient outside a training product, or code that torch.compile traces."""
         precision = self.cpt_precision
-        if precision.reused_weights.epoch is None or torch.compiler.is_dynamo_compiling():
+        if torch.compiler.is_dynamo_compiling() or precision.reused_weights.epoch is None:  # no guard on the epoch
             return None
         if training:
             compact = precision.compact_codes
@@ -301,9 +305,11 @@ class QuantLayerMixin:
         weight = self.weight
         return training, id(bits), bits._version, weight._version, weight.dtype, weight.device
 
-    def _prepared_input(self, x: torch.Tensor, rotation: Rotation | None, bits: torch.Tensor, training: bool):
+    def _prepared_input(self, x: torch.Tensor, rotation: Rotation | None, bits: torch.Tensor, training: bool,
+                        integer: bool = False):
         """(the input rotated, its range, its quantized operand or None). Per-token layers share all three with
-        the sibling layers that read the same input (`hf_cpt.nn.shared_input`); the others compute the first two."""
+        the sibling layers that read the same input (`hf_cpt.nn.shared_input`); the others compute the first two.
+        ``integer``: the products run on codes, so the shared operand keeps its codes even where no backward does."""
         if rotation is not None and rotation.signs.dtype != x.dtype:  # e.g. bf16 activations under autocast
             rotation = rotation.to(x.device, x.dtype)
         shareable = (
@@ -318,8 +324,9 @@ class QuantLayerMixin:
                 x = rotation.apply(x, self.input_feature_dim)
             return x, self.input_range(x), None
         precision = self.cpt_precision
-        # Codes only where this layer's backward reads its input (what the products would keep themselves).
-        keep = training and keeps_input(self, x.requires_grad, self.weight.requires_grad)
+        # Codes only where this layer's backward reads its input (what the products would keep themselves) or its
+        # product runs on them.
+        keep = training and (integer or keeps_input(self, x.requires_grad, self.weight.requires_grad))
         rotation_key = None if rotation is None else (rotation.features, self.cpt_rotation_seed)
         key = (self.input_feature_dim, x.dtype, rotation_key, id(bits), bits._version, precision.compact_codes,
                training, keep)
@@ -336,6 +343,10 @@ class QuantLayerMixin:
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    # ``compute_on_codes(x, weight, bits)``: `compute` from each operand's (uint8 codes, scale, minimum), in float32,
+    # for layers whose product is a matrix product (`hf_cpt.numerics.integer_matmul`); None: the float product only.
+    compute_on_codes = None
 
     # Whether `input_gradient` reads the input's values: if not, training does not keep the input for it and
     # passes a meta tensor of its shape.

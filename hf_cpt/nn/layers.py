@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..numerics.fake_quant import quantize_weight
+from ..numerics.integer_matmul import code_matmul
 from .base import QuantLayerMixin
 from .precision import PrecisionState
 
@@ -23,6 +24,10 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight, self.bias)
 
+    def compute_on_codes(self, x: tuple, weight: tuple, bits: torch.Tensor) -> torch.Tensor:
+        """`compute` on (codes, scale, minimum) of the input and the ``[out, in]`` weight, in float32."""
+        return _matmul_on_codes(x, weight, bits, transposed_weight=True, bias=self.bias)
+
     input_gradient_reads_input = False
 
     def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -30,6 +35,21 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
 
     def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return error.reshape(-1, error.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+def _matmul_on_codes(x: tuple, weight: tuple, bits: torch.Tensor, transposed_weight: bool,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W (+ bias)`` over the last input dimension, from the input's codes (ranges per token or one) and the
+    weight's (ranges per output channel)."""
+    (codes, scale, minimum), (weight_codes, weight_scale, weight_minimum) = x, weight
+    rows = codes.reshape(-1, codes.shape[-1])
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, 1) if t.dim() else t
+
+    out = code_matmul(rows, per_row(scale), per_row(minimum), weight_codes.t() if transposed_weight else weight_codes,
+                      weight_scale.reshape(1, -1), weight_minimum.reshape(1, -1), bits, bias)
+    return out.view(*codes.shape[:-1], out.shape[-1])
 
 
 class QuantConv2d(QuantLayerMixin, nn.Conv2d):
@@ -79,6 +99,10 @@ if Conv1D is not None:
         def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             size_out = x.size()[:-1] + (self.nf,)
             return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), weight).view(size_out)
+
+        def compute_on_codes(self, x: tuple, weight: tuple, bits: torch.Tensor) -> torch.Tensor:
+            """`compute` on (codes, scale, minimum) of the input and the ``[in, out]`` weight, in float32."""
+            return _matmul_on_codes(x, weight, bits, transposed_weight=False, bias=self.bias)
 
         input_gradient_reads_input = False
 

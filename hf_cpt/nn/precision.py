@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from ..numerics.errors import PAPER_ERRORS, ErrorQuantization, quantize_error_on_backward
+from ..numerics.integer_matmul import integer_matmul_supported
 from .reused_weights import ReusedWeights
 from .shared_input import SharedInputs
 
@@ -24,6 +25,7 @@ class PrecisionState:
         activation_momentum: float = 0.9,
         activation_ema_init: str = "zeros",
         errors: ErrorQuantization = PAPER_ERRORS,
+        integer_matmul: bool | str = "auto",
     ) -> None:
         self.bits = torch.zeros(())
         self.compact_codes = False
@@ -41,6 +43,10 @@ class PrecisionState:
         # The attention products (two activations, no weight) quantize the errors of both their products,
         # unrotated, with the layers' rounding and granularity (range "auto": the zero-centred grid).
         self.attention_errors = errors.for_attention()
+        # Training products on integer codes (`hf_cpt.numerics.integer_matmul`): True, False or "auto", resolved for
+        # CPU here, once (not inside a compiled graph, which cannot read the CPU's flags).
+        self.integer_matmul = integer_matmul
+        self.integer_on_cpu = integer_matmul_supported() if integer_matmul == "auto" else bool(integer_matmul)
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
@@ -52,7 +58,12 @@ class PrecisionState:
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:
         """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
-        return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors)
+        return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors,
+                   getattr(settings, "integer_matmul", "auto"))  # a checkpoint's settings do not store it
+
+    def integer_products(self, device: torch.device) -> bool:
+        """Whether training products on ``device`` run on integer codes (CPU only; see `integer_matmul`)."""
+        return self.integer_on_cpu and device.type == "cpu"
 
     def quantize_error_on_backward(
         self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False, granularity: str = "tensor"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics.errors import quantize_error
-from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, restore_compact
+from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact
 from ..numerics.rotation import Rotation
 
 NOT_SAVED = (None, None, None)
@@ -37,6 +37,18 @@ def quantized_operand(
     return value, ((value, None, None) if keep else NOT_SAVED)
 
 
+def _operand_codes(
+    t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor,
+    quantized: tuple | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The (uint8 codes, scale, minimum) of an operand quantized at most 8 bits: those it came with
+    (``quantized``: (value, codes)), else computed; None for an operand that is not quantized or has no codes."""
+    if quantized is not None:
+        codes = quantized[1]
+        return codes if codes[1] is not None else None
+    return None if minimum is None else quantize_compact(t, minimum, maximum, bits)
+
+
 def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
     """The operand the forward used, or a meta tensor of its shape when it was not saved (not read)."""
     codes, scale, minimum = saved
@@ -55,6 +67,8 @@ class QuantizedProducts(torch.autograd.Function):
     integer codes of its quantized values (uint8 with its scale and minimum, up to 8 bits), not a float
     copy, rebuilt bit for bit in backward. A weight the layer quantized itself (reused within an optimizer step)
     comes as ``weight_quantized``: (its value, its codes).
+    With ``integer`` (8 bits or fewer, a layer with `compute_on_codes`), the forward product runs on the operands'
+    integer codes (`hf_cpt.numerics.integer_matmul`) and the fake-quantized floats are never formed.
     Backward: straight-through for both operands; with error bits, the error is quantized once and each
     product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
     follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
@@ -64,24 +78,33 @@ class QuantizedProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
-                rotated_weight, weight_rotation, x_quantized, weight_quantized=None):
+                rotated_weight, weight_rotation, x_quantized, weight_quantized=None, integer=False):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         keep_x = keeps_input(layer, needs_x, needs_weight)
+        ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
+        ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.shapes = (x.shape, weight.shape)
+        operand = weight if rotated_weight is None else rotated_weight
+        if integer and compact and layer.compute_on_codes is not None:
+            x_codes = _operand_codes(x, x_min, x_max, bits, x_quantized)
+            weight_codes = None if x_codes is None else _operand_codes(operand, weight_min, weight_max, bits,
+                                                                      weight_quantized)
+            if weight_codes is not None:
+                ctx.save_for_backward(*(x_codes if keep_x else NOT_SAVED), *(weight_codes if needs_x else NOT_SAVED))
+                autocast = torch.is_autocast_enabled(x.device.type)
+                dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+                return layer.compute_on_codes(x_codes, weight_codes, bits).to(dtype)
         if x_quantized is None:
             x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x)
         else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all
             x_value, x_saved = x_quantized
         if weight_quantized is None:
-            operand = weight if rotated_weight is None else rotated_weight
             weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
         else:  # quantized by the layer already (its codes kept for the other forwards of this optimizer step)
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
         ctx.save_for_backward(*x_saved, *weight_saved)
-        ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
-        ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.shapes = (x.shape, weight.shape)
         return layer.compute(x_value, weight_value)
 
     @staticmethod
@@ -106,7 +129,7 @@ class QuantizedProducts(torch.autograd.Function):
             feature_dim = layer.output_feature_dim % weight_error.dim()
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 def _weight_gradient(

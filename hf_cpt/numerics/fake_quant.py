@@ -65,6 +65,15 @@ def fake_quantize_compact(
     return codes.mul_(scale).add_(minimum).to(x.dtype), compact
 
 
+def quantize_compact(
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fake_quantize_compact`'s (uint8 codes, scale, minimum) alone, for at most 8 bits: for a product computed on
+    the codes, which never needs the fake-quantized floats."""
+    codes, scale, minimum = quantization_codes(x, minimum, maximum, bits)
+    return codes.to(torch.uint8), scale, minimum
+
+
 def restore_compact(
     codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""Products on integer codes (hf_cpt/numerics/integer_matmul.py) and the layers' training forward on them."""
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from hf_cpt import CPTConfig, quantize_model, set_precision
+from hf_cpt.nn.precision import PrecisionState
+from hf_cpt.numerics import integer_matmul
+from hf_cpt.numerics.integer_matmul import code_matmul
+
+
+def _reference(a_codes, a_scale, a_min, b_codes, b_scale, b_min, bias):
+    """The product of the dequantized operands in float64: what the integer path must equal up to float32 rounding."""
+    a = a_codes.double() * a_scale.double() + a_min.double()
+    b = b_codes.double() * b_scale.double() + b_min.double()
+    return a @ b + (0 if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("a_ranges", ["row", "tensor"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_code_matmul_equals_the_product_of_the_dequantized_operands(bits, a_ranges, with_bias):
+    generator = torch.Generator().manual_seed(bits)
+    m, k, n = 37, 200, 29
+    top = 2 ** bits
+    a_codes = torch.randint(0, top, (m, k), generator=generator, dtype=torch.uint8)
+    a_codes[3] = 0  # a padding row: every code the minimum
+    b_codes = torch.randint(0, top, (n, k), generator=generator, dtype=torch.uint8).t()  # a transposed view
+    shape = (m, 1) if a_ranges == "row" else ()
+    a_scale = torch.rand(shape, generator=generator) * 0.1 + 1e-3
+    a_min = -torch.rand(shape, generator=generator) * 5
+    b_scale = torch.rand(1, n, generator=generator) * 0.02 + 1e-4
+    b_min = torch.randn(1, n, generator=generator)
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    out = code_matmul(a_codes, a_scale, a_min, b_codes, b_scale, b_min, torch.tensor(float(bits)), bias)
+    expected = _reference(a_codes, a_scale, a_min, b_codes, b_scale, b_min, bias)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    # float32 rounding of terms as large as K * |a| * |b|: far below one code step of either operand
+    a_size = (a_codes.double() * a_scale + a_min.abs()).abs().max()
+    magnitude = a_size * (b_codes.double() * b_scale + b_min.abs()).abs().max() * k
+    assert (out.double() - expected).abs().max() <= 1e-6 * magnitude
+
+
+def test_code_matmul_sums_codes_exactly():
+    """Unit scales and zero minima: the result is the integer product itself (the int32 sums are exact)."""
+    generator = torch.Generator().manual_seed(0)
+    a_codes = torch.randint(0, 256, (16, 64), generator=generator, dtype=torch.uint8)
+    b_codes = torch.randint(0, 256, (64, 8), generator=generator, dtype=torch.uint8)
+    one, zero = torch.ones(()), torch.zeros(())
+    out = code_matmul(a_codes, one, zero, b_codes, one, zero, torch.tensor(8.0))
+    assert torch.equal(out.double(), (a_codes.long() @ b_codes.long()).double())
+
+
+def test_integer_products_setting_resolves_per_device():
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert PrecisionState(integer_matmul=True).integer_products(cpu)
+    assert not PrecisionState(integer_matmul=True).integer_products(meta)  # CPU only
+    assert not PrecisionState(integer_matmul=False).integer_products(cpu)
+    with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False):
+        assert not PrecisionState(integer_matmul="auto").integer_products(cpu)
+    with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=True):
+        auto = PrecisionState(integer_matmul="auto")
+        assert auto.integer_products(cpu) and not auto.integer_products(meta)
+
+
+def _layer_case(kind: str):
+    torch.manual_seed(0)
+    if kind == "linear":
+        return nn.Sequential(nn.Linear(48, 24)), torch.randn(2, 9, 48) * 3
+    return nn.Sequential(Conv1D(24, 48)), torch.randn(2, 9, 48) * 3
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("scheme", ["auto", "paper", "per-token"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_training_forward_on_codes_matches_the_float_product_with_the_same_gradients(kind, scheme, bits):
+    model, x = _layer_case(kind)
+    results = {}
+    for integer in (False, True):
+        quantized = copy.deepcopy(model)
+        quantize_model(quantized, CPTConfig(quant_scheme=scheme, integer_matmul=integer))
+        set_precision(quantized, bits, 8)
+        quantized.train()
+        source = x.clone().requires_grad_(True)
+        calls = mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul)
+        with calls as spy:
+            out = quantized(source)
+        assert spy.call_count == (1 if integer else 0)
+        torch.manual_seed(1)  # the same stochastic rounding of the errors
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        results[integer] = (out.detach(), source.grad, [p.grad for p in quantized.parameters()])
+    (out_f, grad_f, params_f), (out_i, grad_i, params_i) = results[False], results[True]
+    assert torch.allclose(out_i, out_f, rtol=1e-5, atol=1e-5)
+    # the backward reads the same codes either way: the gradients are the same bit for bit
+    assert torch.equal(grad_i, grad_f)
+    assert all(torch.equal(a, b) for a, b in zip(params_i, params_f))
+
+
+def test_forward_on_codes_under_autocast_and_with_a_frozen_weight():
+    """bf16 autocast gives the dtype the float layer gives; a frozen weight (peft's base layer) keeps no input for
+    the backward, yet its forward still runs on codes."""
+    model, x = _layer_case("linear")
+    quantize_model(model, CPTConfig(integer_matmul=True))
+    set_precision(model, 8, 8)
+    model.train()
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    source = x.clone().requires_grad_(True)
+    with mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul) as spy:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(source)
+        assert spy.call_count == 1
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert source.grad is not None and torch.isfinite(source.grad).all()
+
+
+def test_eval_forward_stays_on_the_float_product():
+    model, x = _layer_case("linear")
+    quantize_model(model, CPTConfig(integer_matmul=True, eval_bits=8))
+    set_precision(model, 8, 8)
+    model.eval()
+    with mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul) as spy, torch.no_grad():
+        model(x)
+    assert spy.call_count == 0
