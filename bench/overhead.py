@@ -40,7 +40,9 @@ from torch import nn
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
+from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
+from hf_cpt.numerics.integer_matmul import integer_matmul_supported
 
 Step = Callable[[], None]
 
@@ -385,15 +387,32 @@ def _with_compiled_kernels(step: Step) -> Step:
     return run
 
 
-def run_case(case: Case, repeats: int, compare_kernels: bool = False) -> dict[str, float]:
+def _with_float_products(step: Step) -> Step:
+    """``step`` with every layer's training product in floating point (as ``integer_matmul=False``)."""
+    def run():
+        original = PrecisionState.integer_products
+        PrecisionState.integer_products = lambda self, device: False
+        try:
+            step()
+        finally:
+            PrecisionState.integer_products = original
+
+    return run
+
+
+def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_products: bool = False
+             ) -> dict[str, float]:
     """Medians of interleaved repeats of the plain and the quantized step; with ``compare_kernels`` also the
-    quantized step with the ``torch.compile`` error kernel instead of the C one, interleaved with both."""
+    quantized step with the ``torch.compile`` error kernel instead of the C one, and with ``compare_products`` the
+    quantized step with float products instead of products on integer codes, interleaved with the others."""
     start = time.perf_counter()
     case.quantized()  # first call: builds the fused error kernels
     warmup = time.perf_counter() - start
     arms = {"plain": case.plain, "quant": case.quantized}
     if compare_kernels:
         arms["compiled"] = _with_compiled_kernels(case.quantized)
+    if compare_products:
+        arms["float"] = _with_float_products(case.quantized)
     for step in arms.values():
         step()
     samples: dict[str, list[float]] = {name: [] for name in arms}
@@ -413,6 +432,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False) -> dict[st
     }
     if compare_kernels:
         result["compiled_kernel_ratio"] = statistics.median(samples["compiled"]) * 1e3 / plain_ms
+    if compare_products:
+        result["float_product_ratio"] = statistics.median(samples["float"]) * 1e3 / plain_ms
     return result
 
 
@@ -433,6 +454,9 @@ def main() -> None:
     parser.add_argument("--compare-kernels", action="store_true",
                         help="also time each quantized case with the torch.compile error kernel instead of the C one "
                         "(interleaved with the others)")
+    parser.add_argument("--compare-products", action="store_true",
+                        help="also time each quantized case with float products instead of products on integer codes "
+                        "(integer_matmul=False; interleaved with the others), where this CPU runs them on codes")
     parser.add_argument("--published-quantizer", metavar="FILE",
                         help="the CPT repository's cpt_cifar/modules/quantize.py: adds the published quantizer's "
                         "Linear and Conv2d rows (anchors)")
@@ -519,8 +543,10 @@ def main() -> None:
         selected.remove("minilm")
 
     print(f"command: python {' '.join(sys.argv)}")
+    integer_products = integer_matmul_supported()  # what integer_matmul="auto" does on this CPU
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"error quantizer: {'fused' if fused else 'eager'}, repeats {args.repeats}")
+          f"error quantizer: {'fused' if fused else 'eager'}, repeats {args.repeats}, "
+          f"products on integer codes: {'yes' if integer_products else 'no (no int8 dot products on this CPU)'}")
     print("quantized: 8-bit weights/activations, 8-bit errors; times are medians per step")
     # Other processes on the same cores stall multi-threaded ops; the load average says how busy it was.
     load_at_start = os.getloadavg()[0]
@@ -534,7 +560,8 @@ def main() -> None:
     rows = []
     for key in selected:
         case = cases[key]()
-        result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None)
+        result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None,
+                          args.compare_products and integer_products and case.target is not None)
         rows.append({"case": case.name, "target": case.target, **result})
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
@@ -544,6 +571,8 @@ def main() -> None:
               f"{result['paired']:>8.3f}{target:>8}  {ok:<4}{result['warmup_s']:>10.2f}", flush=True)
         if "compiled_kernel_ratio" in result:
             print(f"{'  same, torch.compile error kernel':<44}{'':>10}{'':>10}{result['compiled_kernel_ratio']:>8.3f}")
+        if "float_product_ratio" in result:
+            print(f"{'  same, float products':<44}{'':>10}{'':>10}{result['float_product_ratio']:>8.3f}")
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused, options=options)
@@ -588,7 +617,8 @@ def main() -> None:
             json.dump({"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME, "fused": fused,
                        "repeats": args.repeats, "load_average": [load_at_start, os.getloadavg()[0]],
-                       "compare_kernels": args.compare_kernels, "rows": rows, "startup": startup,
+                       "compare_kernels": args.compare_kernels, "integer_products": integer_products,
+                       "rows": rows, "startup": startup,
                        "targets": {"first_step_extra_s": FIRST_STEP_TARGET_S, "import_extra_s": IMPORT_TARGET_S}},
                       f, indent=1)
         print(f"results: {args.output}")

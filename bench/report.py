@@ -141,7 +141,9 @@ def replace_block(path: str, name: str, lines: list[str]) -> None:
 
 def overhead_summary(overhead: dict) -> list[str]:
     """The README's overhead table, from `bench/overhead.py`'s JSON."""
-    lines = [f"`{overhead['command']}` (torch {overhead['torch']}, {overhead['threads']} threads, "
+    integer = {True: "layers' training products on integer codes (this CPU has int8 dot products), ",
+               False: "float products (no int8 dot products on this CPU), "}.get(overhead.get("integer_products"), "")
+    lines = [f"`{overhead['command']}` (torch {overhead['torch']}, {overhead['threads']} threads, {integer}"
              f"`quant_scheme={overhead['quant_scheme']!r}`, medians of {overhead['repeats']} interleaved repeats; "
              "load average {:.1f} at the start, {:.1f} at the end, on 2 cores):".format(*overhead["load_average"]), "",
              "| case | plain ms | CPT 8/8 ms | time ratio | target | peak memory ratio (target) |",
@@ -163,6 +165,7 @@ def overhead_summary(overhead: dict) -> list[str]:
         anchor = row["target"] is None  # another implementation's overhead on the same layer
         ok = "" if anchor or row["ratio"] <= row["target"] else " (missed)"
         compiled = f" ({row['compiled_kernel_ratio']:.3f} ¶)" if "compiled_kernel_ratio" in row else ""
+        compiled += f" ({row['float_product_ratio']:.3f} ∥)" if "float_product_ratio" in row else ""
         lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok}"
                      f"{compiled} | {'anchor' if anchor else format(row['target'], '.2f')} | {memory} |")
     if any("memory_ratio_fixed_mmap" in row for row in overhead["rows"]):
@@ -178,6 +181,10 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "input and of its weight (a quarter of the weight's size, kept beside the weight, so at small "
                   "batches the two sides are close); the rest is the model's own (LayerNorm inputs, dropout masks, "
                   "GELU inputs, softmax outputs), and with `quantize_attention` the attention products keep codes too."]
+    if any("float_product_ratio" in row for row in overhead["rows"]):
+        lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "
+                  "GEMM on fake-quantized floats, as on a CPU without int8 dot products), timed in the same run, "
+                  "interleaved with the others."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]

@@ -282,13 +282,15 @@ def test_gradient_section_compares_the_attention_grids_group_by_group():
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [sys.executable, os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1",
-               "--no-startup", "--compare-kernels", "--output", str(output)]
+               "--no-startup", "--compare-kernels", "--compare-products", "--output", str(output)]
     subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     overhead = json.loads(output.read_text())
     (row,) = overhead["rows"]
     assert row["case"].startswith("Conv2d") and row["quant_ms"] > 0 and row["plain_ms"] > 0
     assert row["compiled_kernel_ratio"] > 0 and overhead["compare_kernels"] is True
     assert overhead["startup"] == {}
+    # a Conv2d computes no product on codes: no float-product arm for it, whatever the CPU
+    assert isinstance(overhead["integer_products"], bool) and "float_product_ratio" not in row
 
     spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
     report = importlib.util.module_from_spec(spec)
@@ -297,7 +299,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     # step within its target and an import above it (figures chosen here to exercise each branch).
     row.update(plain_peak_mib=100.0, quant_peak_mib=95.0, memory_ratio=0.95, memory_target=0.9,
                memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234,
-               plain_saved_mib=40.0, quant_saved_mib=30.0)
+               plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4)
+    overhead["integer_products"] = True
     overhead["startup"] = {"first_step_kind": "minilm", "first_step_s": 4.0, "second_step_s": 3.0,
                            "steady_step_s": 2.5, "start_extra_s": 2.0, "warm_start_extra_s": 0.5,
                            "cuda_warning": False, "import_transformers_s": 1.0, "import_hf_cpt_s": 3.0}
@@ -305,7 +308,10 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §; kept for backward 0.750 (40 -> 30 MiB) ◊" in table
     assert "◊ what one training forward keeps for its backward" in table
     assert "MALLOC_MMAP_THRESHOLD_=131072" in table and "§ as ‡, with the eager error quantizer" in table
-    assert "| 1.200 (1.234 ¶) | 1.50 |" in table and "¶ the same quantized step with the `torch.compile`" in table
+    assert "| 1.200 (1.234 ¶) (1.400 ∥) | 1.50 |" in table
+    assert "¶ the same quantized step with the `torch.compile`" in table
+    assert "∥ the same quantized step with float products" in table
+    assert "layers' training products on integer codes (this CPU has int8 dot products)" in table
     assert "+1.00 s; target +2.0 s" in table and "(+2.00 s (missed); target +1.5 s)" in table
     assert "CUDA mentioned on stderr: no" in table
     assert "- The first two steps took +2.00 s more than two steady steps of 2.50 s; in a second fresh process " \

@@ -13,6 +13,8 @@ from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.numerics import integer_matmul
 from hf_cpt.numerics.integer_matmul import code_matmul
 
+from .helpers import tiny_bert_config
+
 
 def _reference(a_codes, a_scale, a_min, b_codes, b_scale, b_min, bias):
     """The product of the dequantized operands in float64: what the integer path must equal up to float32 rounding."""
@@ -128,3 +130,29 @@ def test_eval_forward_stays_on_the_float_product():
     with mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul) as spy, torch.no_grad():
         model(x)
     assert spy.call_count == 0
+
+
+def test_a_transformer_trains_on_codes_through_its_shared_inputs():
+    """Query, key and value read one input quantized once (their shared codes); every quantized layer's product runs
+    on codes, and the loss is the float product's up to float rounding."""
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(tiny_bert_config())
+    batch = {"input_ids": torch.randint(5, 100, (4, 10)), "labels": torch.tensor([0, 1, 2, 0])}
+    losses = {}
+    for integer in (False, True):
+        model = copy.deepcopy(base)
+        report = quantize_model(model, CPTConfig(integer_matmul=integer))
+        set_precision(model, 8, 8)
+        model.train()
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        with mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul) as spy:
+            loss = model(**batch).loss
+        assert spy.call_count == (len(report.quantized) if integer else 0)
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        losses[integer] = loss.item()
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)

@@ -468,11 +468,11 @@ def test_a_llama_shares_its_attention_and_gated_mlp_inputs_and_trains_as_without
     assert losses[True][1] == pytest.approx(losses[False][1], rel=1e-5)  # gradients summed in another order
 
 
-def _reuse_pair(make_layer, make_input, seed=0):
+def _reuse_pair(make_layer, make_input, seed=0, integer_matmul="auto"):
     """Two copies of a rotated per-token layer (the default scheme), one reusing its weight codes."""
     torch.manual_seed(seed)
     plain = _wrap(make_layer())
-    quantize_model(plain, CPTConfig())
+    quantize_model(plain, CPTConfig(integer_matmul=integer_matmul))
     reusing = copy.deepcopy(plain)
     for model in (plain, reusing):
         set_precision(model, 5, 8)
@@ -487,10 +487,12 @@ def _forward_backward(model, x):
     return output.detach(), x.grad, model[0].weight.grad.clone()
 
 
+@pytest.mark.parametrize("integer_matmul", [False, True])  # the float product, and the product on codes
 @pytest.mark.parametrize("make_layer, make_input", [(lambda: nn.Linear(12, 7), lambda: torch.randn(5, 3, 12)),
                                                     (lambda: Conv1D(7, 12), lambda: torch.randn(5, 3, 12))])
-def test_weight_codes_are_reused_within_an_epoch_with_the_same_values(make_layer, make_input, monkeypatch):
-    plain, reusing, x = _reuse_pair(make_layer, make_input)
+def test_weight_codes_are_reused_within_an_epoch_with_the_same_values(make_layer, make_input, integer_matmul,
+                                                                       monkeypatch):
+    plain, reusing, x = _reuse_pair(make_layer, make_input, integer_matmul=integer_matmul)
     layer = reusing[0]
     rotated_weights = []
     apply = type(layer.rotation).apply

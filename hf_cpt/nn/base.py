@@ -20,6 +20,7 @@ from ..numerics.fake_quant import (
     fake_quantize,
     fake_quantize_compact,
     quantize_codes,
+    quantize_compact,
     quantize_ste,
     restore_compact,
     tensor_range,
@@ -242,8 +243,8 @@ class QuantLayerMixin:
         x_quantized = None  # the input quantized already (shared with sibling layers), else None
         weight_quantized = None  # (the weight as the product uses it, its codes) when reused or kept for reuse
         rotated_weight = weight_rotation = None  # in training: W R, computed once, and R for the weight gradient
-        integer = (training_products and self.compute_on_codes is not None and precision.compact_codes
-                   and input_features(self) <= MAX_REDUCED_SIZE
+        integer = (training_products and self.compute_on_codes is not None and self.quantizes_inputs
+                   and precision.compact_codes and input_features(self) <= MAX_REDUCED_SIZE
                    and precision.integer_products(weight.device))  # the product on the operands' integer codes
         if bits is not None:
             frozen = self._frozen_weight()
@@ -253,7 +254,7 @@ class QuantLayerMixin:
             if frozen is not None:
                 weight = frozen  # the loaded codes, already in the rotated basis
             elif reused is not None:  # quantized earlier in this optimizer step (or this evaluation)
-                weight_quantized = (restore_compact(*reused, weight.dtype), reused)
+                weight_quantized = (None if integer else restore_compact(*reused, weight.dtype), reused)
                 weight_rotation = rotation if training_products else None
             elif rotation is not None and training_products:
                 rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim)
@@ -265,7 +266,8 @@ class QuantLayerMixin:
                 weight_range = channel_ranges(weight, self.weight_channel_dim)
             if reuse_key is not None and reused is None:
                 operand = rotated_weight if rotated_weight is not None else weight.detach()
-                weight_quantized = fake_quantize_compact(operand, *weight_range, bits)
+                weight_quantized = ((None, quantize_compact(operand, *weight_range, bits)) if integer  # codes only
+                                    else fake_quantize_compact(operand, *weight_range, bits))
                 precision.reused_weights.put(self, reuse_key, weight_quantized[1])
             if self.quantizes_inputs:
                 x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products, integer)
@@ -329,14 +331,15 @@ class QuantLayerMixin:
         keep = training and (integer or keeps_input(self, x.requires_grad, self.weight.requires_grad))
         rotation_key = None if rotation is None else (rotation.features, self.cpt_rotation_seed)
         key = (self.input_feature_dim, x.dtype, rotation_key, id(bits), bits._version, precision.compact_codes,
-               training, keep)
+               training, keep, integer)
         entry = precision.shared_inputs.get(x, key)
         if entry is None:
             rotated = None if rotation is None else rotation.apply(x, self.input_feature_dim)
             source = x if rotated is None else rotated
             x_range = token_range(source, self.input_feature_dim)
             with torch.no_grad():
-                quantized = quantized_operand(source.detach(), *x_range, bits, precision.compact_codes, keep)
+                quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only
+                             else quantized_operand(source.detach(), *x_range, bits, precision.compact_codes, keep))
             entry = SharedInput(rotated, x_range, quantized)
             precision.shared_inputs.put(x, key, entry)
         return (x if entry.rotated is None else entry.rotated), entry.x_range, entry.quantized
