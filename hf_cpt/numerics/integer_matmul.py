@@ -72,7 +72,10 @@ def code_matmul(
     b_zero = b_min.float() + middle * b_scale
     a_sums = a.sum(1, keepdim=True, dtype=torch.int32)  # [M, 1]
     b_sums = b.sum(0, keepdim=True, dtype=torch.int32)  # [1, N]
-    out = torch._int_mm(a, b).float().mul_(a_scale).mul_(b_scale)
+    products = torch._int_mm(a, b)
+    out = products.view(torch.float32)  # int32 -> float32 in the product's own memory: no second full-size tensor
+    out.copy_(products)
+    out.mul_(a_scale).mul_(b_scale)
     # the rank-one terms and the bias in one pass: [s_a (a' 1), z_a, 1] @ [z_b; s_b (1 b') + K z_b; bias]
     rows, columns = out.shape
     left = torch.stack([(a_scale * a_sums).expand(rows, 1).reshape(rows), a_zero.expand(rows, 1).reshape(rows),
