@@ -313,7 +313,8 @@ def _integer_pairs(grouped: dict) -> list[str]:
             continue
         gaps = _seed_gaps(entries, grouped.get((name.replace(INTEGER_LABEL, ""), option), []))
         if gaps:
-            lines.append(f"- {name} against the same run with the float product, seed by seed ({describe(option)}): "
+            lines.append(f"- {name} against the same run with the float product, seed by seed ({describe(option)}; "
+                         "any change of rounding sends a run down another path, so a single gap is noise): "
                          + ", ".join(f"{g:+.2f}" for g in gaps) + f" points (mean {mean(gaps):+.2f}).")
     return lines
 

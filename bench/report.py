@@ -184,7 +184,8 @@ def overhead_summary(overhead: dict) -> list[str]:
     if any("float_product_ratio" in row for row in overhead["rows"]):
         lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "
                   "GEMM on fake-quantized floats, as on a CPU without int8 dot products), timed in the same run, "
-                  "interleaved with the others."]
+                  "interleaved with the others. A Conv2d has no product on codes: there both columns time the same "
+                  "step, and their gap is the run's noise."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]

@@ -231,7 +231,8 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
             f"seed by seed ({per_row}): -1.00 points (mean -1.00).") in page
     assert f"| static 8/8 (forward on integer codes) | {per_row} (default) | 1 | 60.00 ± 0.00 |" in page
     assert (f"- static 8/8 (forward on integer codes) against the same run with the float product, seed by seed "
-            f"({per_row}): +1.50 points (mean +1.50).") in page
+            f"({per_row}; any change of rounding sends a run down another path, so a single gap is noise): +1.50 "
+            "points (mean +1.50).") in page
     # and both pooled per layer schedule, with the sign test's chance of that many pairs below zero
     assert (f"- Quantized attention against the same run without it, pooled over its variants, static 8/8 ({per_row}): "
             "2 pairs, mean -1.50 points, 2 of 2 below zero (as many or more by chance, with no effect: 0.250;") in page
@@ -289,8 +290,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert row["case"].startswith("Conv2d") and row["quant_ms"] > 0 and row["plain_ms"] > 0
     assert row["compiled_kernel_ratio"] > 0 and overhead["compare_kernels"] is True
     assert overhead["startup"] == {}
-    # a Conv2d computes no product on codes: no float-product arm for it, whatever the CPU
-    assert isinstance(overhead["integer_products"], bool) and "float_product_ratio" not in row
+    # the float-product arm runs where the CPU computes products on codes (for a Conv2d it times the same step)
+    assert ("float_product_ratio" in row) == overhead["integer_products"]
 
     spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
     report = importlib.util.module_from_spec(spec)

@@ -10,7 +10,7 @@ tensor) and ``b``'s per column (or one), is then one integer matrix product and 
 with ``K`` the reduced size. ``a' b'`` is exact (int32 sums), so the result is the product of the very values the
 float path multiplies, rounded in float32 a few times instead of once per term; centring the codes keeps the
 terms near the size of the result (a roughly symmetric range has ``z`` near 0), so the float32 combination loses
-little. On a CPU with int8 dot-product instructions (VNNI, AMX) it runs at about four times a float32 GEMM.
+little. On a CPU with int8 dot-product instructions (VNNI, AMX) it runs several times as fast as a float32 GEMM.
 Ranges along the reduced dimension (a per-channel weight scale in an input gradient) do not factor out of the sum:
 those products stay in floating point.
 
