@@ -79,8 +79,9 @@ def code_matmul(
     # the rank-one terms and the bias in one pass: [s_a (a' 1), z_a, 1] @ [z_b; s_b (1 b') + K z_b; bias]
     rows, columns = out.shape
     left = torch.stack([(a_scale * a_sums).expand(rows, 1).reshape(rows), a_zero.expand(rows, 1).reshape(rows),
-                        torch.ones(rows)], 1)
+                        torch.ones(rows, dtype=out.dtype, device=out.device)], 1)
     right = torch.stack([b_zero.expand(1, columns).reshape(columns),
                          (b_scale * b_sums + reduced * b_zero).expand(1, columns).reshape(columns),
-                         torch.zeros(columns) if bias is None else bias.float()], 0)
+                         torch.zeros(columns, dtype=out.dtype, device=out.device) if bias is None else bias.float()],
+                        0)
     return out.addmm_(left, right)
