@@ -306,7 +306,8 @@ INTEGER_LABEL = " (forward on integer codes)"
 
 def _integer_pairs(grouped: dict) -> list[str]:
     """Each run whose layers' forward ran on integer codes against the same run with the float product, seed by
-    seed: the two compute the same values up to float rounding, so any gap is the noise such a change sets off."""
+    seed: the two compute the same values up to float rounding, which sends a run down another path, so pairs are
+    noise unless they agree in sign and size."""
     lines = []
     for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
         if INTEGER_LABEL not in name:

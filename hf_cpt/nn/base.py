@@ -311,7 +311,7 @@ class QuantLayerMixin:
                         integer: bool = False):
         """(the input rotated, its range, its quantized operand or None). Per-token layers share all three with
         the sibling layers that read the same input (`hf_cpt.nn.shared_input`); the others compute the first two.
-        ``integer``: the products run on codes, so the shared operand keeps its codes even where no backward does."""
+        ``integer``: the products run on codes, so the shared operand is its codes alone (no fake-quantized floats)."""
         if rotation is not None and rotation.signs.dtype != x.dtype:  # e.g. bf16 activations under autocast
             rotation = rotation.to(x.device, x.dtype)
         shareable = (
@@ -326,9 +326,9 @@ class QuantLayerMixin:
                 x = rotation.apply(x, self.input_feature_dim)
             return x, self.input_range(x), None
         precision = self.cpt_precision
-        # Codes only where this layer's backward reads its input (what the products would keep themselves) or its
-        # product runs on them.
-        keep = training and (integer or keeps_input(self, x.requires_grad, self.weight.requires_grad))
+        # Codes only where this layer's backward reads its input (what the products would keep themselves); a product
+        # on codes (``integer``) gets its codes whatever the backward keeps.
+        keep = training and keeps_input(self, x.requires_grad, self.weight.requires_grad)
         rotation_key = None if rotation is None else (rotation.features, self.cpt_rotation_seed)
         key = (self.input_feature_dim, x.dtype, rotation_key, id(bits), bits._version, precision.compact_codes,
                training, keep, integer)

@@ -45,7 +45,6 @@ class PrecisionState:
         self.attention_errors = errors.for_attention()
         # Training products on integer codes (`hf_cpt.numerics.integer_matmul`): True, False or "auto", resolved for
         # CPU here, once (not inside a compiled graph, which cannot read the CPU's flags).
-        self.integer_matmul = integer_matmul
         self.integer_on_cpu = integer_matmul_supported() if integer_matmul == "auto" else bool(integer_matmul)
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init

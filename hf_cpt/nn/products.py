@@ -37,18 +37,6 @@ def quantized_operand(
     return value, ((value, None, None) if keep else NOT_SAVED)
 
 
-def _operand_codes(
-    t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor,
-    quantized: tuple | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The (uint8 codes, scale, minimum) of an operand quantized at most 8 bits: those it came with
-    (``quantized``: (value, codes)), else computed; None for an operand that is not quantized or has no codes."""
-    if quantized is not None:
-        codes = quantized[1]
-        return codes if codes[1] is not None else None
-    return None if minimum is None else quantize_compact(t, minimum, maximum, bits)
-
-
 def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
     """The operand the forward used, or a meta tensor of its shape when it was not saved (not read)."""
     codes, scale, minimum = saved
@@ -67,8 +55,9 @@ class QuantizedProducts(torch.autograd.Function):
     integer codes of its quantized values (uint8 with its scale and minimum, up to 8 bits), not a float
     copy, rebuilt bit for bit in backward. A weight the layer quantized itself (reused within an optimizer step)
     comes as ``weight_quantized``: (its value, its codes).
-    With ``integer`` (8 bits or fewer, a layer with `compute_on_codes`), the forward product runs on the operands'
-    integer codes (`hf_cpt.numerics.integer_matmul`) and the fake-quantized floats are never formed.
+    With ``integer`` (decided by `QuantLayerMixin.forward`: 8 bits or fewer, both operands quantized, a layer with
+    `compute_on_codes`), the forward product runs on the operands' integer codes (`hf_cpt.numerics.integer_matmul`)
+    and the fake-quantized floats are never formed; an operand given quantized then comes as (None, its codes).
     Backward: straight-through for both operands; with error bits, the error is quantized once and each
     product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
     follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
@@ -86,15 +75,14 @@ class QuantizedProducts(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.shapes = (x.shape, weight.shape)
         operand = weight if rotated_weight is None else rotated_weight
-        if integer and compact and layer.compute_on_codes is not None:
-            x_codes = _operand_codes(x, x_min, x_max, bits, x_quantized)
-            weight_codes = None if x_codes is None else _operand_codes(operand, weight_min, weight_max, bits,
-                                                                      weight_quantized)
-            if weight_codes is not None:
-                ctx.save_for_backward(*(x_codes if keep_x else NOT_SAVED), *(weight_codes if needs_x else NOT_SAVED))
-                autocast = torch.is_autocast_enabled(x.device.type)
-                dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-                return layer.compute_on_codes(x_codes, weight_codes, bits).to(dtype)
+        if integer:
+            x_codes = x_quantized[1] if x_quantized is not None else quantize_compact(x, x_min, x_max, bits)
+            weight_codes = (weight_quantized[1] if weight_quantized is not None
+                            else quantize_compact(operand, weight_min, weight_max, bits))
+            ctx.save_for_backward(*(x_codes if keep_x else NOT_SAVED), *(weight_codes if needs_x else NOT_SAVED))
+            autocast = torch.is_autocast_enabled(x.device.type)
+            dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+            return layer.compute_on_codes(x_codes, weight_codes, bits).to(dtype)
         if x_quantized is None:
             x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x)
         else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all

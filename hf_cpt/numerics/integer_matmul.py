@@ -66,7 +66,8 @@ def code_matmul(
     if reduced > MAX_REDUCED_SIZE:
         raise ValueError(f"code_matmul sums at most {MAX_REDUCED_SIZE} code products exactly in int32, got {reduced}")
     middle = torch.exp2(bits.float() - 1)  # the middle code, 2^(b-1)
-    a, b = _centred(a_codes, middle.to(torch.uint8)), _centred(b_codes, middle.to(torch.uint8))
+    middle_code = middle.to(torch.uint8)
+    a, b = _centred(a_codes, middle_code), _centred(b_codes, middle_code)
     a_scale, b_scale = a_scale.float(), b_scale.float()
     a_zero = a_min.float() + middle * a_scale  # the value of the middle code
     b_zero = b_min.float() + middle * b_scale
