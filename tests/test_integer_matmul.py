@@ -10,7 +10,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.nn.precision import PrecisionState
-from hf_cpt.numerics import integer_matmul
+from hf_cpt.numerics import code_kernels, integer_matmul
 from hf_cpt.numerics.integer_matmul import code_matmul
 
 from .helpers import tiny_bert_config
@@ -26,9 +26,10 @@ def _reference(a_codes, a_scale, a_min, b_codes, b_scale, b_min, bias):
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("a_ranges", ["row", "tensor"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_code_matmul_equals_the_product_of_the_dequantized_operands(bits, a_ranges, with_bias):
+@pytest.mark.parametrize("m, k, n", [(37, 200, 29), (300, 200, 129)])  # below and above the native kernel's size
+def test_code_matmul_equals_the_product_of_the_dequantized_operands(bits, a_ranges, with_bias, m, k, n):
+    """The torch terms (small products) and the native one-pass kernel (large ones, on CPU) alike."""
     generator = torch.Generator().manual_seed(bits)
-    m, k, n = 37, 200, 29
     top = 2 ** bits
     a_codes = torch.randint(0, top, (m, k), generator=generator, dtype=torch.uint8)
     a_codes[3] = 0  # a padding row: every code the minimum
@@ -39,7 +40,15 @@ def test_code_matmul_equals_the_product_of_the_dequantized_operands(bits, a_rang
     b_scale = torch.rand(1, n, generator=generator) * 0.02 + 1e-4
     b_min = torch.randn(1, n, generator=generator)
     bias = torch.randn(n, generator=generator) if with_bias else None
-    out = code_matmul(a_codes, a_scale, a_min, b_codes, b_scale, b_min, torch.tensor(float(bits)), bias)
+    served = []
+
+    def native(*args):
+        served.append(code_kernels.code_product_native(*args) is not None)
+        return None if not served[-1] else args[0].view(torch.float32)
+
+    with mock.patch.object(integer_matmul, "code_product_native", native):
+        out = code_matmul(a_codes, a_scale, a_min, b_codes, b_scale, b_min, torch.tensor(float(bits)), bias)
+    assert served == [m * n >= code_kernels.NATIVE_MIN_NUMEL and code_kernels._library() is not None]
     expected = _reference(a_codes, a_scale, a_min, b_codes, b_scale, b_min, bias)
     assert out.dtype == torch.float32 and out.shape == (m, n)
     # float32 rounding of terms as large as K * |a| * |b|: far below one code step of either operand

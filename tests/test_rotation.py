@@ -1,6 +1,7 @@
 """Rotation (hf_cpt.rotation) and the activation schemes of the layers, against independent references."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -254,3 +255,52 @@ def test_a_resplit_rotation_is_the_same_matrix_and_compiles_into_one_graph(featu
     x32 = torch.randn(4, features)
     compiled = torch.compile(lambda t: rotation32.apply(t, transpose=True), backend=counting_backend)
     assert torch.equal(compiled(x32), rotation32.apply(x32, transpose=True)) and len(graphs) == 1
+
+
+def _native_served(x, rotation, transpose=False, dim=-1):
+    trailing = math.prod(x.shape[dim % x.dim() + 1:])
+    return rotation_module._rotate_native(x, trailing, transpose, rotation.signs, rotation.factors, rotation.kinds)
+
+
+@pytest.mark.parametrize("features", [768, 1024, 576, 3072])  # Paley 12 x 64, Sylvester 1024, dense 9 x 64, Paley 12 x 256
+def test_native_rotation_matches_the_dense_matrix_at_every_thread_count(features):
+    """The C kernel (float32 CPU): within float32 rounding of ``x R`` and ``x R^T`` in float64, the same values bit
+    for bit at 1, 2 and 3 threads, and along another axis the same values as along the last."""
+    if rotation_module._native_library() is None:
+        pytest.skip("no C compiler on this machine")
+    rotation = get_rotation(features)
+    dense = kronecker_reference(get_rotation(features, dtype=torch.float64))
+    x = torch.randn(2, 300, features) * torch.logspace(-3, 2, features)  # an outlier-heavy spread of magnitudes
+    threads = torch.get_num_threads()
+    try:
+        for transpose, matrix in ((False, dense), (True, dense.T)):
+            results = []
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                results.append(_native_served(x, rotation, transpose))
+            assert results[0] is not None and all(torch.equal(r, results[0]) for r in results)
+            expected = x.double() @ matrix
+            error = (results[0].double() - expected).abs().max() / expected.abs().max()
+            assert error < 1e-6
+            assert torch.equal(rotation.apply(x, transpose=transpose), results[0])  # what the layers call
+            # along another axis (a GPT-2 Conv1D weight [in, out]; a batch of them), a tile of columns at a time
+            columns = x[0, :64].t().contiguous()
+            along_rows = rotation.apply(columns, dim=0, transpose=transpose)
+            assert _native_served(columns, rotation, transpose, dim=0) is not None
+            assert torch.equal(along_rows, results[0][0, :64].t())
+            stacked = torch.stack([columns, 2 * columns])
+            assert torch.equal(rotation.apply(stacked, dim=1, transpose=transpose)[1], 2 * along_rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_calls_the_native_rotation_does_not_serve_keep_the_products():
+    """bf16, a transposed view, a Sylvester part under 16 over the last axis (96 = 12 x 8) and a small tensor
+    take the factor-by-factor products."""
+    rotation = get_rotation(768)
+    big = torch.randn(64, 768)
+    assert _native_served(big.bfloat16(), rotation.to(torch.device("cpu"), torch.bfloat16)) is None
+    assert _native_served(torch.randn(768, 64).t(), rotation) is None
+    assert _native_served(torch.randn(4, 768), rotation) is None
+    small = get_rotation(96)
+    assert _native_served(torch.randn(1024, 96), small) is None

@@ -32,13 +32,56 @@ typedef struct {
     int zero_centred;
 } job_t;
 
+#define MIN_SCALE 1e-8f /* fake_quant.MIN_SCALE */
+
+#define LANES 16 /* independent running bounds: a fixed-width block the compiler turns into vector min / max */
+
+/* The grid of one row, as errors.grid computes it with torch: min/max grid: offset m, scale max((M - m) / L, 1e-8);
+ * zero-centred grid: scale max(max|e| / L, 1e-8). A row holding a NaN gets a NaN grid, as torch's amin / amax give. */
+static void row_grid(const float *restrict x, int64_t n, float top, int zero_centred, float *offset, float *scale) {
+    float low[LANES], high[LANES];
+    int nan[LANES];
+    for (int j = 0; j < LANES; j++) {
+        low[j] = zero_centred ? 0.0f : x[0];
+        high[j] = zero_centred ? 0.0f : x[0];
+        nan[j] = 0;
+    }
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        for (int j = 0; j < LANES; j++) {
+            const float v = zero_centred ? fabsf(x[i + j]) : x[i + j];
+            low[j] = v < low[j] ? v : low[j];
+            high[j] = v > high[j] ? v : high[j];
+            nan[j] |= v != v;
+        }
+    }
+    for (; i < n; i++) {
+        const float v = zero_centred ? fabsf(x[i]) : x[i];
+        low[0] = v < low[0] ? v : low[0];
+        high[0] = v > high[0] ? v : high[0];
+        nan[0] |= v != v;
+    }
+    for (int j = 1; j < LANES; j++) {
+        low[0] = low[j] < low[0] ? low[j] : low[0];
+        high[0] = high[j] > high[0] ? high[j] : high[0];
+        nan[0] |= nan[j];
+    }
+    const float step = zero_centred ? high[0] / top : (high[0] - low[0]) / top;
+    *offset = nan[0] ? NAN : (zero_centred ? 0.0f : low[0]);
+    *scale = nan[0] ? NAN : (step < MIN_SCALE ? MIN_SCALE : step);
+}
+
 static void run(const job_t *job) {
     const float top = job->top;
     for (int64_t start = job->first; start < job->last;) {
         const int64_t row = start / job->columns;
         const int64_t row_end = (row + 1) * job->columns;
         const int64_t end = row_end < job->last ? row_end : job->last;
-        const float scale = job->scale[row * job->range_stride];
+        float row_offset, row_scale; /* computed here when the caller gave no grid */
+        if (!job->scale)
+            row_grid(job->source + row * job->columns, job->columns, top, job->zero_centred, &row_offset,
+                     &row_scale);
+        const float scale = job->scale ? job->scale[row * job->range_stride] : row_scale;
         const float *x = job->source + start;
         float *out = job->out + start;
         const uint32_t base = (uint32_t)start;
@@ -53,7 +96,7 @@ static void run(const job_t *job) {
             }
         } else {
             /* round(min(max((x - m) / s + u, 0), L)) * s + m */
-            const float offset = job->offset[row * job->range_stride];
+            const float offset = job->scale ? job->offset[row * job->range_stride] : row_offset;
             for (int64_t i = 0; i < n; i++) {
                 float code = (x[i] - offset) / scale + hashed_noise(base + (uint32_t)i, job->seed);
                 code = code < 0.0f ? 0.0f : code;
@@ -73,7 +116,8 @@ static void *run_thread(void *job) {
 #define MAX_THREADS 64
 #define MIN_ELEMENTS_PER_THREAD 65536
 
-/* Quantize rows x columns float32 values (contiguous) into out; returns the number of threads used. */
+/* Quantize rows x columns float32 values (contiguous) into out; returns the number of threads used. With offset and
+ * scale null, each row's grid is computed here (per-row ranges: one pass less over the tensor for each bound). */
 int hf_cpt_quantize_errors(const float *source, float *out, const float *offset, const float *scale,
                            int64_t range_stride, int64_t rows, int64_t columns, float top, int32_t seed,
                            int zero_centred, int threads) {

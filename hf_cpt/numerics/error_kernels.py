@@ -40,14 +40,18 @@ def grid(
     ``max|e| / L``, codes ``-L..L`` (CPTConfig refuses it below 2 bits, where L = 0; the floor of one level keeps a
     direct call at 1 bit finite). Scales are clamped, so a row of zeros has no degenerate range.
     """
-    levels = levels.to(source.dtype)
+    top = top_code(levels.to(source.dtype), zero_centred)
     if zero_centred:
         magnitude = source.detach().abs()
         absmax = magnitude.amax(dim=dim, keepdim=True) if per_row else magnitude.amax()
-        top = levels.clamp_min(1.0)
         return None, (absmax / top).clamp_min(MIN_SCALE), top
     minimum, maximum = token_range(source, dim) if per_row else tensor_range(source)
-    return minimum, quantization_scale(minimum, maximum, levels), levels
+    return minimum, quantization_scale(minimum, maximum, top), top
+
+
+def top_code(levels: torch.Tensor, zero_centred: bool) -> torch.Tensor:
+    """The grid's top code: ``levels``, floored at one level on the zero-centred grid (see `grid`)."""
+    return levels.clamp_min(1.0) if zero_centred else levels
 
 
 def symmetric_round(
@@ -112,8 +116,8 @@ def kernel_name(granularity: str, grid_name: str) -> str:
 
 
 def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
-    """The C kernel (`error_kernels.c`) behind the formula's signature, or None where it cannot be built: the grid
-    is computed here with torch, the noise, clamp and rounding there, in one pass."""
+    """The C kernel (`error_kernels.c`) behind the formula's signature, or None where it cannot be built: the noise,
+    clamp and rounding in one pass, and each row's grid in the same pass (one range per tensor: computed here)."""
     library = native.load("error_kernels")
     if library is None:
         return None
@@ -125,13 +129,17 @@ def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
 
     def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
         source = _compute_dtype(grad).contiguous()
-        offset, scale, top = grid(source, levels, per_row, zero_centred)
-        scale = scale.contiguous()
-        offset = scale if offset is None else offset.contiguous()
         out = torch.empty_like(source)
         columns = source.shape[-1] if per_row else source.numel()
-        entry(source.data_ptr(), out.data_ptr(), offset.data_ptr(), scale.data_ptr(), 1 if per_row else 0,
-              source.numel() // columns, columns, float(top), int(seed), int(zero_centred), torch.get_num_threads())
+        if per_row:  # each row's grid computed in the kernel, in the same pass that quantizes it
+            offset = scale = None
+            top = top_code(levels.to(source.dtype), zero_centred)
+        else:
+            offset, scale, top = grid(source, levels, per_row, zero_centred)
+            offset = scale if offset is None else offset
+        entry(source.data_ptr(), out.data_ptr(), None if offset is None else offset.data_ptr(),
+              None if scale is None else scale.data_ptr(), 0, source.numel() // columns, columns, float(top),
+              int(seed), int(zero_centred), torch.get_num_threads())
         return out.to(grad.dtype)
 
     return run

@@ -3,6 +3,8 @@
 ``Q(x) = s * round(clamp((x - m) / s, 0, 2^b - 1)) + m`` with ``s = max((M - m) / (2^b - 1), 1e-8)``.
 Weights and input activations use deterministic rounding (round half to even) and are bit-exact
 with that formula; the forward quantizers pass gradients straight through. Errors: `hf_cpt.numerics.errors`.
+On CPU the compact codes (and the values beside them) come from one native pass where it serves the call
+(`hf_cpt.numerics.code_kernels`), the same values bit for bit.
 
 Bits are 0-d tensors so that a changing bit-width never makes ``torch.compile`` re-trace.
 This module knows nothing about layers, schedules or the Trainer.
@@ -11,6 +13,8 @@ This module knows nothing about layers, schedules or the Trainer.
 from __future__ import annotations
 
 import torch
+
+from .code_kernels import quantize_codes_native, restore_codes_native
 
 MIN_SCALE = 1e-8
 
@@ -29,19 +33,29 @@ def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def _grid(
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(source in the compute dtype, minimum, scale, top code) of quantizing ``x`` over ``[minimum, maximum]``."""
+    source = _compute_dtype(x)
+    levels = num_levels(bits).to(source.dtype)
+    minimum, maximum = minimum.to(source.dtype), maximum.to(source.dtype)
+    return source, minimum, quantization_scale(minimum, maximum, levels), levels
+
+
 def quantization_codes(
     x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, scale, minimum) of ``x`` over ``[minimum, maximum]``: codes are integral floats in the compute
     dtype (float32 for half inputs), and ``codes * scale + minimum`` is the fake-quantized value."""
-    source = _compute_dtype(x)
-    levels = num_levels(bits).to(source.dtype)
-    minimum, maximum = minimum.to(source.dtype), maximum.to(source.dtype)
-    scale = quantization_scale(minimum, maximum, levels)
+    source, minimum, scale, levels = _grid(x, minimum, maximum, bits)
+    return _codes(source, minimum, scale, levels), scale, minimum
+
+
+def _codes(source: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     # clamp_min_ + clamp_max_: the same values as clamp_(min, max), but clamp with two tensor bounds
     # takes a slow unvectorized path on CPU (about 10x slower).
-    codes = (source - minimum).div_(scale).clamp_min_(0.0).clamp_max_(levels).round_()
-    return codes, scale, minimum
+    return (source - minimum).div_(scale).clamp_min_(0.0).clamp_max_(levels).round_()
 
 
 def fake_quantize(
@@ -59,8 +73,14 @@ def fake_quantize_compact(
 
     ``restore_compact(*compact, x.dtype)`` gives back the fake-quantized tensor bit for bit (the same
     ``codes * scale + minimum`` in the same dtype): what a layer's backward saves instead of a float copy.
+    On CPU the codes and values come from one native pass where it serves the call (`code_kernels`).
     """
-    codes, scale, minimum = quantization_codes(x, minimum, maximum, bits)
+    source, minimum, scale, levels = _grid(x, minimum, maximum, bits)
+    native = quantize_codes_native(source, minimum, scale, levels, values=True)
+    if native is not None:
+        codes, values = native
+        return values.to(x.dtype), (codes, scale, minimum)
+    codes = _codes(source, minimum, scale, levels)
     compact = (codes.to(torch.uint8), scale, minimum)
     return codes.mul_(scale).add_(minimum).to(x.dtype), compact
 
@@ -70,14 +90,20 @@ def quantize_compact(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`fake_quantize_compact`'s (uint8 codes, scale, minimum) alone, for at most 8 bits: for a product computed on
     the codes, which never needs the fake-quantized floats."""
-    codes, scale, minimum = quantization_codes(x, minimum, maximum, bits)
-    return codes.to(torch.uint8), scale, minimum
+    source, minimum, scale, levels = _grid(x, minimum, maximum, bits)
+    native = quantize_codes_native(source, minimum, scale, levels, values=False)
+    if native is not None:
+        return native[0], scale, minimum
+    return _codes(source, minimum, scale, levels).to(torch.uint8), scale, minimum
 
 
 def restore_compact(
     codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum."""
+    native = restore_codes_native(codes, scale, minimum)
+    if native is not None:
+        return native.to(dtype)
     return codes.to(scale.dtype).mul_(scale).add_(minimum).to(dtype)
 
 

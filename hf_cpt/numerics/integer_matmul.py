@@ -10,7 +10,8 @@ tensor) and ``b``'s per column (or one), is then one integer matrix product and 
 with ``K`` the reduced size. ``a' b'`` is exact (int32 sums), so the result is the product of the very values the
 float path multiplies, rounded in float32 a few times instead of once per term; centring the codes keeps the
 terms near the size of the result (a roughly symmetric range has ``z`` near 0), so the float32 combination loses
-little. On a CPU with int8 dot-product instructions (VNNI, AMX) it runs several times as fast as a float32 GEMM.
+little. On a CPU with int8 dot-product instructions (VNNI, AMX) it runs several times as fast as a float32 GEMM;
+there the scales, rank-one terms and bias are applied in one native pass (`code_kernels.code_product_native`).
 Ranges along the reduced dimension (a per-channel weight scale in an input gradient) do not factor out of the sum:
 those products stay in floating point.
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from .code_kernels import code_product_native
 
 # CPU flags (/proc/cpuinfo) of int8 dot-product instructions: without them int8 GEMMs run far slower than float32.
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -74,15 +77,18 @@ def code_matmul(
     a_sums = a.sum(1, keepdim=True, dtype=torch.int32)  # [M, 1]
     b_sums = b.sum(0, keepdim=True, dtype=torch.int32)  # [1, N]
     products = torch._int_mm(a, b)
+    row_sum, column_term = a_scale * a_sums, b_scale * b_sums + reduced * b_zero
+    native = code_product_native(products, a_scale, row_sum, a_zero, b_scale, b_zero, column_term, bias)
+    if native is not None:
+        return native
     out = products.view(torch.float32)  # int32 -> float32 in the product's own memory: no second full-size tensor
     out.copy_(products)
     out.mul_(a_scale).mul_(b_scale)
     # the rank-one terms and the bias in one pass: [s_a (a' 1), z_a, 1] @ [z_b; s_b (1 b') + K z_b; bias]
     rows, columns = out.shape
-    left = torch.stack([(a_scale * a_sums).expand(rows, 1).reshape(rows), a_zero.expand(rows, 1).reshape(rows),
+    left = torch.stack([row_sum.expand(rows, 1).reshape(rows), a_zero.expand(rows, 1).reshape(rows),
                         torch.ones(rows, dtype=out.dtype, device=out.device)], 1)
-    right = torch.stack([b_zero.expand(1, columns).reshape(columns),
-                         (b_scale * b_sums + reduced * b_zero).expand(1, columns).reshape(columns),
+    right = torch.stack([b_zero.expand(1, columns).reshape(columns), column_term.expand(1, columns).reshape(columns),
                          torch.zeros(columns, dtype=out.dtype, device=out.device) if bias is None else bias.float()],
                         0)
     return out.addmm_(left, right)

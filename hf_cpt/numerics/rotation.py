@@ -20,11 +20,14 @@ built there would have no data. This module knows nothing about layers or traini
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from dataclasses import dataclass
 
 import torch
+
+from . import native
 
 MAX_FACTOR = 32  # largest power-of-two Hadamard factor stored (the rotation's definition)
 MAX_MERGED_BLOCK = 256  # trailing factors merged into one block of at most this size when applied (speed only)
@@ -201,6 +204,9 @@ def _rotate(
     """
     dim = dim % x.dim()
     trailing = math.prod(x.shape[dim + 1:])
+    rotated = _rotate_native(x, trailing, transpose, signs, factors, kinds)
+    if rotated is not None:
+        return rotated
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
     y = x if transpose else x * signs
     for factor in _axis_steps(factors, kinds, transpose, last_axis=trailing == 1):
@@ -212,6 +218,52 @@ def _rotate(
         trailing *= size
     y = y.reshape(x.shape)
     return y * signs if transpose else y
+
+
+# Below this many values the factor-by-factor products are as fast as the native kernel.
+NATIVE_MIN_NUMEL = 1 << 15
+
+
+@functools.cache
+def _native_library():
+    library = native.load("rotation_kernels")
+    if library is not None:
+        sizes = [ctypes.c_int64] * 2
+        library.hf_cpt_rotate.argtypes = [ctypes.c_void_p] * 4 + sizes + [ctypes.c_int64] + [ctypes.c_int] * 2
+        library.hf_cpt_rotate_columns.argtypes = [ctypes.c_void_p] * 4 + sizes * 2 + [ctypes.c_int] * 2
+        library.hf_cpt_rotate.restype = library.hf_cpt_rotate_columns.restype = ctypes.c_int
+    return library
+
+
+def _rotate_native(
+    x: torch.Tensor, trailing: int, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...],
+    kinds: tuple[str, ...],
+) -> torch.Tensor | None:
+    """`_rotate` by the C kernel (``rotation_kernels.c``: the signs, a fast Walsh-Hadamard transform of the Sylvester
+    part, the leading factor), over the last axis one row at a time or over another (``trailing`` values after it)
+    a tile of columns at a time, in cache; None where it does not serve the call: not a contiguous float32 CPU
+    tensor, traced by torch.compile, small, or a Sylvester part under 16 on the last axis."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or signs.dtype != torch.float32 or not x.is_contiguous()
+            or any(f.dtype != torch.float32 for f in factors)
+            or x.numel() < NATIVE_MIN_NUMEL or torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()):
+        return None
+    lead = None if kinds[0] == "sylvester" else factors[0].contiguous()
+    lead_size = 1 if lead is None else lead.shape[0]
+    features = signs.numel()
+    power = features // lead_size
+    if (trailing == 1 and power % 16) or _native_library() is None:
+        return None
+    out = torch.empty_like(x)
+    signs = signs.contiguous()
+    operands = (x.data_ptr(), out.data_ptr(), signs.data_ptr(), None if lead is None else lead.data_ptr(), lead_size,
+                power)
+    threads = torch.get_num_threads()
+    if trailing == 1:
+        failed = _native_library().hf_cpt_rotate(*operands, x.numel() // features, int(transpose), threads)
+    else:
+        batches = x.numel() // (features * trailing)
+        failed = _native_library().hf_cpt_rotate_columns(*operands, batches, trailing, int(transpose), threads)
+    return None if failed else out
 
 
 class _Rotate(torch.autograd.Function):

@@ -1,0 +1,167 @@
+/* Quantization codes on CPU in one pass (docs/method.md §2, "Codes in one pass").
+ *
+ * The C twin of fake_quant.quantization_codes and restore_compact, value for value: each element is shifted by
+ * its range's minimum, divided by its scale, clamped to [0, L] and rounded half to even, in the same float32
+ * order (built with -ffp-contract=off, so no fused multiply-add changes a rounding). The torch formula makes five
+ * full-size float passes and a conversion; this reads the input once and writes one byte per element (and, when
+ * asked, the fake-quantized value codes * s + m). A range is one value per row (stride 1 along rows), per column
+ * (stride 1 along columns) or one for the tensor (both strides 0). Also the float32 result of a product on codes
+ * from its int32 sums (integer_matmul.code_matmul's scales and rank-one terms) in one pass. Rows are split over
+ * POSIX threads; no result depends on the thread count.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+
+typedef void (*rows_body)(const void *args, int64_t first_row, int64_t last_row);
+
+typedef struct {
+    rows_body body;
+    const void *args;
+    int64_t first_row, last_row;
+} slice_t;
+
+static void *run_slice(void *slice) {
+    const slice_t *s = (const slice_t *)slice;
+    s->body(s->args, s->first_row, s->last_row);
+    return 0;
+}
+
+#define MAX_THREADS 64
+#define MIN_ELEMENTS_PER_THREAD (1 << 22) /* a thread start costs more than a memory-bound pass over less */
+
+/* body over rows 0..rows, split over at most `threads` threads; returns the number used. */
+static int split(rows_body body, const void *args, int64_t rows, int64_t columns, int threads) {
+    slice_t slices[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int64_t most = rows * columns / MIN_ELEMENTS_PER_THREAD + 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > most) threads = (int)most;
+    if (threads > rows) threads = (int)rows;
+    if (threads < 1) threads = 1;
+    for (int t = 0; t < threads; t++) {
+        slice_t slice = {body, args, rows * t / threads, rows * (t + 1) / threads};
+        slices[t] = slice;
+    }
+    int started = 1;
+    for (; started < threads; started++) {
+        if (pthread_create(&ids[started], 0, run_slice, &slices[started]) != 0) break;
+    }
+    for (int t = started; t < threads; t++) run_slice(&slices[t]); /* threads that could not start */
+    run_slice(&slices[0]);
+    for (int t = 1; t < started; t++) pthread_join(ids[t], 0);
+    return threads;
+}
+
+typedef struct {
+    const float *source;
+    const uint8_t *codes_in;
+    uint8_t *codes;
+    float *values;
+    const float *minimum, *scale;
+    int64_t row_stride, column_stride, columns;
+    float top;
+} codes_args;
+
+/* One row; `per_column` and `keep_values` are constants at each call, so each variant is its own vector loop. */
+static inline __attribute__((always_inline)) void quantize_row(
+    const float *restrict x, uint8_t *restrict codes, float *restrict values, const float *restrict m,
+    const float *restrict s, int64_t columns, float top, const int per_column, const int keep_values) {
+    for (int64_t i = 0; i < columns; i++) {
+        const float minimum = per_column ? m[i] : m[0], scale = per_column ? s[i] : s[0];
+        float code = (x[i] - minimum) / scale;
+        code = code < 0.0f ? 0.0f : code;
+        code = rintf(code > top ? top : code);
+        codes[i] = (uint8_t)code;
+        if (keep_values) values[i] = code * scale + minimum;
+    }
+}
+
+static void quantize_rows(const void *args, int64_t first_row, int64_t last_row) {
+    const codes_args *a = (const codes_args *)args;
+    for (int64_t row = first_row; row < last_row; row++) {
+        const int64_t at = row * a->columns;
+        const float *m = a->minimum + row * a->row_stride, *s = a->scale + row * a->row_stride;
+        float *values = a->values ? a->values + at : 0;
+        if (a->column_stride == 0 && values)
+            quantize_row(a->source + at, a->codes + at, values, m, s, a->columns, a->top, 0, 1);
+        else if (a->column_stride == 0)
+            quantize_row(a->source + at, a->codes + at, 0, m, s, a->columns, a->top, 0, 0);
+        else if (values)
+            quantize_row(a->source + at, a->codes + at, values, m, s, a->columns, a->top, 1, 1);
+        else
+            quantize_row(a->source + at, a->codes + at, 0, m, s, a->columns, a->top, 1, 0);
+    }
+}
+
+static void restore_rows(const void *args, int64_t first_row, int64_t last_row) {
+    const codes_args *a = (const codes_args *)args;
+    for (int64_t row = first_row; row < last_row; row++) {
+        const uint8_t *restrict codes = a->codes_in + row * a->columns;
+        float *restrict values = a->values + row * a->columns;
+        const float *restrict m = a->minimum + row * a->row_stride;
+        const float *restrict s = a->scale + row * a->row_stride;
+        if (a->column_stride == 0) {
+            const float minimum = m[0], scale = s[0];
+            for (int64_t i = 0; i < a->columns; i++) values[i] = (float)codes[i] * scale + minimum;
+        } else {
+            for (int64_t i = 0; i < a->columns; i++) values[i] = (float)codes[i] * s[i] + m[i];
+        }
+    }
+}
+
+/* Codes of rows x columns float32 values (contiguous) over their ranges; values (may be null): codes * s + m. */
+int hf_cpt_quantize_codes(const float *source, uint8_t *codes, float *values, const float *minimum,
+                          const float *scale, int64_t row_stride, int64_t column_stride, int64_t rows,
+                          int64_t columns, float top, int threads) {
+    codes_args args = {source, 0, codes, values, minimum, scale, row_stride, column_stride, columns, top};
+    return split(quantize_rows, &args, rows, columns, threads);
+}
+
+/* codes * s + m for rows x columns uint8 codes (contiguous). */
+int hf_cpt_restore_codes(const uint8_t *codes, float *values, const float *minimum, const float *scale,
+                         int64_t row_stride, int64_t column_stride, int64_t rows, int64_t columns, int threads) {
+    codes_args args = {0, codes, 0, values, minimum, scale, row_stride, column_stride, columns, 0.0f};
+    return split(restore_rows, &args, rows, columns, threads);
+}
+
+typedef struct {
+    int32_t *products;                                      /* int32 sums in, float32 results out, in place */
+    const float *row_scale, *row_sum, *row_zero;            /* one per row */
+    const float *column_scale, *column_zero, *column_term;  /* one per column */
+    const float *bias;                                      /* one per column, or null */
+    int64_t columns;
+} product_args;
+
+/* One row: out = p s_a s_b + (u z_b + z_a w) (+ bias), with u = s_a (a' 1) and w = s_b (1 b') + K z_b: the terms of
+ * integer_matmul.code_matmul, in this order. */
+static inline __attribute__((always_inline)) void product_row(
+    int32_t *p, const float sa, const float u, const float za, const float *restrict sb, const float *restrict zb,
+    const float *restrict w, const float *restrict bias, int64_t columns, const int with_bias) {
+    float *out = (float *)(void *)p; /* each int32 is read, then overwritten by its float32 result */
+    for (int64_t j = 0; j < columns; j++) {
+        const float v = (float)p[j] * sa * sb[j] + (u * zb[j] + za * w[j]);
+        out[j] = with_bias ? v + bias[j] : v;
+    }
+}
+
+static void product_rows(const void *args, int64_t first_row, int64_t last_row) {
+    const product_args *a = (const product_args *)args;
+    for (int64_t row = first_row; row < last_row; row++) {
+        int32_t *p = a->products + row * a->columns;
+        const float sa = a->row_scale[row], u = a->row_sum[row], za = a->row_zero[row];
+        if (a->bias)
+            product_row(p, sa, u, za, a->column_scale, a->column_zero, a->column_term, a->bias, a->columns, 1);
+        else
+            product_row(p, sa, u, za, a->column_scale, a->column_zero, a->column_term, 0, a->columns, 0);
+    }
+}
+
+/* The float32 result of a product on codes from its int32 sums, in place: rows x columns (contiguous). */
+int hf_cpt_code_product(int32_t *products, const float *row_scale, const float *row_sum, const float *row_zero,
+                        const float *column_scale, const float *column_zero, const float *column_term,
+                        const float *bias, int64_t rows, int64_t columns, int threads) {
+    product_args args = {products, row_scale, row_sum, row_zero, column_scale, column_zero, column_term, bias,
+                         columns};
+    return split(product_rows, &args, rows, columns, threads);
+}

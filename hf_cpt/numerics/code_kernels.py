@@ -1,0 +1,128 @@
+"""Quantization codes in one pass on CPU (docs/method.md §2, "Codes in one pass").
+
+`fake_quant.quantization_codes` and `restore_compact` as torch formulas make five full-size float32 passes to
+get an operand's codes and two more to rebuild its values; the native kernel (``code_kernels.c``, built once per
+machine by `hf_cpt.numerics.native`) reads the operand once and writes its uint8 codes (and, when asked, its
+fake-quantized values), with the same float32 arithmetic in the same order: the same codes and values bit for bit.
+It serves float32, contiguous CPU tensors outside a compiled graph whose range is one value for the tensor, per
+leading index (per row, per token, per output channel of a ``[out, in]`` weight) or per trailing index (per column
+of a ``[in, out]`` weight); anything else keeps the torch formula (these functions return None). The same library
+turns a product on codes' int32 sums into its float32 result in one pass (`code_product_native`).
+
+This module knows nothing about layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import torch
+
+from . import native
+
+# Below this many elements the torch formula is as fast (the call itself costs a few microseconds).
+NATIVE_MIN_NUMEL = 1 << 14
+
+
+@functools.cache
+def _library():
+    library = native.load("code_kernels")
+    if library is None:
+        return None
+    pointers, sizes = [ctypes.c_void_p] * 5, [ctypes.c_int64] * 4
+    library.hf_cpt_quantize_codes.argtypes = pointers + sizes + [ctypes.c_float, ctypes.c_int]
+    library.hf_cpt_restore_codes.argtypes = [ctypes.c_void_p] * 4 + sizes + [ctypes.c_int]
+    library.hf_cpt_code_product.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    for entry in (library.hf_cpt_quantize_codes, library.hf_cpt_restore_codes, library.hf_cpt_code_product):
+        entry.restype = ctypes.c_int
+    return library
+
+
+def _layout(shape: torch.Size, range_shape: torch.Size) -> tuple[int, int, int, int] | None:
+    """(rows, columns, row stride, column stride) of the range against a tensor of ``shape`` seen as rows x columns,
+    or None when the range is laid out otherwise (e.g. per channel of a channels-first activation)."""
+    if len(range_shape) > len(shape):
+        return None
+    range_shape = (1,) * (len(shape) - len(range_shape)) + tuple(range_shape)
+    if all(r == 1 for r in range_shape):
+        return 1, math.prod(shape), 0, 0
+    for split in range(1, len(shape)):
+        if range_shape[:split] == tuple(shape[:split]) and all(r == 1 for r in range_shape[split:]):
+            return math.prod(shape[:split]), math.prod(shape[split:]), 1, 0  # one value per leading index
+        if all(r == 1 for r in range_shape[:split]) and range_shape[split:] == tuple(shape[split:]):
+            return math.prod(shape[:split]), math.prod(shape[split:]), 0, 1  # one value per trailing index
+    return None
+
+
+def _traced() -> bool:
+    return torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
+
+
+def _native_layout(t: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """`_layout` where the native kernel serves ``t`` (CPU, contiguous, large enough, not traced), else None."""
+    if (t.device.type != "cpu" or scale.device.type != "cpu" or scale.dtype != torch.float32
+            or t.numel() < NATIVE_MIN_NUMEL or not t.is_contiguous() or _traced()):
+        return None
+    layout = _layout(t.shape, scale.shape)
+    return None if layout is None or _library() is None else layout
+
+
+def quantize_codes_native(
+    x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, values: bool
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(uint8 codes ``round(clamp((x - m) / s, 0, L))``, the values ``codes * s + m`` if ``values``) of a float32 ``x``
+    over ``minimum`` and ``scale`` (broadcastable, ``scale`` of the broadcast shape), or None where the native
+    kernel does not serve this call."""
+    if x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    layout = _native_layout(x, scale)
+    if layout is None:
+        return None
+    rows, columns, row_stride, column_stride = layout
+    minimum = minimum.expand(scale.shape).contiguous()
+    scale = scale.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    out = torch.empty_like(x) if values else None
+    _library().hf_cpt_quantize_codes(
+        x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
+        row_stride, column_stride, rows, columns, float(levels), torch.get_num_threads())
+    return codes, out
+
+
+def restore_codes_native(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor | None:
+    """``codes * scale + minimum`` in float32 (``scale`` of the broadcast shape of both ranges), or None where the
+    native kernel does not serve this call."""
+    layout = _native_layout(codes, scale) if codes.dtype == torch.uint8 else None
+    if layout is None:
+        return None
+    rows, columns, row_stride, column_stride = layout
+    minimum = minimum.expand(scale.shape).contiguous()
+    scale = scale.contiguous()
+    values = torch.empty(codes.shape, dtype=torch.float32)
+    _library().hf_cpt_restore_codes(codes.data_ptr(), values.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
+                                    row_stride, column_stride, rows, columns, torch.get_num_threads())
+    return values
+
+
+def code_product_native(
+    products: torch.Tensor, row_scale: torch.Tensor, row_sum: torch.Tensor, row_zero: torch.Tensor,
+    column_scale: torch.Tensor, column_zero: torch.Tensor, column_term: torch.Tensor, bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The float32 ``products * s_a s_b + (u z_b + z_a w) + bias`` of a product on codes
+    (`hf_cpt.numerics.integer_matmul.code_matmul`), written over the int32 ``products`` ``[M, N]`` in one pass;
+    the row terms broadcast to ``[M]``, the column terms and ``bias`` to ``[N]``. None where the kernel does not
+    serve the call."""
+    if (products.device.type != "cpu" or products.dtype != torch.int32 or products.dim() != 2
+            or not products.is_contiguous() or products.numel() < NATIVE_MIN_NUMEL or _traced()
+            or _library() is None):
+        return None
+    rows, columns = products.shape
+    row_terms = [t.float().expand(rows, 1).reshape(rows).contiguous() for t in (row_scale, row_sum, row_zero)]
+    column_terms = [t.float().expand(1, columns).reshape(columns).contiguous()
+                    for t in (column_scale, column_zero, column_term)]
+    bias = None if bias is None else bias.float().contiguous()
+    _library().hf_cpt_code_product(products.data_ptr(), *(t.data_ptr() for t in row_terms + column_terms),
+                                   None if bias is None else bias.data_ptr(), rows, columns, torch.get_num_threads())
+    return products.view(torch.float32)

@@ -1,0 +1,195 @@
+/* Rotations of the last axis on CPU, one row at a time (docs/method.md §3, "Rotation").
+ *
+ * R = diag(s) (A ⊗ H_P / sqrt(P)): random signs s, an optional leading factor A of order n (Paley or dense,
+ * orthonormal), and the Sylvester-Hadamard part of order P = d / n (the Kronecker product of rotation.py's
+ * Sylvester factors is H_P itself). A row of d values is viewed as n blocks of P: the signs, a fast Walsh-Hadamard
+ * transform of each block (log2 P butterfly stages instead of a P x P product), then A across the blocks. The
+ * transpose R^T = (A^T ⊗ H_P / sqrt(P)) diag(s) runs the steps backwards. Each row stays in cache through every
+ * step; rows are split over POSIX threads, and no result depends on the thread count. The values equal rotation.py's
+ * factor-by-factor products up to float32 rounding (a different order of the same sums).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const float *x;
+    float *y;
+    const float *signs, *lead; /* lead: n x n row-major, or null */
+    int64_t lead_size, power, first_row, last_row; /* rows; for columns: tiles of COLUMN_TILE columns */
+    int64_t columns;                               /* columns: the values after the rotated axis */
+    int transpose;
+} rotate_args;
+
+/* 16 floats: one AVX-512 register, two AVX2 ones (the compiler splits it for the target). */
+typedef float vec __attribute__((vector_size(64)));
+typedef float unaligned_vec __attribute__((vector_size(64), aligned(4)));
+
+/* One butterfly stage of distance h < 16 inside each vector: (a, b) -> (a + b, a - b) as swap(v) + v * (+1 | -1). */
+#define STAGE(v, sign, ...) (__builtin_shufflevector(v, v, __VA_ARGS__) + (v) * (sign))
+
+static const vec SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+static const vec SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+static const vec SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+static const vec SIGN8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+
+/* The unnormalized fast Walsh-Hadamard transform of `power` (a multiple of 16) values, in place. */
+static void walsh_hadamard(float *values, int64_t power) {
+    unaligned_vec *v = (unaligned_vec *)values;
+    const int64_t count = power / 16;
+    for (int64_t i = 0; i < count; i++) {
+        vec w = v[i];
+        w = STAGE(w, SIGN1, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+        w = STAGE(w, SIGN2, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+        w = STAGE(w, SIGN4, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+        w = STAGE(w, SIGN8, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+        v[i] = w;
+    }
+    for (int64_t h = 1; h < count; h <<= 1) {
+        for (int64_t i = 0; i < count; i += h << 1) {
+            for (int64_t j = i; j < i + h; j++) {
+                const vec a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+        }
+    }
+}
+
+static void *rotate_rows(void *argument) {
+    const rotate_args *a = (const rotate_args *)argument;
+    const int64_t n = a->lead_size, power = a->power, d = n * power;
+    const float norm = (float)(1.0 / sqrt((double)power));
+    float *t = (float *)malloc(sizeof(float) * (size_t)d);
+    if (!t) return (void *)1;
+    for (int64_t row = a->first_row; row < a->last_row; row++) {
+        const float *restrict x = a->x + row * d;
+        float *restrict y = a->y + row * d;
+        if (a->transpose) memcpy(t, x, sizeof(float) * (size_t)d);
+        else for (int64_t k = 0; k < d; k++) t[k] = x[k] * a->signs[k];
+        for (int64_t i = 0; i < n; i++) walsh_hadamard(t + i * power, power);
+        if (!a->lead) {
+            for (int64_t k = 0; k < d; k++) y[k] = t[k] * norm;
+        } else {
+            for (int64_t out = 0; out < n; out++) {
+                float *restrict target = y + out * power;
+                for (int64_t j = 0; j < power; j++) target[j] = 0.0f;
+                for (int64_t in = 0; in < n; in++) {
+                    /* (x (A ⊗ H))[out] = sum_in t[in] A[in][out]; the transpose takes A[out][in] */
+                    const float c = a->transpose ? a->lead[out * n + in] : a->lead[in * n + out];
+                    const float *restrict source = t + in * power;
+                    for (int64_t j = 0; j < power; j++) target[j] += c * source[j];
+                }
+                for (int64_t j = 0; j < power; j++) target[j] *= norm;
+            }
+        }
+        if (a->transpose)
+            for (int64_t k = 0; k < d; k++) y[k] *= a->signs[k];
+    }
+    free(t);
+    return 0;
+}
+
+#define COLUMN_TILE 64 /* columns rotated together: each step is a vector operation across them */
+
+/* The rotated axis is not the last: x as (batches, d, columns), each column rotated; work item `item` is one tile of
+ * up to COLUMN_TILE columns of one batch, held in `t` as d rows of the tile's width. */
+static void *rotate_column_tiles(void *argument) {
+    const rotate_args *a = (const rotate_args *)argument;
+    const int64_t n = a->lead_size, power = a->power, d = n * power, columns = a->columns;
+    const int64_t tiles = (columns + COLUMN_TILE - 1) / COLUMN_TILE;
+    const float norm = (float)(1.0 / sqrt((double)power));
+    float *t = (float *)malloc(sizeof(float) * (size_t)(d * COLUMN_TILE));
+    if (!t) return (void *)1;
+    for (int64_t item = a->first_row; item < a->last_row; item++) {
+        const int64_t batch = item / tiles, first = (item % tiles) * COLUMN_TILE;
+        const int64_t width = columns - first < COLUMN_TILE ? columns - first : COLUMN_TILE;
+        const float *x = a->x + batch * d * columns + first;
+        float *y = a->y + batch * d * columns + first;
+        for (int64_t k = 0; k < d; k++) {
+            const float sign = a->transpose ? 1.0f : a->signs[k];
+            for (int64_t c = 0; c < width; c++) t[k * COLUMN_TILE + c] = x[k * columns + c] * sign;
+        }
+        for (int64_t block = 0; block < n; block++) {
+            float *base = t + block * power * COLUMN_TILE;
+            for (int64_t h = 1; h < power; h <<= 1) {
+                for (int64_t i = 0; i < power; i += h << 1) {
+                    for (int64_t j = i; j < i + h; j++) {
+                        float *restrict p = base + j * COLUMN_TILE, *restrict q = base + (j + h) * COLUMN_TILE;
+                        for (int64_t c = 0; c < COLUMN_TILE; c++) {
+                            const float u = p[c], v = q[c];
+                            p[c] = u + v;
+                            q[c] = u - v;
+                        }
+                    }
+                }
+            }
+        }
+        for (int64_t k = 0; k < d; k++) {
+            const int64_t out = k / power, j = k % power;
+            const float sign = a->transpose ? a->signs[k] : 1.0f;
+            float *restrict target = y + k * columns;
+            if (!a->lead) {
+                for (int64_t c = 0; c < width; c++) target[c] = t[k * COLUMN_TILE + c] * norm * sign;
+                continue;
+            }
+            float sum[COLUMN_TILE];
+            for (int64_t c = 0; c < COLUMN_TILE; c++) sum[c] = 0.0f;
+            for (int64_t in = 0; in < n; in++) {
+                const float coefficient = a->transpose ? a->lead[out * n + in] : a->lead[in * n + out];
+                const float *restrict source = t + (in * power + j) * COLUMN_TILE;
+                for (int64_t c = 0; c < COLUMN_TILE; c++) sum[c] += coefficient * source[c];
+            }
+            for (int64_t c = 0; c < width; c++) target[c] = sum[c] * norm * sign;
+        }
+    }
+    free(t);
+    return 0;
+}
+
+#define MAX_THREADS 64
+#define MIN_ELEMENTS_PER_THREAD (1 << 20)
+
+static int launch(void *(*body)(void *), rotate_args base, int64_t items, int64_t values, int threads) {
+    rotate_args jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int64_t most = values / MIN_ELEMENTS_PER_THREAD + 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > most) threads = (int)most;
+    if (threads > items) threads = (int)items;
+    if (threads < 1) threads = 1;
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = base;
+        jobs[t].first_row = items * t / threads;
+        jobs[t].last_row = items * (t + 1) / threads;
+    }
+    int failed = 0, started = 1;
+    for (; started < threads; started++) {
+        if (pthread_create(&ids[started], 0, body, &jobs[started]) != 0) break;
+    }
+    for (int t = started; t < threads; t++) failed |= body(&jobs[t]) != 0;
+    failed |= body(&jobs[0]) != 0;
+    for (int t = 1; t < started; t++) {
+        void *result = 0;
+        pthread_join(ids[t], &result);
+        failed |= result != 0;
+    }
+    return failed;
+}
+
+/* y = x R (x R^T with transpose) for rows x (lead_size * power) float32 values (contiguous); 0 on success. */
+int hf_cpt_rotate(const float *x, float *y, const float *signs, const float *lead, int64_t lead_size, int64_t power,
+                  int64_t rows, int transpose, int threads) {
+    rotate_args base = {x, y, signs, lead, lead_size, power, 0, 0, 1, transpose};
+    return launch(rotate_rows, base, rows, rows * lead_size * power, threads);
+}
+
+/* The same rotation of each column of x as (batches, lead_size * power, columns) float32 values (contiguous). */
+int hf_cpt_rotate_columns(const float *x, float *y, const float *signs, const float *lead, int64_t lead_size,
+                          int64_t power, int64_t batches, int64_t columns, int transpose, int threads) {
+    rotate_args base = {x, y, signs, lead, lead_size, power, 0, 0, columns, transpose};
+    const int64_t tiles = batches * ((columns + COLUMN_TILE - 1) / COLUMN_TILE);
+    return launch(rotate_column_tiles, base, tiles, batches * lead_size * power * columns, threads);
+}
