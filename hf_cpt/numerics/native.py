@@ -11,6 +11,7 @@ This module knows nothing about quantization.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -72,24 +73,48 @@ def _build(source: Path, target: Path, compiler: str) -> str | None:
     return complaint
 
 
-@functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The shared library built from ``hf_cpt/numerics/<name>.c`` (built on first use, then cached), or None."""
-    if os.environ.get(DISABLE_VARIABLE) == "0":
-        return None
-    source = Path(__file__).with_name(f"{name}.c")
+def _target(source: Path) -> Path:
     key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *NATIVE_FLAGS, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+    return cache_dir() / f"{source.stem}-{key}.so"
+
+
+# The build outcome (None: built) of each library this process built, so a failed build is tried only once.
+_built: dict[Path, str | None] = {}
+
+
+def _build_missing(compiler: str) -> None:
+    """Build every package library missing from the cache, concurrently: a run soon needs all of them, and a new
+    machine then waits for the slowest build instead of their sum."""
+    targets = {_target(source): source for source in sorted(Path(__file__).parent.glob("*.c"))}
+    missing = [(target, source) for target, source in targets.items() if target not in _built and not target.exists()]
+
+    def build(job: tuple[Path, Path]) -> str | None:
+        target, source = job
+        try:
+            return _build(source, target, compiler)
+        except OSError as error:  # an unwritable cache directory
+            return f"{type(error).__name__}: {error}"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(missing))) as pool:
+        _built.update(zip((target for target, _ in missing), pool.map(build, missing)))
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The shared library built from ``hf_cpt/numerics/<name>.c`` (built on first use, with the package's other
+    libraries, then cached), or None."""
+    if os.environ.get(DISABLE_VARIABLE) == "0":
+        return None
+    target = _target(Path(__file__).with_name(f"{name}.c"))
     if not target.exists():
         compiler = _compiler()
         if compiler is None:
             logger.info("hf_cpt: no C compiler found (set CC); the native %s kernel is off", name)
             return None
-        try:
-            complaint = _build(source, target, compiler)
-        except OSError as error:  # an unwritable cache directory
-            complaint = f"{type(error).__name__}: {error}"
+        if target not in _built:
+            _build_missing(compiler)
+        complaint = _built.get(target, "not built")
         if complaint is not None:
             logger.warning("hf_cpt: building the native %s kernel with %s failed (%s); using the other path",
                            name, compiler, complaint)
