@@ -135,3 +135,26 @@ def test_calls_the_kernel_does_not_serve_keep_the_formula():
 ])
 def test_range_layouts(shape, range_shape, expected):
     assert code_kernels._layout(torch.Size(shape), torch.Size(range_shape)) == expected
+
+
+@pytest.mark.parametrize("shape, kind", [
+    ((512, 96), "token"), ((4, 64, 96), "token"), ((96, 2304), "channel 0"), ((96, 384), "channel -1"),
+    ((64, 32, 3, 3), "channel 0"), ((3, 50, 211), "token"),  # a row length off the 16-value blocks
+])
+def test_native_ranges_are_amin_and_amax(shape, kind):
+    """One pass instead of two, the same values (min and max are exact), NaN wherever a NaN was reduced."""
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 10
+    flat = x.view(-1)
+    flat[7], flat[1000] = float("nan"), float("inf")
+    if kind == "token":
+        got, dims = token_range(x), (-1,)
+        split, per_column = x.dim() - 1, False
+    else:
+        channel = int(kind.split()[1]) % x.dim()
+        got, dims = channel_ranges(x, channel), tuple(d for d in range(x.dim()) if d != channel)
+        split, per_column = (x.dim() - 1, True) if channel == x.dim() - 1 else (1, False)
+    assert code_kernels.ranges_native(x, split, per_column) is not None
+    for value, reference in zip(got, (x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True))):
+        assert value.shape == reference.shape
+        torch.testing.assert_close(value, reference, rtol=0, atol=0, equal_nan=True)

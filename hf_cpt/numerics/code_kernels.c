@@ -165,3 +165,93 @@ int hf_cpt_code_product(int32_t *products, const float *row_scale, const float *
                          columns};
     return split(product_rows, &args, rows, columns, threads);
 }
+
+typedef struct {
+    const float *source;
+    float *minimum, *maximum;
+    int64_t rows, columns;
+} ranges_args;
+
+typedef float vec __attribute__((vector_size(64)));                 /* 16 floats, split for the target */
+typedef float unaligned_vec __attribute__((vector_size(64), aligned(4)));
+typedef int32_t mask __attribute__((vector_size(64)));
+
+/* Lane-wise a < b ? a : b (and a > b ? a : b): b where a is NaN, as the scalar loops below. */
+static inline vec lower(vec a, vec b) {
+    const mask m = a < b;
+    return (vec)((m & (mask)a) | (~m & (mask)b));
+}
+
+static inline vec higher(vec a, vec b) {
+    const mask m = a > b;
+    return (vec)((m & (mask)a) | (~m & (mask)b));
+}
+
+/* Each row's min and max (torch's amin / amax: a row holding a NaN gets NaN for both). */
+static void row_ranges(const void *args, int64_t first_row, int64_t last_row) {
+    const ranges_args *a = (const ranges_args *)args;
+    const int64_t n = a->columns;
+    for (int64_t row = first_row; row < last_row; row++) {
+        const float *x = a->source + row * n;
+        float low = x[0], high = x[0];
+        int nan = 0;
+        int64_t i = 0;
+        if (n >= 16) {
+            vec lows = *(const unaligned_vec *)x, highs = lows;
+            mask nans = lows != lows;
+            for (i = 16; i + 16 <= n; i += 16) {
+                const vec v = *(const unaligned_vec *)(x + i);
+                lows = lower(v, lows);
+                highs = higher(v, highs);
+                nans |= v != v;
+            }
+            for (int j = 0; j < 16; j++) {
+                low = lows[j] < low ? lows[j] : low;
+                high = highs[j] > high ? highs[j] : high;
+                nan |= nans[j] != 0;
+            }
+        }
+        for (; i < n; i++) {
+            low = x[i] < low ? x[i] : low;
+            high = x[i] > high ? x[i] : high;
+            nan |= x[i] != x[i];
+        }
+        a->minimum[row] = nan ? NAN : low;
+        a->maximum[row] = nan ? NAN : high;
+    }
+}
+
+/* Each column's min and max over rows first_row..last_row of the whole tensor: here the "rows" split over threads
+ * are blocks of columns (a call covers every row of its columns). */
+static void column_ranges(const void *args, int64_t first_block, int64_t last_block) {
+    const ranges_args *a = (const ranges_args *)args;
+    const int64_t columns = a->columns;
+    for (int64_t block = first_block; block < last_block; block++) {
+        const int64_t first = block * 256, width = columns - first < 256 ? columns - first : 256;
+        float *restrict low = a->minimum + first, *restrict high = a->maximum + first;
+        int nan[256];
+        for (int64_t c = 0; c < width; c++) {
+            low[c] = high[c] = a->source[first + c];
+            nan[c] = 0;
+        }
+        for (int64_t row = 0; row < a->rows; row++) {
+            const float *restrict x = a->source + row * columns + first;
+            for (int64_t c = 0; c < width; c++) {
+                low[c] = x[c] < low[c] ? x[c] : low[c];
+                high[c] = x[c] > high[c] ? x[c] : high[c];
+                nan[c] |= x[c] != x[c];
+            }
+        }
+        for (int64_t c = 0; c < width; c++) {
+            if (nan[c]) low[c] = high[c] = NAN;
+        }
+    }
+}
+
+/* The min and max of each row (per_column 0) or each column (per_column 1) of rows x columns float32 values. */
+int hf_cpt_ranges(const float *source, float *minimum, float *maximum, int64_t rows, int64_t columns, int per_column,
+                  int threads) {
+    ranges_args args = {source, minimum, maximum, rows, columns};
+    if (per_column) return split(column_ranges, &args, (columns + 255) / 256, rows * 256, threads);
+    return split(row_ranges, &args, rows, columns, threads);
+}

@@ -35,7 +35,9 @@ def _library():
     library.hf_cpt_quantize_codes.argtypes = pointers + sizes + [ctypes.c_float, ctypes.c_int]
     library.hf_cpt_restore_codes.argtypes = [ctypes.c_void_p] * 4 + sizes + [ctypes.c_int]
     library.hf_cpt_code_product.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    for entry in (library.hf_cpt_quantize_codes, library.hf_cpt_restore_codes, library.hf_cpt_code_product):
+    library.hf_cpt_ranges.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    for entry in (library.hf_cpt_quantize_codes, library.hf_cpt_restore_codes, library.hf_cpt_code_product,
+                  library.hf_cpt_ranges):
         entry.restype = ctypes.c_int
     return library
 
@@ -126,3 +128,18 @@ def code_product_native(
     _library().hf_cpt_code_product(products.data_ptr(), *(t.data_ptr() for t in row_terms + column_terms),
                                    None if bias is None else bias.data_ptr(), rows, columns, torch.get_num_threads())
     return products.view(torch.float32)
+
+
+def ranges_native(x: torch.Tensor, split: int, per_column: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(min, max), flat, of each row of ``x`` seen as ``(prod(shape[:split]), prod(shape[split:]))``, or of each
+    column with ``per_column``, in one pass (torch's amin and amax take one each; a NaN gives NaN, as theirs do);
+    None where the kernel does not serve the call."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() < NATIVE_MIN_NUMEL or not x.is_contiguous()
+            or _traced() or _library() is None):
+        return None
+    rows, columns = math.prod(x.shape[:split]), math.prod(x.shape[split:])
+    size = columns if per_column else rows
+    minimum, maximum = torch.empty(size), torch.empty(size)
+    _library().hf_cpt_ranges(x.data_ptr(), minimum.data_ptr(), maximum.data_ptr(), rows, columns, int(per_column),
+                             torch.get_num_threads())
+    return minimum, maximum

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .code_kernels import quantize_codes_native, restore_codes_native
+from .code_kernels import quantize_codes_native, ranges_native, restore_codes_native
 
 MIN_SCALE = 1e-8
 
@@ -110,9 +110,17 @@ def restore_compact(
 def channel_ranges(weight: torch.Tensor, channel_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel min and max of a weight, shaped to broadcast against it."""
     weight = weight.detach()
-    dims = tuple(d for d in range(weight.dim()) if d != channel_dim % weight.dim())
+    channel_dim %= max(weight.dim(), 1)
+    dims = tuple(d for d in range(weight.dim()) if d != channel_dim)
     if not dims:  # a 1-D tensor: every element is its own channel (and dim=() would reduce all)
         return weight, weight
+    if channel_dim in (0, weight.dim() - 1):  # one pass on CPU where the native kernel serves it
+        last = channel_dim == weight.dim() - 1
+        native = ranges_native(weight, weight.dim() - 1 if last else 1, per_column=last)
+        if native is not None:
+            shape = [1] * weight.dim()
+            shape[channel_dim] = weight.shape[channel_dim]
+            return native[0].view(shape), native[1].view(shape)
     # amin + amax rather than aminmax(dim=...), which is an order of magnitude slower on CPU.
     return weight.amin(dim=dims, keepdim=True), weight.amax(dim=dims, keepdim=True)
 
@@ -126,6 +134,11 @@ def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def token_range(x: torch.Tensor, feature_dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (per-row) min and max over the feature dimension, shaped to broadcast against ``x``."""
     x = x.detach()
+    if x.dim() and feature_dim % x.dim() == x.dim() - 1:  # one pass on CPU where the native kernel serves it
+        native = ranges_native(x, x.dim() - 1, per_column=False)
+        if native is not None:
+            shape = (*x.shape[:-1], 1)
+            return native[0].view(shape), native[1].view(shape)
     return x.amin(dim=feature_dim, keepdim=True), x.amax(dim=feature_dim, keepdim=True)
 
 
