@@ -204,9 +204,10 @@ def _rotate(
     """
     dim = dim % x.dim()
     trailing = math.prod(x.shape[dim + 1:])
-    rotated = _rotate_native(x, trailing, transpose, signs, factors, kinds)
-    if rotated is not None:
-        return rotated
+    if trailing == 1:
+        rotated = _rotate_native(x, transpose, signs, factors, kinds)
+        if rotated is not None:
+            return rotated
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
     y = x if transpose else x * signs
     for factor in _axis_steps(factors, kinds, transpose, last_axis=trailing == 1):
@@ -228,21 +229,18 @@ NATIVE_MIN_NUMEL = 1 << 15
 def _native_library():
     library = native.load("rotation_kernels")
     if library is not None:
-        sizes = [ctypes.c_int64] * 2
-        library.hf_cpt_rotate.argtypes = [ctypes.c_void_p] * 4 + sizes + [ctypes.c_int64] + [ctypes.c_int] * 2
-        library.hf_cpt_rotate_columns.argtypes = [ctypes.c_void_p] * 4 + sizes * 2 + [ctypes.c_int] * 2
-        library.hf_cpt_rotate.restype = library.hf_cpt_rotate_columns.restype = ctypes.c_int
+        library.hf_cpt_rotate.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+        library.hf_cpt_rotate.restype = ctypes.c_int
     return library
 
 
 def _rotate_native(
-    x: torch.Tensor, trailing: int, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...],
-    kinds: tuple[str, ...],
+    x: torch.Tensor, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...]
 ) -> torch.Tensor | None:
-    """`_rotate` by the C kernel (``rotation_kernels.c``: the signs, a fast Walsh-Hadamard transform of the Sylvester
-    part, the leading factor), over the last axis one row at a time or over another (``trailing`` values after it)
-    a tile of columns at a time, in cache; None where it does not serve the call: not a contiguous float32 CPU
-    tensor, traced by torch.compile, small, or a Sylvester part under 16 on the last axis."""
+    """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``: the signs, a fast Walsh-Hadamard
+    transform of the Sylvester part, the leading factor; one row at a time, in cache), or None where it does not
+    serve the call: not a contiguous float32 CPU tensor, traced by torch.compile, small, or a Sylvester part
+    under 16. (Along another axis the batched products above measured faster than any tiling tried.)"""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or signs.dtype != torch.float32 or not x.is_contiguous()
             or any(f.dtype != torch.float32 for f in factors)
             or x.numel() < NATIVE_MIN_NUMEL or torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()):
@@ -251,18 +249,13 @@ def _rotate_native(
     lead_size = 1 if lead is None else lead.shape[0]
     features = signs.numel()
     power = features // lead_size
-    if (trailing == 1 and power % 16) or _native_library() is None:
+    if power % 16 or _native_library() is None:
         return None
     out = torch.empty_like(x)
     signs = signs.contiguous()
-    operands = (x.data_ptr(), out.data_ptr(), signs.data_ptr(), None if lead is None else lead.data_ptr(), lead_size,
-                power)
-    threads = torch.get_num_threads()
-    if trailing == 1:
-        failed = _native_library().hf_cpt_rotate(*operands, x.numel() // features, int(transpose), threads)
-    else:
-        batches = x.numel() // (features * trailing)
-        failed = _native_library().hf_cpt_rotate_columns(*operands, batches, trailing, int(transpose), threads)
+    failed = _native_library().hf_cpt_rotate(x.data_ptr(), out.data_ptr(), signs.data_ptr(),
+                                              None if lead is None else lead.data_ptr(), lead_size, power,
+                                              x.numel() // features, int(transpose), torch.get_num_threads())
     return None if failed else out
 
 

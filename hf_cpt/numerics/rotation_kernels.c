@@ -18,8 +18,7 @@ typedef struct {
     const float *x;
     float *y;
     const float *signs, *lead; /* lead: n x n row-major, or null */
-    int64_t lead_size, power, first_row, last_row; /* rows; for columns: tiles of COLUMN_TILE columns */
-    int64_t columns;                               /* columns: the values after the rotated axis */
+    int64_t lead_size, power, first_row, last_row;
     int transpose;
 } rotate_args;
 
@@ -92,63 +91,6 @@ static void *rotate_rows(void *argument) {
     return 0;
 }
 
-#define COLUMN_TILE 64 /* columns rotated together: each step is a vector operation across them */
-
-/* The rotated axis is not the last: x as (batches, d, columns), each column rotated; work item `item` is one tile of
- * up to COLUMN_TILE columns of one batch, held in `t` as d rows of the tile's width. */
-static void *rotate_column_tiles(void *argument) {
-    const rotate_args *a = (const rotate_args *)argument;
-    const int64_t n = a->lead_size, power = a->power, d = n * power, columns = a->columns;
-    const int64_t tiles = (columns + COLUMN_TILE - 1) / COLUMN_TILE;
-    const float norm = (float)(1.0 / sqrt((double)power));
-    float *t = (float *)malloc(sizeof(float) * (size_t)(d * COLUMN_TILE));
-    if (!t) return (void *)1;
-    for (int64_t item = a->first_row; item < a->last_row; item++) {
-        const int64_t batch = item / tiles, first = (item % tiles) * COLUMN_TILE;
-        const int64_t width = columns - first < COLUMN_TILE ? columns - first : COLUMN_TILE;
-        const float *x = a->x + batch * d * columns + first;
-        float *y = a->y + batch * d * columns + first;
-        for (int64_t k = 0; k < d; k++) {
-            const float sign = a->transpose ? 1.0f : a->signs[k];
-            for (int64_t c = 0; c < width; c++) t[k * COLUMN_TILE + c] = x[k * columns + c] * sign;
-        }
-        for (int64_t block = 0; block < n; block++) {
-            float *base = t + block * power * COLUMN_TILE;
-            for (int64_t h = 1; h < power; h <<= 1) {
-                for (int64_t i = 0; i < power; i += h << 1) {
-                    for (int64_t j = i; j < i + h; j++) {
-                        float *restrict p = base + j * COLUMN_TILE, *restrict q = base + (j + h) * COLUMN_TILE;
-                        for (int64_t c = 0; c < COLUMN_TILE; c++) {
-                            const float u = p[c], v = q[c];
-                            p[c] = u + v;
-                            q[c] = u - v;
-                        }
-                    }
-                }
-            }
-        }
-        for (int64_t k = 0; k < d; k++) {
-            const int64_t out = k / power, j = k % power;
-            const float sign = a->transpose ? a->signs[k] : 1.0f;
-            float *restrict target = y + k * columns;
-            if (!a->lead) {
-                for (int64_t c = 0; c < width; c++) target[c] = t[k * COLUMN_TILE + c] * norm * sign;
-                continue;
-            }
-            float sum[COLUMN_TILE];
-            for (int64_t c = 0; c < COLUMN_TILE; c++) sum[c] = 0.0f;
-            for (int64_t in = 0; in < n; in++) {
-                const float coefficient = a->transpose ? a->lead[out * n + in] : a->lead[in * n + out];
-                const float *restrict source = t + (in * power + j) * COLUMN_TILE;
-                for (int64_t c = 0; c < COLUMN_TILE; c++) sum[c] += coefficient * source[c];
-            }
-            for (int64_t c = 0; c < width; c++) target[c] = sum[c] * norm * sign;
-        }
-    }
-    free(t);
-    return 0;
-}
-
 #define MAX_THREADS 64
 #define MIN_ELEMENTS_PER_THREAD (1 << 20)
 
@@ -182,14 +124,6 @@ static int launch(void *(*body)(void *), rotate_args base, int64_t items, int64_
 /* y = x R (x R^T with transpose) for rows x (lead_size * power) float32 values (contiguous); 0 on success. */
 int hf_cpt_rotate(const float *x, float *y, const float *signs, const float *lead, int64_t lead_size, int64_t power,
                   int64_t rows, int transpose, int threads) {
-    rotate_args base = {x, y, signs, lead, lead_size, power, 0, 0, 1, transpose};
+    rotate_args base = {x, y, signs, lead, lead_size, power, 0, 0, transpose};
     return launch(rotate_rows, base, rows, rows * lead_size * power, threads);
-}
-
-/* The same rotation of each column of x as (batches, lead_size * power, columns) float32 values (contiguous). */
-int hf_cpt_rotate_columns(const float *x, float *y, const float *signs, const float *lead, int64_t lead_size,
-                          int64_t power, int64_t batches, int64_t columns, int transpose, int threads) {
-    rotate_args base = {x, y, signs, lead, lead_size, power, 0, 0, columns, transpose};
-    const int64_t tiles = batches * ((columns + COLUMN_TILE - 1) / COLUMN_TILE);
-    return launch(rotate_column_tiles, base, tiles, batches * lead_size * power * columns, threads);
 }
