@@ -84,11 +84,12 @@ def finetune_section(finetune: dict, settings: dict) -> list[str]:
                 lines.append(f"- {name}: {gap:+.2f} points against static 8/8 ({verdict} it), "
                              f"{len(runs[name])} seed(s).")
         if "fp32" in runs:
-            fp32 = mean(e["metric"] for e in runs["fp32"])
+            fp32 = {e["seed"]: e["metric"] for e in runs["fp32"]}
             for name in runs:
-                if name != "fp32":
-                    gap = 100 * (mean(e["metric"] for e in runs[name]) - fp32)
-                    lines.append(f"- {name}: {gap:+.2f} points against FP32 fine-tuning.")
+                paired = [100 * (e["metric"] - fp32[e["seed"]]) for e in runs[name] if e["seed"] in fp32]
+                if name != "fp32" and paired:
+                    lines.append(f"- {name}: {mean(paired):+.2f} points against FP32 fine-tuning of the same seeds "
+                                 f"({len(paired)}).")
         lines.append("")
     fidelity = [(name, e["seed"], e["fidelity_at_start"]) for name, entries in runs.items() for e in entries
                 if e.get("fidelity_at_start") and e["cpt_config"]["schedule"] == "cpt"]

@@ -7,7 +7,8 @@ fake-quantized values), with the same float32 arithmetic in the same order: the 
 It serves float32, contiguous CPU tensors outside a compiled graph whose range is one value for the tensor, per
 leading index (per row, per token, per output channel of a ``[out, in]`` weight) or per trailing index (per column
 of a ``[in, out]`` weight); anything else keeps the torch formula (these functions return None). The same library
-turns a product on codes' int32 sums into its float32 result in one pass (`code_product_native`).
+takes a token's or an output channel's min and max in one pass (`ranges_native`) and turns a product on codes'
+int32 sums into its float32 result in one pass (`code_product_native`).
 
 This module knows nothing about layers.
 """
