@@ -41,6 +41,7 @@ from torch import nn
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.nn.precision import PrecisionState
+from hf_cpt.numerics import code_kernels, rotation
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported
 
@@ -400,11 +401,26 @@ def _with_float_products(step: Step) -> Step:
     return run
 
 
-def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_products: bool = False
-             ) -> dict[str, float]:
+def _with_torch_formulas(step: Step) -> Step:
+    """``step`` with the C kernels for codes, ranges, products on codes and rotations declining every call: their
+    torch formulas run instead (the error kernel stays; ``--compare-kernels`` times it)."""
+    def run():
+        saved = code_kernels.NATIVE_MIN_NUMEL, rotation.NATIVE_MIN_NUMEL
+        code_kernels.NATIVE_MIN_NUMEL = rotation.NATIVE_MIN_NUMEL = sys.maxsize
+        try:
+            step()
+        finally:
+            code_kernels.NATIVE_MIN_NUMEL, rotation.NATIVE_MIN_NUMEL = saved
+
+    return run
+
+
+def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_products: bool = False,
+             compare_native: bool = False) -> dict[str, float]:
     """Medians of interleaved repeats of the plain and the quantized step; with ``compare_kernels`` also the
-    quantized step with the ``torch.compile`` error kernel instead of the C one, and with ``compare_products`` the
-    quantized step with float products instead of products on integer codes, interleaved with the others."""
+    quantized step with the ``torch.compile`` error kernel instead of the C one, with ``compare_products`` the
+    quantized step with float products instead of products on integer codes, and with ``compare_native`` the
+    quantized step with torch formulas instead of the other C kernels, interleaved with the others."""
     start = time.perf_counter()
     case.quantized()  # first call: builds the fused error kernels
     warmup = time.perf_counter() - start
@@ -413,6 +429,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         arms["compiled"] = _with_compiled_kernels(case.quantized)
     if compare_products:
         arms["float"] = _with_float_products(case.quantized)
+    if compare_native:
+        arms["torch"] = _with_torch_formulas(case.quantized)
     for step in arms.values():
         step()
     samples: dict[str, list[float]] = {name: [] for name in arms}
@@ -434,6 +452,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         result["compiled_kernel_ratio"] = statistics.median(samples["compiled"]) * 1e3 / plain_ms
     if compare_products:
         result["float_product_ratio"] = statistics.median(samples["float"]) * 1e3 / plain_ms
+    if compare_native:
+        result["torch_formula_ratio"] = statistics.median(samples["torch"]) * 1e3 / plain_ms
     return result
 
 
@@ -457,6 +477,9 @@ def main() -> None:
     parser.add_argument("--compare-products", action="store_true",
                         help="also time each quantized case with float products instead of products on integer codes "
                         "(integer_matmul=False; interleaved with the others), where this CPU runs them on codes")
+    parser.add_argument("--compare-native", action="store_true",
+                        help="also time each quantized case with the torch formulas instead of the C kernels for "
+                        "codes, ranges, products on codes and rotations (interleaved with the others)")
     parser.add_argument("--published-quantizer", metavar="FILE",
                         help="the CPT repository's cpt_cifar/modules/quantize.py: adds the published quantizer's "
                         "Linear and Conv2d rows (anchors)")
@@ -561,7 +584,8 @@ def main() -> None:
     for key in selected:
         case = cases[key]()
         result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None,
-                          args.compare_products and integer_products and case.target is not None)
+                          args.compare_products and integer_products and case.target is not None,
+                          args.compare_native and case.target is not None)
         rows.append({"case": case.name, "target": case.target, **result})
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
@@ -573,6 +597,9 @@ def main() -> None:
             print(f"{'  same, torch.compile error kernel':<44}{'':>10}{'':>10}{result['compiled_kernel_ratio']:>8.3f}")
         if "float_product_ratio" in result:
             print(f"{'  same, float products':<44}{'':>10}{'':>10}{result['float_product_ratio']:>8.3f}")
+        if "torch_formula_ratio" in result:
+            print(f"{'  same, torch formulas for the C kernels':<44}{'':>10}{'':>10}"
+                  f"{result['torch_formula_ratio']:>8.3f}")
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused, options=options)

@@ -167,6 +167,7 @@ def overhead_summary(overhead: dict) -> list[str]:
         ok = "" if anchor or row["ratio"] <= row["target"] else " (missed)"
         compiled = f" ({row['compiled_kernel_ratio']:.3f} ¶)" if "compiled_kernel_ratio" in row else ""
         compiled += f" ({row['float_product_ratio']:.3f} ∥)" if "float_product_ratio" in row else ""
+        compiled += f" ({row['torch_formula_ratio']:.3f} ※)" if "torch_formula_ratio" in row else ""
         lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok}"
                      f"{compiled} | {'anchor' if anchor else format(row['target'], '.2f')} | {memory} |")
     if any("memory_ratio_fixed_mmap" in row for row in overhead["rows"]):
@@ -187,6 +188,10 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "GEMM on fake-quantized floats, as on a CPU without int8 dot products), timed in the same run, "
                   "interleaved with the others. A Conv2d has no product on codes: there both columns time the same "
                   "step, and their gap is the run's noise."]
+    if any("torch_formula_ratio" in row for row in overhead["rows"]):
+        lines += ["", "※ the same quantized step with the torch formulas instead of the C kernels for codes, ranges, "
+                  "products on codes and rotations (the error kernel stays), timed in the same run, interleaved with "
+                  "the others: what those kernels buy on this CPU."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]

@@ -285,12 +285,13 @@ def test_gradient_section_compares_the_attention_grids_group_by_group():
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [sys.executable, os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1",
-               "--no-startup", "--compare-kernels", "--compare-products", "--output", str(output)]
+               "--no-startup", "--compare-kernels", "--compare-products", "--compare-native", "--output", str(output)]
     subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     overhead = json.loads(output.read_text())
     (row,) = overhead["rows"]
     assert row["case"].startswith("Conv2d") and row["quant_ms"] > 0 and row["plain_ms"] > 0
     assert row["compiled_kernel_ratio"] > 0 and overhead["compare_kernels"] is True
+    assert row["torch_formula_ratio"] > 0  # the C kernels for codes and rotations off, timed beside the others
     assert overhead["startup"] == {}
     # the float-product arm runs where the CPU computes products on codes (for a Conv2d it times the same step)
     assert ("float_product_ratio" in row) == overhead["integer_products"]

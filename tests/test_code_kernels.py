@@ -4,7 +4,7 @@ formula, bit for bit, for every range layout a layer uses, and the formula where
 import pytest
 import torch
 
-from hf_cpt.numerics import code_kernels
+from hf_cpt.numerics import code_kernels, native
 from hf_cpt.numerics.fake_quant import (
     MIN_SCALE,
     channel_ranges,
@@ -81,20 +81,16 @@ def test_bf16_operands_are_quantized_in_float32_and_returned_in_bf16():
     assert torch.equal(restore_compact(codes, scale, minimum32, torch.bfloat16), values)
 
 
-def test_the_result_does_not_depend_on_the_thread_count():
+def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
     """Tensors above the kernel's per-thread share are split by rows over threads."""
     x = torch.randn(2100, 2048)
     minimum, maximum = token_range(x)
     bits = torch.tensor(5.0)
-    threads = torch.get_num_threads()
     results = []
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            values, (codes, scale, minimum32) = fake_quantize_compact(x, minimum, maximum, bits)
-            results.append((values, codes, restore_compact(codes, scale, minimum32, torch.float32)))
-    finally:
-        torch.set_num_threads(threads)
+    for count in (1, 2, 3):
+        monkeypatch.setenv(native.THREADS_VARIABLE, str(count))
+        values, (codes, scale, minimum32) = fake_quantize_compact(x, minimum, maximum, bits)
+        results.append((values, codes, restore_compact(codes, scale, minimum32, torch.float32)))
     expected_codes, expected_values, _ = _reference(x, minimum, maximum, 5)
     for values, codes, restored in results:
         assert torch.equal(codes, expected_codes) and torch.equal(values, expected_values)
@@ -158,3 +154,14 @@ def test_native_ranges_are_amin_and_amax(shape, kind):
     for value, reference in zip(got, (x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True))):
         assert value.shape == reference.shape
         torch.testing.assert_close(value, reference, rtol=0, atol=0, equal_nan=True)
+
+
+def test_kernels_run_one_thread_unless_told_and_refuse_a_bad_count(monkeypatch):
+    monkeypatch.delenv(native.THREADS_VARIABLE, raising=False)
+    assert native.threads() == 1
+    monkeypatch.setenv(native.THREADS_VARIABLE, "3")
+    assert native.threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(native.THREADS_VARIABLE, bad)
+        with pytest.raises(ValueError, match="HF_CPT_NATIVE_THREADS must be a positive integer"):
+            native.threads()

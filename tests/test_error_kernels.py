@@ -78,25 +78,22 @@ def _native(granularity, grid):
 
 @pytest.mark.parametrize("granularity, grid", GRIDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_kernel_gives_the_formulas_values_bit_for_bit_at_every_thread_count(granularity, grid, dtype):
+def test_native_kernel_gives_the_formulas_values_bit_for_bit_at_every_thread_count(granularity, grid, dtype,
+                                                                                  monkeypatch):
     """The C kernel (the CPU's fused path) equals the formula element for element, at 3 to 8 bits, for rows
     spanning five orders of magnitude, padding rows of zeros, odd shapes, and any number of threads."""
     source, levels_of = KERNEL_SOURCES[granularity, grid]
     kernel = _native(granularity, grid)
-    threads = torch.get_num_threads()
     torch.manual_seed(0)
-    try:
-        for bits, shape in [(3.0, (1024, 96)), (4.0, (333, 257)), (6.0, (4096, 48)), (8.0, (70_000, 3))]:
-            grad = _errors(shape, dtype, granularity)
-            levels, seed = levels_of(torch.tensor(bits)), torch.tensor(int(bits) * 977, dtype=torch.int32)
-            expected = source(grad, levels, seed)
-            for count in (1, 2, 3):
-                torch.set_num_threads(count)
-                got = kernel(grad, levels, seed)
-                assert got.dtype == grad.dtype and got.shape == grad.shape
-                assert torch.equal(got, expected), (bits, shape, count)
-    finally:
-        torch.set_num_threads(threads)
+    for bits, shape in [(3.0, (1024, 96)), (4.0, (333, 257)), (6.0, (4096, 48)), (8.0, (70_000, 3))]:
+        grad = _errors(shape, dtype, granularity)
+        levels, seed = levels_of(torch.tensor(bits)), torch.tensor(int(bits) * 977, dtype=torch.int32)
+        expected = source(grad, levels, seed)
+        for count in (1, 2, 3):
+            monkeypatch.setenv(native.THREADS_VARIABLE, str(count))
+            got = kernel(grad, levels, seed)
+            assert got.dtype == grad.dtype and got.shape == grad.shape
+            assert torch.equal(got, expected), (bits, shape, count)
 
 
 @pytest.mark.parametrize("granularity, grid", GRIDS)

@@ -90,7 +90,7 @@ def quantize_codes_native(
     out = torch.empty_like(x) if values else None
     _library().hf_cpt_quantize_codes(
         x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
-        row_stride, column_stride, rows, columns, float(levels), torch.get_num_threads())
+        row_stride, column_stride, rows, columns, float(levels), native.threads())
     return codes, out
 
 
@@ -105,7 +105,7 @@ def restore_codes_native(codes: torch.Tensor, scale: torch.Tensor, minimum: torc
     scale = scale.contiguous()
     values = torch.empty(codes.shape, dtype=torch.float32)
     _library().hf_cpt_restore_codes(codes.data_ptr(), values.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
-                                    row_stride, column_stride, rows, columns, torch.get_num_threads())
+                                    row_stride, column_stride, rows, columns, native.threads())
     return values
 
 
@@ -127,7 +127,7 @@ def code_product_native(
                     for t in (column_scale, column_zero, column_term)]
     bias = None if bias is None else bias.float().contiguous()
     _library().hf_cpt_code_product(products.data_ptr(), *(t.data_ptr() for t in row_terms + column_terms),
-                                   None if bias is None else bias.data_ptr(), rows, columns, torch.get_num_threads())
+                                   None if bias is None else bias.data_ptr(), rows, columns, native.threads())
     return products.view(torch.float32)
 
 
@@ -142,5 +142,5 @@ def ranges_native(x: torch.Tensor, split: int, per_column: bool) -> tuple[torch.
     size = columns if per_column else rows
     minimum, maximum = torch.empty(size), torch.empty(size)
     _library().hf_cpt_ranges(x.data_ptr(), minimum.data_ptr(), maximum.data_ptr(), rows, columns, int(per_column),
-                             torch.get_num_threads())
+                             native.threads())
     return minimum, maximum

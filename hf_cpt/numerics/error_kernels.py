@@ -139,7 +139,7 @@ def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
             offset = scale if offset is None else offset
         entry(source.data_ptr(), out.data_ptr(), None if offset is None else offset.data_ptr(),
               None if scale is None else scale.data_ptr(), 0, source.numel() // columns, columns, float(top),
-              int(seed), int(zero_centred), torch.get_num_threads())
+              int(seed), int(zero_centred), native.threads())
         return out.to(grad.dtype)
 
     return run

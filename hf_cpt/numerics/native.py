@@ -29,6 +29,17 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread")
 NATIVE_FLAGS = ("-march=native",)
 DISABLE_VARIABLE = "HF_CPT_NATIVE_KERNELS"  # "0" turns the native kernels off (the callers' other path runs)
+THREADS_VARIABLE = "HF_CPT_NATIVE_THREADS"  # how many threads a kernel splits its rows over (default 1)
+
+
+def threads() -> int:
+    """The threads a native kernel splits its rows over: one, unless ``$HF_CPT_NATIVE_THREADS`` says more. Inside
+    a training step torch's idle OpenMP workers keep spinning on the other cores, so a kernel's own threads wait
+    for a core: one thread measured faster there than two (docs/benchmarks.md, "What the C kernels buy")."""
+    value = os.environ.get(THREADS_VARIABLE, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def cache_dir() -> Path:
