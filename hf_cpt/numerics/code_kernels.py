@@ -72,6 +72,18 @@ def _native_layout(t: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int,
     return None if layout is None or _library() is None else layout
 
 
+def _range_operands(t: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor) -> tuple | None:
+    """(minimum and scale as contiguous tensors of one shape, then the kernels' range arguments: their pointers,
+    the strides, rows and columns of `_layout`), or None where the native kernel does not serve ``t``. The caller
+    holds the tensors while the kernel runs (the pointers do not keep them alive)."""
+    layout = _native_layout(t, scale)
+    if layout is None:
+        return None
+    rows, columns, row_stride, column_stride = layout
+    minimum, scale = minimum.expand(scale.shape).contiguous(), scale.contiguous()
+    return minimum, scale, (minimum.data_ptr(), scale.data_ptr(), row_stride, column_stride, rows, columns)
+
+
 def quantize_codes_native(
     x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, values: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -80,32 +92,26 @@ def quantize_codes_native(
     kernel does not serve this call."""
     if x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
         return None
-    layout = _native_layout(x, scale)
-    if layout is None:
+    operands = _range_operands(x, minimum, scale)
+    if operands is None:
         return None
-    rows, columns, row_stride, column_stride = layout
-    minimum = minimum.expand(scale.shape).contiguous()
-    scale = scale.contiguous()
+    minimum, scale, ranges = operands
     codes = torch.empty(x.shape, dtype=torch.uint8)
     out = torch.empty_like(x) if values else None
-    _library().hf_cpt_quantize_codes(
-        x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
-        row_stride, column_stride, rows, columns, float(levels), native.threads())
+    _library().hf_cpt_quantize_codes(x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(),
+                                     *ranges, float(levels), native.threads())
     return codes, out
 
 
 def restore_codes_native(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor | None:
     """``codes * scale + minimum`` in float32 (``scale`` of the broadcast shape of both ranges), or None where the
     native kernel does not serve this call."""
-    layout = _native_layout(codes, scale) if codes.dtype == torch.uint8 else None
-    if layout is None:
+    operands = _range_operands(codes, minimum, scale) if codes.dtype == torch.uint8 else None
+    if operands is None:
         return None
-    rows, columns, row_stride, column_stride = layout
-    minimum = minimum.expand(scale.shape).contiguous()
-    scale = scale.contiguous()
+    minimum, scale, ranges = operands
     values = torch.empty(codes.shape, dtype=torch.float32)
-    _library().hf_cpt_restore_codes(codes.data_ptr(), values.data_ptr(), minimum.data_ptr(), scale.data_ptr(),
-                                    row_stride, column_stride, rows, columns, native.threads())
+    _library().hf_cpt_restore_codes(codes.data_ptr(), values.data_ptr(), *ranges, native.threads())
     return values
 
 
