@@ -303,7 +303,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     # step within its target and an import above it (figures chosen here to exercise each branch).
     row.update(plain_peak_mib=100.0, quant_peak_mib=95.0, memory_ratio=0.95, memory_target=0.9,
                memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234,
-               plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4)
+               plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4, torch_formula_ratio=1.1)
     overhead["integer_products"] = True
     overhead["startup"] = {"first_step_kind": "minilm", "first_step_s": 4.0, "second_step_s": 3.0,
                            "steady_step_s": 2.5, "start_extra_s": 2.0, "warm_start_extra_s": 0.5,
@@ -312,7 +312,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §; kept for backward 0.750 (40 -> 30 MiB) ◊" in table
     assert "◊ what one training forward keeps for its backward" in table
     assert "MALLOC_MMAP_THRESHOLD_=131072" in table and "§ as ‡, with the eager error quantizer" in table
-    assert "| 1.200 (1.234 ¶) (1.400 ∥) | 1.50 |" in table
+    assert "| 1.200 (1.234 ¶) (1.400 ∥) (1.100 ※) | 1.50 |" in table
+    assert "※ the same quantized step with the torch formulas instead of the C kernels" in table
     assert "¶ the same quantized step with the `torch.compile`" in table
     assert "∥ the same quantized step with float products" in table
     assert "layers' training products on integer codes (this CPU has int8 dot products)" in table
