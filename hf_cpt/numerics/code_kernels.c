@@ -13,6 +13,8 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "native_vectors.h"
+
 typedef void (*rows_body)(const void *args, int64_t first_row, int64_t last_row);
 
 typedef struct {
@@ -172,50 +174,13 @@ typedef struct {
     int64_t rows, columns;
 } ranges_args;
 
-typedef float vec __attribute__((vector_size(64)));                 /* 16 floats, split for the target */
-typedef float unaligned_vec __attribute__((vector_size(64), aligned(4)));
-typedef int32_t mask __attribute__((vector_size(64)));
-
-/* Lane-wise a < b ? a : b (and a > b ? a : b): b where a is NaN, as the scalar loops below. */
-static inline vec lower(vec a, vec b) {
-    const mask m = a < b;
-    return (vec)((m & (mask)a) | (~m & (mask)b));
-}
-
-static inline vec higher(vec a, vec b) {
-    const mask m = a > b;
-    return (vec)((m & (mask)a) | (~m & (mask)b));
-}
-
 /* Each row's min and max (torch's amin / amax: a row holding a NaN gets NaN for both). */
 static void row_ranges(const void *args, int64_t first_row, int64_t last_row) {
     const ranges_args *a = (const ranges_args *)args;
     const int64_t n = a->columns;
     for (int64_t row = first_row; row < last_row; row++) {
-        const float *x = a->source + row * n;
-        float low = x[0], high = x[0];
-        int nan = 0;
-        int64_t i = 0;
-        if (n >= 16) {
-            vec lows = *(const unaligned_vec *)x, highs = lows;
-            mask nans = lows != lows;
-            for (i = 16; i + 16 <= n; i += 16) {
-                const vec v = *(const unaligned_vec *)(x + i);
-                lows = lower(v, lows);
-                highs = higher(v, highs);
-                nans |= v != v;
-            }
-            for (int j = 0; j < 16; j++) {
-                low = lows[j] < low ? lows[j] : low;
-                high = highs[j] > high ? highs[j] : high;
-                nan |= nans[j] != 0;
-            }
-        }
-        for (; i < n; i++) {
-            low = x[i] < low ? x[i] : low;
-            high = x[i] > high ? x[i] : high;
-            nan |= x[i] != x[i];
-        }
+        float low, high;
+        const int nan = row_bounds(a->source + row * n, n, 0, &low, &high);
         a->minimum[row] = nan ? NAN : low;
         a->maximum[row] = nan ? NAN : high;
     }

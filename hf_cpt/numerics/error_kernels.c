@@ -11,6 +11,8 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "native_vectors.h"
+
 static inline float hashed_noise(uint32_t index, uint32_t seed) {
     uint32_t h = index ^ seed;
     h ^= h >> 16;
@@ -34,41 +36,14 @@ typedef struct {
 
 #define MIN_SCALE 1e-8f /* fake_quant.MIN_SCALE */
 
-#define LANES 16 /* independent running bounds: a fixed-width block the compiler turns into vector min / max */
-
 /* The grid of one row, as errors.grid computes it with torch: min/max grid: offset m, scale max((M - m) / L, 1e-8);
  * zero-centred grid: scale max(max|e| / L, 1e-8). A row holding a NaN gets a NaN grid, as torch's amin / amax give. */
-static void row_grid(const float *restrict x, int64_t n, float top, int zero_centred, float *offset, float *scale) {
-    float low[LANES], high[LANES];
-    int nan[LANES];
-    for (int j = 0; j < LANES; j++) {
-        low[j] = zero_centred ? 0.0f : x[0];
-        high[j] = zero_centred ? 0.0f : x[0];
-        nan[j] = 0;
-    }
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        for (int j = 0; j < LANES; j++) {
-            const float v = zero_centred ? fabsf(x[i + j]) : x[i + j];
-            low[j] = v < low[j] ? v : low[j];
-            high[j] = v > high[j] ? v : high[j];
-            nan[j] |= v != v;
-        }
-    }
-    for (; i < n; i++) {
-        const float v = zero_centred ? fabsf(x[i]) : x[i];
-        low[0] = v < low[0] ? v : low[0];
-        high[0] = v > high[0] ? v : high[0];
-        nan[0] |= v != v;
-    }
-    for (int j = 1; j < LANES; j++) {
-        low[0] = low[j] < low[0] ? low[j] : low[0];
-        high[0] = high[j] > high[0] ? high[j] : high[0];
-        nan[0] |= nan[j];
-    }
-    const float step = zero_centred ? high[0] / top : (high[0] - low[0]) / top;
-    *offset = nan[0] ? NAN : (zero_centred ? 0.0f : low[0]);
-    *scale = nan[0] ? NAN : (step < MIN_SCALE ? MIN_SCALE : step);
+static void row_grid(const float *x, int64_t n, float top, int zero_centred, float *offset, float *scale) {
+    float low, high;
+    const int nan = row_bounds(x, n, zero_centred, &low, &high);
+    const float step = zero_centred ? high / top : (high - low) / top;
+    *offset = nan ? NAN : (zero_centred ? 0.0f : low);
+    *scale = nan ? NAN : (step < MIN_SCALE ? MIN_SCALE : step);
 }
 
 static void run(const job_t *job) {

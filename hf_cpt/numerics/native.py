@@ -35,7 +35,7 @@ THREADS_VARIABLE = "HF_CPT_NATIVE_THREADS"  # how many threads a kernel splits i
 def threads() -> int:
     """The threads a native kernel splits its rows over: one, unless ``$HF_CPT_NATIVE_THREADS`` says more. Inside
     a training step torch's idle OpenMP workers keep spinning on the other cores, so a kernel's own threads wait
-    for a core: one thread measured faster there than two (docs/benchmarks.md, "What the C kernels buy")."""
+    for a core: one thread measured faster there than two (docs/compatibility.md)."""
     value = os.environ.get(THREADS_VARIABLE, "1")
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, got {value!r}")
@@ -85,7 +85,9 @@ def _build(source: Path, target: Path, compiler: str) -> str | None:
 
 
 def _target(source: Path) -> Path:
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *NATIVE_FLAGS, platform.machine(),
+    # The key covers the package's headers too (every kernel includes them), so a changed header rebuilds all.
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, *NATIVE_FLAGS, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"
 

@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_vectors.h"
+
 typedef struct {
     const float *x;
     float *y;
@@ -21,10 +23,6 @@ typedef struct {
     int64_t lead_size, power, first_row, last_row;
     int transpose;
 } rotate_args;
-
-/* 16 floats: one AVX-512 register, two AVX2 ones (the compiler splits it for the target). */
-typedef float vec __attribute__((vector_size(64)));
-typedef float unaligned_vec __attribute__((vector_size(64), aligned(4)));
 
 /* One butterfly stage of distance h < 16 inside each vector: (a, b) -> (a + b, a - b) as swap(v) + v * (+1 | -1). */
 #define STAGE(v, sign, ...) (__builtin_shufflevector(v, v, __VA_ARGS__) + (v) * (sign))
