@@ -54,6 +54,18 @@ def _centred(codes: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
     return (codes - middle).view(torch.int8)
 
 
+# Columns of ones that `_code_sums` multiplies by (an int8 product needs a few, not one).
+SUM_COLUMNS = 8
+
+
+def _code_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row sums of ``a`` ``[M, 1]`` and column sums of ``b`` ``[1, N]`` (int8), in int32: as int8 products with
+    a block of ones, exact like every int32 sum here. (``sum(dtype=torch.int32)`` first copies the operand to int32,
+    a tensor four times the codes' size, and reads it back.)"""
+    ones = torch.ones(a.shape[1], SUM_COLUMNS, dtype=torch.int8, device=a.device)
+    return torch._int_mm(a, ones)[:, :1], torch._int_mm(ones.t(), b)[:1]
+
+
 def code_matmul(
     a_codes: torch.Tensor, a_scale: torch.Tensor, a_min: torch.Tensor,
     b_codes: torch.Tensor, b_scale: torch.Tensor, b_min: torch.Tensor,
@@ -74,8 +86,7 @@ def code_matmul(
     a_scale, b_scale = a_scale.float(), b_scale.float()
     a_zero = a_min.float() + middle * a_scale  # the value of the middle code
     b_zero = b_min.float() + middle * b_scale
-    a_sums = a.sum(1, keepdim=True, dtype=torch.int32)  # [M, 1]
-    b_sums = b.sum(0, keepdim=True, dtype=torch.int32)  # [1, N]
+    a_sums, b_sums = _code_sums(a, b)
     products = torch._int_mm(a, b)
     row_sum, column_term = a_scale * a_sums, b_scale * b_sums + reduced * b_zero
     native = code_product_native(products, a_scale, row_sum, a_zero, b_scale, b_zero, column_term, bias)

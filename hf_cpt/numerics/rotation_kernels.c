@@ -32,12 +32,15 @@ static const vec SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1
 static const vec SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
 static const vec SIGN8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
 
-/* The unnormalized fast Walsh-Hadamard transform of `power` (a multiple of 16) values, in place. */
-static void walsh_hadamard(float *values, int64_t power) {
-    unaligned_vec *v = (unaligned_vec *)values;
+/* The unnormalized fast Walsh-Hadamard transform of `power` (a multiple of 16) values of `source`, each times
+ * `signs` first when given, into `target` (which may be `source`). */
+static void walsh_hadamard(const float *source, const float *signs, float *target, int64_t power) {
+    const unaligned_vec *s = (const unaligned_vec *)source;
+    const unaligned_vec *sign = (const unaligned_vec *)signs;
+    unaligned_vec *v = (unaligned_vec *)target;
     const int64_t count = power / 16;
     for (int64_t i = 0; i < count; i++) {
-        vec w = v[i];
+        vec w = signs ? s[i] * sign[i] : s[i];
         w = STAGE(w, SIGN1, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
         w = STAGE(w, SIGN2, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
         w = STAGE(w, SIGN4, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -55,37 +58,77 @@ static void walsh_hadamard(float *values, int64_t power) {
     }
 }
 
+/* Outputs summed together by lead_product: independent sums keep the adder busy while each waits for its last. */
+#define OUT_BLOCK 4
+
+/* y = (t (C ⊗ I_power)) * norm (times `signs` after, when given), C = A or A^T as row-major n x n `coefficients`
+ * (C[in][out]): 16 columns at a time, OUT_BLOCK output blocks' sums in registers. Per value the same operations
+ * in the same order as a plain loop: 0, + c * t for each input block in turn, * norm, * sign. */
+static void lead_product(const float *t, float *y, const float *coefficients, int64_t n, int64_t power, float norm,
+                         const float *signs) {
+    for (int64_t j = 0; j < power; j += 16) {
+        int64_t out = 0;
+        for (; out + OUT_BLOCK <= n; out += OUT_BLOCK) {
+            vec sum[OUT_BLOCK] = {{0}};
+            for (int64_t in = 0; in < n; in++) {
+                const vec v = *(const unaligned_vec *)(t + in * power + j);
+                const float *c = coefficients + in * n + out;
+                for (int k = 0; k < OUT_BLOCK; k++) sum[k] = sum[k] + c[k] * v;
+            }
+            for (int k = 0; k < OUT_BLOCK; k++) {
+                vec value = sum[k] * norm;
+                if (signs) value = value * *(const unaligned_vec *)(signs + (out + k) * power + j);
+                *(unaligned_vec *)(y + (out + k) * power + j) = value;
+            }
+        }
+        for (; out < n; out++) {
+            vec sum = {0};
+            for (int64_t in = 0; in < n; in++)
+                sum = sum + coefficients[in * n + out] * *(const unaligned_vec *)(t + in * power + j);
+            sum = sum * norm;
+            if (signs) sum = sum * *(const unaligned_vec *)(signs + out * power + j);
+            *(unaligned_vec *)(y + out * power + j) = sum;
+        }
+    }
+}
+
 static void *rotate_rows(void *argument) {
     const rotate_args *a = (const rotate_args *)argument;
     const int64_t n = a->lead_size, power = a->power, d = n * power;
     const float norm = (float)(1.0 / sqrt((double)power));
-    float *t = (float *)malloc(sizeof(float) * (size_t)d);
-    if (!t) return (void *)1;
-    for (int64_t row = a->first_row; row < a->last_row; row++) {
-        const float *restrict x = a->x + row * d;
-        float *restrict y = a->y + row * d;
-        if (a->transpose) memcpy(t, x, sizeof(float) * (size_t)d);
-        else for (int64_t k = 0; k < d; k++) t[k] = x[k] * a->signs[k];
-        for (int64_t i = 0; i < n; i++) walsh_hadamard(t + i * power, power);
-        if (!a->lead) {
-            for (int64_t k = 0; k < d; k++) y[k] = t[k] * norm;
-        } else {
-            for (int64_t out = 0; out < n; out++) {
-                float *restrict target = y + out * power;
-                for (int64_t j = 0; j < power; j++) target[j] = 0.0f;
-                for (int64_t in = 0; in < n; in++) {
-                    /* (x (A ⊗ H))[out] = sum_in t[in] A[in][out]; the transpose takes A[out][in] */
-                    const float c = a->transpose ? a->lead[out * n + in] : a->lead[in * n + out];
-                    const float *restrict source = t + in * power;
-                    for (int64_t j = 0; j < power; j++) target[j] += c * source[j];
-                }
-                for (int64_t j = 0; j < power; j++) target[j] *= norm;
-            }
+    /* R = diag(s) (A ⊗ H) / sqrt(P): forward the signs first, the transpose last. */
+    const float *before = a->transpose ? 0 : a->signs, *after = a->transpose ? a->signs : 0;
+    /* A scratch row (aligned: every vector load stays within a cache line) and C[in][out] = A, or A^T for the
+     * transpose, so that lead_product reads both the same way. */
+    float *t = 0, *coefficients = 0;
+    if (a->lead) {
+        t = (float *)aligned_alloc(64, sizeof(float) * (size_t)d);
+        coefficients = (float *)malloc(sizeof(float) * (size_t)(n * n));
+        if (!t || !coefficients) {
+            free(t);
+            free(coefficients);
+            return (void *)1;
         }
-        if (a->transpose)
-            for (int64_t k = 0; k < d; k++) y[k] *= a->signs[k];
+        for (int64_t in = 0; in < n; in++)
+            for (int64_t out = 0; out < n; out++)
+                coefficients[in * n + out] = a->transpose ? a->lead[out * n + in] : a->lead[in * n + out];
+    }
+    for (int64_t row = a->first_row; row < a->last_row; row++) {
+        const float *x = a->x + row * d;
+        float *y = a->y + row * d;
+        float *h = a->lead ? t : y; /* the transformed blocks: a scratch row when A still follows */
+        for (int64_t i = 0; i < n; i++)
+            walsh_hadamard(x + i * power, before ? before + i * power : 0, h + i * power, power);
+        if (a->lead) {
+            lead_product(t, y, coefficients, n, power, norm, after);
+        } else {
+            const unaligned_vec *sign = (const unaligned_vec *)after;
+            unaligned_vec *v = (unaligned_vec *)y;
+            for (int64_t k = 0; k < d / 16; k++) v[k] = after ? v[k] * norm * sign[k] : v[k] * norm;
+        }
     }
     free(t);
+    free(coefficients);
     return 0;
 }
 
