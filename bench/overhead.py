@@ -335,12 +335,13 @@ def saved_activations(kind: str, fused: bool, options: dict | None = None) -> tu
     return saved_activation_mib(plain, batch), saved_activation_mib(quantized, batch)
 
 
-def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
-    """The start of a CPT fine-tune of ``kind`` in a fresh process with empty kernel caches (a new machine: neither
-    torch.compile's nor hf_cpt's native kernels): the first and second step, the steady step (median of the later
-    ones) and how much longer the first two took than two steady steps; then the same extra time in a second fresh
-    process that finds the built kernels in the caches (every later run on that machine); also whether stderr
-    mentions CUDA."""
+def first_steps(kind: str, fused: bool, steps: int = 5, processes: int = 3) -> dict:
+    """The start of a CPT fine-tune of ``kind`` in fresh processes with empty kernel caches (a new machine: neither
+    torch.compile's nor hf_cpt's native kernels), ``processes`` of them interleaved with as many of the plain model
+    (a first step also pays first-touch page faults and the libraries' own warm-up, plain or not): per process the
+    first and second step and the first's extra time, with their medians; the steady step (median of the later
+    ones) and how much longer the first two took than two steady steps; then the same in a fresh process that finds
+    the built kernels in the caches (every later run on that machine); also whether stderr mentions CUDA."""
     import tempfile
 
     body = (
@@ -348,15 +349,33 @@ def first_steps(kind: str, fused: bool, steps: int = 5) -> dict:
         "    start = time.perf_counter(); step(); times.append(time.perf_counter() - start)\n"
         "print(json.dumps(times))"
     )
-    with tempfile.TemporaryDirectory() as cache:
-        caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"), "HF_CPT_CACHE": os.path.join(cache, "hf")}
-        (times, stderr), (warm_times, _) = (
-            _run_case_in_fresh_process(kind, True, fused, body, caches) for _ in range(2)
-        )
-    steady, warm_steady = statistics.median(times[2:]), statistics.median(warm_times[2:])
-    return {"first_step_s": times[0], "second_step_s": times[1], "steady_step_s": steady,
-            "start_extra_s": times[0] + times[1] - 2 * steady,
-            "warm_start_extra_s": warm_times[0] + warm_times[1] - 2 * warm_steady,
+    runs: dict[bool, list[list[float]]] = {False: [], True: []}
+    stderr = ""
+    with tempfile.TemporaryDirectory() as root:
+        for index in range(processes):
+            for quantized in (False, True):
+                cache = os.path.join(root, f"{index}-{int(quantized)}")
+                caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+                          "HF_CPT_CACHE": os.path.join(cache, "hf")}
+                times, errors = _run_case_in_fresh_process(kind, quantized, fused, body, caches)
+                runs[quantized].append(times)
+                stderr += errors if quantized else ""
+        warm_times, _ = _run_case_in_fresh_process(kind, True, fused, body, caches)  # the last cold run's caches
+
+    def extra(times: list[float]) -> float:
+        return times[0] - times[1]
+
+    quantized = runs[True]
+    steadies = [statistics.median(times[2:]) for times in quantized]
+    return {"processes": processes,
+            "first_step_s": statistics.median(times[0] for times in quantized),
+            "second_step_s": statistics.median(times[1] for times in quantized),
+            "first_step_extra_s": statistics.median(extra(times) for times in quantized),
+            "first_step_extras_s": [extra(times) for times in quantized],
+            "plain_first_step_extra_s": statistics.median(extra(times) for times in runs[False]),
+            "steady_step_s": statistics.median(steadies),
+            "start_extra_s": statistics.median(t[0] + t[1] - 2 * s for t, s in zip(quantized, steadies)),
+            "warm_start_extra_s": warm_times[0] + warm_times[1] - 2 * statistics.median(warm_times[2:]),
             "cuda_warning": "cuda" in stderr.lower()}
 
 
@@ -625,12 +644,14 @@ def main() -> None:
     if not args.no_startup:
         kind = FIRST_STEP_KIND if minilm_path() is not None else "gpt2_small"
         startup = {"first_step_kind": kind, **first_steps(kind, fused), **import_seconds(args.repeats)}
-        extra = startup["first_step_s"] - startup["second_step_s"]
-        print(f"first CPT step ({kind}, fresh process, empty kernel caches): {startup['first_step_s']:.2f} s, "
-              f"second {startup['second_step_s']:.2f} s (+{extra:.2f} s, target +{FIRST_STEP_TARGET_S} s), steady "
-              f"{startup['steady_step_s']:.2f} s; the first two steps took {startup['start_extra_s']:+.2f} s more "
-              f"than two steady steps ({startup['warm_start_extra_s']:+.2f} s with warm kernel caches); "
-              f"CUDA mentioned on stderr: {startup['cuda_warning']}")
+        extras = ", ".join(f"{value:+.2f}" for value in startup["first_step_extras_s"])
+        print(f"first CPT step ({kind}, {startup['processes']} fresh processes, empty kernel caches; medians): "
+              f"{startup['first_step_s']:.2f} s, second {startup['second_step_s']:.2f} s "
+              f"(+{startup['first_step_extra_s']:.2f} s: {extras}; target +{FIRST_STEP_TARGET_S} s; plain model "
+              f"{startup['plain_first_step_extra_s']:+.2f} s), steady {startup['steady_step_s']:.2f} s; the first two "
+              f"steps took {startup['start_extra_s']:+.2f} s more than two steady steps "
+              f"({startup['warm_start_extra_s']:+.2f} s with warm kernel caches); CUDA mentioned on stderr: "
+              f"{startup['cuda_warning']}")
         print(f"import transformers {startup['import_transformers_s']:.2f} s, import hf_cpt "
               f"{startup['import_hf_cpt_s']:.2f} s (target +{IMPORT_TARGET_S} s)")
     print("ratio = median quantized / median plain; paired = median of per-repeat ratios;")

@@ -197,18 +197,20 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]
     startup, targets = overhead.get("startup"), overhead.get("targets", {})
     if startup:
-        extra = startup["first_step_s"] - startup["second_step_s"]
+        extra = startup["first_step_extra_s"]
         first_ok = "" if extra <= targets["first_step_extra_s"] else " (missed)"
         imports = startup["import_hf_cpt_s"] - startup["import_transformers_s"]
         import_ok = "" if imports <= targets["import_extra_s"] else " (missed)"
-        lines += ["", f"- First CPT step of a `{startup['first_step_kind']}` fine-tune in a fresh process with its "
-                  f"kernel caches empty: {startup['first_step_s']:.2f} s against {startup['second_step_s']:.2f} s "
-                  f"for the second (+{extra:.2f} s{first_ok}; target +{targets['first_step_extra_s']:.1f} s); "
-                  f"CUDA mentioned on stderr: {'yes' if startup['cuda_warning'] else 'no'}."]
-        if "steady_step_s" in startup:
-            lines += [f"- The first two steps took {startup['start_extra_s']:+.2f} s more than two steady steps of "
-                      f"{startup['steady_step_s']:.2f} s; in a second fresh process that finds the built kernels "
-                      f"in the caches (every later run on the machine), {startup['warm_start_extra_s']:+.2f} s."]
+        extras = ", ".join(f"{value:+.2f}" for value in startup["first_step_extras_s"])
+        lines += ["", f"- First CPT step of a `{startup['first_step_kind']}` fine-tune in fresh processes with their "
+                  f"kernel caches empty (median of {startup['processes']}): {startup['first_step_s']:.2f} s against "
+                  f"{startup['second_step_s']:.2f} s for the second (+{extra:.2f} s{first_ok}; target "
+                  f"+{targets['first_step_extra_s']:.1f} s; per process {extras}). The plain model's first step, in "
+                  f"processes interleaved with these, took {startup['plain_first_step_extra_s']:+.2f} s more than its "
+                  f"second. CUDA mentioned on stderr: {'yes' if startup['cuda_warning'] else 'no'}."]
+        lines += [f"- The first two steps took {startup['start_extra_s']:+.2f} s more than two steady steps of "
+                  f"{startup['steady_step_s']:.2f} s (medians); in a fresh process that finds the built kernels in "
+                  f"the caches (every later run on the machine), {startup['warm_start_extra_s']:+.2f} s."]
         lines.append(f"- `import hf_cpt` {startup['import_hf_cpt_s']:.2f} s against `import transformers` "
                      f"{startup['import_transformers_s']:.2f} s in fresh processes ({imports:+.2f} s{import_ok}; "
                      f"target +{targets['import_extra_s']:.1f} s).")

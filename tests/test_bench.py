@@ -305,9 +305,11 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
                memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234,
                plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4, torch_formula_ratio=1.1)
     overhead["integer_products"] = True
-    overhead["startup"] = {"first_step_kind": "minilm", "first_step_s": 4.0, "second_step_s": 3.0,
-                           "steady_step_s": 2.5, "start_extra_s": 2.0, "warm_start_extra_s": 0.5,
-                           "cuda_warning": False, "import_transformers_s": 1.0, "import_hf_cpt_s": 3.0}
+    overhead["startup"] = {"first_step_kind": "minilm", "processes": 3, "first_step_s": 4.0, "second_step_s": 3.0,
+                           "first_step_extra_s": 1.0, "first_step_extras_s": [1.0, 2.5, 0.5],
+                           "plain_first_step_extra_s": 0.75, "steady_step_s": 2.5, "start_extra_s": 2.0,
+                           "warm_start_extra_s": 0.5, "cuda_warning": False, "import_transformers_s": 1.0,
+                           "import_hf_cpt_s": 3.0}
     table = "\n".join(report.overhead_summary(overhead))
     assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §; kept for backward 0.750 (40 -> 30 MiB) ◊" in table
     assert "◊ what one training forward keeps for its backward" in table
@@ -319,7 +321,9 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert "layers' training products on integer codes (this CPU has int8 dot products)" in table
     assert "+1.00 s; target +2.0 s" in table and "(+2.00 s (missed); target +1.5 s)" in table
     assert "CUDA mentioned on stderr: no" in table
-    assert "- The first two steps took +2.00 s more than two steady steps of 2.50 s; in a second fresh process " \
+    assert "(median of 3): 4.00 s against 3.00 s for the second (+1.00 s; target +2.0 s; per process +1.00, " \
+           "+2.50, +0.50). The plain model's first step, in processes interleaved with these, took +0.75 s" in table
+    assert "- The first two steps took +2.00 s more than two steady steps of 2.50 s (medians); in a fresh process " \
            "that finds the built kernels in the caches (every later run on the machine), +0.50 s." in table
 
 
