@@ -67,6 +67,20 @@ def test_code_matmul_sums_codes_exactly():
     assert torch.equal(out.double(), (a_codes.long() @ b_codes.long()).double())
 
 
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (37, 13, 29), (3, integer_matmul.MAX_REDUCED_SIZE, 2)])
+def test_code_sums_are_the_exact_row_and_column_sums(m, k, n):
+    """The rank-one terms' sums of centred codes (int8 products with ones): exact at any size up to the largest
+    reduced size, extremes included, for a weight's transposed view as the Linear passes it."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (m, k), generator=generator, dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8).t()
+    a[0], b[:, 0] = -128, 127  # a row and a column at the extremes
+    a_sums, b_sums = integer_matmul._code_sums(a, b)
+    assert a_sums.dtype == b_sums.dtype == torch.int32
+    assert torch.equal(a_sums.long(), a.long().sum(1, keepdim=True))
+    assert torch.equal(b_sums.long(), b.long().sum(0, keepdim=True))
+
+
 def test_integer_products_setting_resolves_per_device():
     cpu, meta = torch.device("cpu"), torch.device("meta")
     assert PrecisionState(integer_matmul=True).integer_products(cpu)
