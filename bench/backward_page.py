@@ -280,7 +280,7 @@ def _noise(grouped: dict) -> list[str]:
             "resolved by these runs, the targets below included."]
 
 
-def _seed_gaps(entries: list[dict], baseline: list[dict], scale: float = 100) -> list[float]:
+def seed_gaps(entries: list[dict], baseline: list[dict], scale: float = 100) -> list[float]:
     """Each entry against the baseline run of the same seed (same data order and initial head), in points (the
     metric times ``scale``)."""
     by_seed = {e["seed"]: e["metric"] for e in baseline}
@@ -291,7 +291,7 @@ def _gap_to_fp32(entries: list[dict], fp32: list[dict], scale: float = 100) -> f
     """A run's mean gap to FP32 (the metric times ``scale``), seed by seed over the seeds both ran (the paired
     comparison: each seed fixes the data order and the initial head), or between the two means where they share
     no seed."""
-    gaps = _seed_gaps(entries, fp32, scale)
+    gaps = seed_gaps(entries, fp32, scale)
     return mean(gaps) if gaps else scale * (mean(e["metric"] for e in entries) - mean(e["metric"] for e in fp32))
 
 
@@ -302,7 +302,7 @@ def _attention_pairs(grouped: dict) -> list[str]:
     for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
         if " + attention" not in name:
             continue
-        gaps = _seed_gaps(entries, grouped.get((name.split(" + attention")[0], option), []))
+        gaps = seed_gaps(entries, grouped.get((name.split(" + attention")[0], option), []))
         if gaps:
             lines.append(f"- {name} against the same run without quantized attention, seed by seed "
                          f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)
@@ -321,7 +321,7 @@ def _integer_pairs(grouped: dict) -> list[str]:
     for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
         if INTEGER_LABEL not in name:
             continue
-        gaps = _seed_gaps(entries, grouped.get((name.replace(INTEGER_LABEL, ""), option), []))
+        gaps = seed_gaps(entries, grouped.get((name.replace(INTEGER_LABEL, ""), option), []))
         if gaps:
             lines.append(f"- {name} against the same run with the float product, seed by seed ({describe(option)}; "
                          "any change of rounding sends a run down another path, so a single gap is noise): "
@@ -353,7 +353,7 @@ def _attention_by_schedule(grouped: dict, option: tuple) -> list[str]:
         if " + attention" not in name or variant_option != option:
             continue
         layers = name.split(" + attention")[0]
-        pooled.setdefault(layers, []).extend(_seed_gaps(entries, grouped.get((layers, option), [])))
+        pooled.setdefault(layers, []).extend(seed_gaps(entries, grouped.get((layers, option), [])))
     lines = []
     for layers, gaps in pooled.items():
         below = sum(g < 0 for g in gaps)
@@ -374,7 +374,7 @@ def _attention_errors_share(grouped: dict) -> list[str]:
         if " + attention" not in name or "its errors in full precision" in name:
             continue
         forward_only = name.split(", its errors")[0] + ", its errors in full precision"
-        gaps = _seed_gaps(entries, grouped.get((forward_only, option), []))
+        gaps = seed_gaps(entries, grouped.get((forward_only, option), []))
         if gaps:
             lines.append(f"- {name} against the same run with the attention errors in full precision, seed by seed "
                          f"({describe(option)}): " + ", ".join(f"{g:+.2f}" for g in gaps)

@@ -84,9 +84,8 @@ def finetune_section(finetune: dict, settings: dict) -> list[str]:
                 lines.append(f"- {name}: {gap:+.2f} points against static 8/8 ({verdict} it), "
                              f"{len(runs[name])} seed(s).")
         if "fp32" in runs:
-            fp32 = {e["seed"]: e["metric"] for e in runs["fp32"]}
             for name in runs:
-                paired = [100 * (e["metric"] - fp32[e["seed"]]) for e in runs[name] if e["seed"] in fp32]
+                paired = backward_page.seed_gaps(runs[name], runs["fp32"])
                 if name != "fp32" and paired:
                     lines.append(f"- {name}: {mean(paired):+.2f} points against FP32 fine-tuning of the same seeds "
                                  f"({len(paired)}).")

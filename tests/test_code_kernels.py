@@ -95,6 +95,13 @@ def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
     for values, codes, restored in results:
         assert torch.equal(codes, expected_codes) and torch.equal(values, expected_values)
         assert torch.equal(restored, expected_values)
+    # the split really ran: asked for 3 threads, the kernel used the 2 this size allows (native_threads.h)
+    _, (_, scale, minimum32) = fake_quantize_compact(x, minimum, maximum, bits)
+    out = torch.empty(x.shape)
+    used = code_kernels._library().hf_cpt_restore_codes(expected_codes.data_ptr(), out.data_ptr(),
+                                                        minimum32.contiguous().data_ptr(), scale.data_ptr(), 1, 0,
+                                                        *x.shape, 3)
+    assert used == 2 and torch.equal(out, expected_values)
 
 
 def test_calls_the_kernel_does_not_serve_keep_the_formula():

@@ -7,53 +7,16 @@
  * asked, the fake-quantized value codes * s + m). A range is one value per row (stride 1 along rows), per column
  * (stride 1 along columns) or one for the tensor (both strides 0). Also the float32 result of a product on codes
  * from its int32 sums (integer_matmul.code_matmul's scales and rank-one terms) in one pass. Rows are split over
- * POSIX threads; no result depends on the thread count.
+ * threads (native_threads.h); no result depends on the thread count.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 
+#include "native_threads.h"
 #include "native_vectors.h"
 
-typedef void (*rows_body)(const void *args, int64_t first_row, int64_t last_row);
-
-typedef struct {
-    rows_body body;
-    const void *args;
-    int64_t first_row, last_row;
-} slice_t;
-
-static void *run_slice(void *slice) {
-    const slice_t *s = (const slice_t *)slice;
-    s->body(s->args, s->first_row, s->last_row);
-    return 0;
-}
-
-#define MAX_THREADS 64
-#define MIN_ELEMENTS_PER_THREAD (1 << 22) /* a thread start costs more than a memory-bound pass over less */
-
-/* body over rows 0..rows, split over at most `threads` threads; returns the number used. */
-static int split(rows_body body, const void *args, int64_t rows, int64_t columns, int threads) {
-    slice_t slices[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int64_t most = rows * columns / MIN_ELEMENTS_PER_THREAD + 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > most) threads = (int)most;
-    if (threads > rows) threads = (int)rows;
-    if (threads < 1) threads = 1;
-    for (int t = 0; t < threads; t++) {
-        slice_t slice = {body, args, rows * t / threads, rows * (t + 1) / threads};
-        slices[t] = slice;
-    }
-    int started = 1;
-    for (; started < threads; started++) {
-        if (pthread_create(&ids[started], 0, run_slice, &slices[started]) != 0) break;
-    }
-    for (int t = started; t < threads; t++) run_slice(&slices[t]); /* threads that could not start */
-    run_slice(&slices[0]);
-    for (int t = 1; t < started; t++) pthread_join(ids[t], 0);
-    return threads;
-}
+/* A thread start costs more than a memory-bound pass over less. */
+#define MIN_ELEMENTS_PER_THREAD (1 << 22)
 
 typedef struct {
     const float *source;
@@ -79,7 +42,7 @@ static inline __attribute__((always_inline)) void quantize_row(
     }
 }
 
-static void quantize_rows(const void *args, int64_t first_row, int64_t last_row) {
+static int quantize_rows(const void *args, int64_t first_row, int64_t last_row) {
     const codes_args *a = (const codes_args *)args;
     for (int64_t row = first_row; row < last_row; row++) {
         const int64_t at = row * a->columns;
@@ -94,9 +57,10 @@ static void quantize_rows(const void *args, int64_t first_row, int64_t last_row)
         else
             quantize_row(a->source + at, a->codes + at, 0, m, s, a->columns, a->top, 1, 0);
     }
+    return 0;
 }
 
-static void restore_rows(const void *args, int64_t first_row, int64_t last_row) {
+static int restore_rows(const void *args, int64_t first_row, int64_t last_row) {
     const codes_args *a = (const codes_args *)args;
     for (int64_t row = first_row; row < last_row; row++) {
         const uint8_t *restrict codes = a->codes_in + row * a->columns;
@@ -110,6 +74,7 @@ static void restore_rows(const void *args, int64_t first_row, int64_t last_row) 
             for (int64_t i = 0; i < a->columns; i++) values[i] = (float)codes[i] * s[i] + m[i];
         }
     }
+    return 0;
 }
 
 /* Codes of rows x columns float32 values (contiguous) over their ranges; values (may be null): codes * s + m. */
@@ -117,14 +82,14 @@ int hf_cpt_quantize_codes(const float *source, uint8_t *codes, float *values, co
                           const float *scale, int64_t row_stride, int64_t column_stride, int64_t rows,
                           int64_t columns, float top, int threads) {
     codes_args args = {source, 0, codes, values, minimum, scale, row_stride, column_stride, columns, top};
-    return split(quantize_rows, &args, rows, columns, threads);
+    return split_items(quantize_rows, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
 }
 
 /* codes * s + m for rows x columns uint8 codes (contiguous). */
 int hf_cpt_restore_codes(const uint8_t *codes, float *values, const float *minimum, const float *scale,
                          int64_t row_stride, int64_t column_stride, int64_t rows, int64_t columns, int threads) {
     codes_args args = {0, codes, 0, values, minimum, scale, row_stride, column_stride, columns, 0.0f};
-    return split(restore_rows, &args, rows, columns, threads);
+    return split_items(restore_rows, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
 }
 
 typedef struct {
@@ -147,7 +112,7 @@ static inline __attribute__((always_inline)) void product_row(
     }
 }
 
-static void product_rows(const void *args, int64_t first_row, int64_t last_row) {
+static int product_rows(const void *args, int64_t first_row, int64_t last_row) {
     const product_args *a = (const product_args *)args;
     for (int64_t row = first_row; row < last_row; row++) {
         int32_t *p = a->products + row * a->columns;
@@ -157,6 +122,7 @@ static void product_rows(const void *args, int64_t first_row, int64_t last_row) 
         else
             product_row(p, sa, u, za, a->column_scale, a->column_zero, a->column_term, 0, a->columns, 0);
     }
+    return 0;
 }
 
 /* The float32 result of a product on codes from its int32 sums, in place: rows x columns (contiguous). */
@@ -165,7 +131,7 @@ int hf_cpt_code_product(int32_t *products, const float *row_scale, const float *
                         const float *bias, int64_t rows, int64_t columns, int threads) {
     product_args args = {products, row_scale, row_sum, row_zero, column_scale, column_zero, column_term, bias,
                          columns};
-    return split(product_rows, &args, rows, columns, threads);
+    return split_items(product_rows, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
 }
 
 typedef struct {
@@ -175,7 +141,7 @@ typedef struct {
 } ranges_args;
 
 /* Each row's min and max (torch's amin / amax: a row holding a NaN gets NaN for both). */
-static void row_ranges(const void *args, int64_t first_row, int64_t last_row) {
+static int row_ranges(const void *args, int64_t first_row, int64_t last_row) {
     const ranges_args *a = (const ranges_args *)args;
     const int64_t n = a->columns;
     for (int64_t row = first_row; row < last_row; row++) {
@@ -184,11 +150,11 @@ static void row_ranges(const void *args, int64_t first_row, int64_t last_row) {
         a->minimum[row] = nan ? NAN : low;
         a->maximum[row] = nan ? NAN : high;
     }
+    return 0;
 }
 
-/* Each column's min and max over rows first_row..last_row of the whole tensor: here the "rows" split over threads
- * are blocks of columns (a call covers every row of its columns). */
-static void column_ranges(const void *args, int64_t first_block, int64_t last_block) {
+/* Each column's min and max over every row, for the blocks of 256 columns first_block..last_block. */
+static int column_ranges(const void *args, int64_t first_block, int64_t last_block) {
     const ranges_args *a = (const ranges_args *)args;
     const int64_t columns = a->columns;
     for (int64_t block = first_block; block < last_block; block++) {
@@ -211,12 +177,15 @@ static void column_ranges(const void *args, int64_t first_block, int64_t last_bl
             if (nan[c]) low[c] = high[c] = NAN;
         }
     }
+    return 0;
 }
 
 /* The min and max of each row (per_column 0) or each column (per_column 1) of rows x columns float32 values. */
 int hf_cpt_ranges(const float *source, float *minimum, float *maximum, int64_t rows, int64_t columns, int per_column,
                   int threads) {
     ranges_args args = {source, minimum, maximum, rows, columns};
-    if (per_column) return split(column_ranges, &args, (columns + 255) / 256, rows * 256, threads);
-    return split(row_ranges, &args, rows, columns, threads);
+    if (per_column) /* the items split over threads are blocks of 256 columns */
+        return split_items(column_ranges, &args, (columns + 255) / 256, rows * columns, MIN_ELEMENTS_PER_THREAD,
+                           threads);
+    return split_items(row_ranges, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
 }

@@ -59,14 +59,9 @@ def _layout(shape: torch.Size, range_shape: torch.Size) -> tuple[int, int, int, 
     return None
 
 
-def _traced() -> bool:
-    return torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
-
-
 def _native_layout(t: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """`_layout` where the native kernel serves ``t`` (CPU, contiguous, large enough, not traced), else None."""
-    if (t.device.type != "cpu" or scale.device.type != "cpu" or scale.dtype != torch.float32
-            or t.numel() < NATIVE_MIN_NUMEL or not t.is_contiguous() or _traced()):
+    """`_layout` where the native kernel serves ``t`` (`native.takes` it, with a float32 CPU scale), else None."""
+    if not native.takes(t, NATIVE_MIN_NUMEL) or scale.device.type != "cpu" or scale.dtype != torch.float32:
         return None
     layout = _layout(t.shape, scale.shape)
     return None if layout is None or _library() is None else layout
@@ -123,8 +118,7 @@ def code_product_native(
     (`hf_cpt.numerics.integer_matmul.code_matmul`), written over the int32 ``products`` ``[M, N]`` in one pass;
     the row terms broadcast to ``[M]``, the column terms and ``bias`` to ``[N]``. None where the kernel does not
     serve the call."""
-    if (products.device.type != "cpu" or products.dtype != torch.int32 or products.dim() != 2
-            or not products.is_contiguous() or products.numel() < NATIVE_MIN_NUMEL or _traced()
+    if (not native.takes(products, NATIVE_MIN_NUMEL) or products.dtype != torch.int32 or products.dim() != 2
             or _library() is None):
         return None
     rows, columns = products.shape
@@ -141,8 +135,7 @@ def ranges_native(x: torch.Tensor, split: int, per_column: bool) -> tuple[torch.
     """(min, max), flat, of each row of ``x`` seen as ``(prod(shape[:split]), prod(shape[split:]))``, or of each
     column with ``per_column``, in one pass (torch's amin and amax take one each; a NaN gives NaN, as theirs do);
     None where the kernel does not serve the call."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() < NATIVE_MIN_NUMEL or not x.is_contiguous()
-            or _traced() or _library() is None):
+    if not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or _library() is None:
         return None
     rows, columns = math.prod(x.shape[:split]), math.prod(x.shape[split:])
     size = columns if per_column else rows

@@ -2,15 +2,15 @@
  *
  * The C twin of the hashed-noise formulas in error_kernels.py, value for value: the same lowbias32 hash of
  * (element index, seed) gives the noise, and the arithmetic runs in the same float32 order (built with
- * -ffp-contract=off, so no fused multiply-add changes a rounding). The grid (offset, scale, top code) of
- * every row is computed by the caller; here each element is scaled, shifted by its noise, clamped and
- * rounded half to even. Rows are split over POSIX threads; the noise depends only on the element index,
- * so the result does not depend on the thread count.
+ * -ffp-contract=off, so no fused multiply-add changes a rounding). With one range per row, each row's grid
+ * (offset, scale) is computed here, in the pass that quantizes the row; one grid for the tensor comes from the
+ * caller. Each element is scaled, shifted by its noise, clamped and rounded half to even. Elements are split over threads (native_threads.h); the noise depends only on the element
+ * index, so the result does not depend on the thread count.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 
+#include "native_threads.h"
 #include "native_vectors.h"
 
 static inline float hashed_noise(uint32_t index, uint32_t seed) {
@@ -26,13 +26,12 @@ static inline float hashed_noise(uint32_t index, uint32_t seed) {
 typedef struct {
     const float *source;
     float *out;
-    const float *offset; /* per row (stride 1) or one for the tensor (stride 0); unused on the zero-centred grid */
-    const float *scale;
-    int64_t range_stride, columns, first, last;
+    const float *offset, *scale; /* one for the tensor, or null: each row's own, computed here */
+    int64_t columns;
     float top;
     uint32_t seed;
     int zero_centred;
-} job_t;
+} errors_args;
 
 #define MIN_SCALE 1e-8f /* fake_quant.MIN_SCALE */
 
@@ -46,17 +45,18 @@ static void row_grid(const float *x, int64_t n, float top, int zero_centred, flo
     *scale = nan ? NAN : (step < MIN_SCALE ? MIN_SCALE : step);
 }
 
-static void run(const job_t *job) {
+static int quantize_elements(const void *args, int64_t first, int64_t last) {
+    const errors_args *job = (const errors_args *)args;
     const float top = job->top;
-    for (int64_t start = job->first; start < job->last;) {
+    for (int64_t start = first; start < last;) {
         const int64_t row = start / job->columns;
         const int64_t row_end = (row + 1) * job->columns;
-        const int64_t end = row_end < job->last ? row_end : job->last;
+        const int64_t end = row_end < last ? row_end : last;
         float row_offset, row_scale; /* computed here when the caller gave no grid */
         if (!job->scale)
             row_grid(job->source + row * job->columns, job->columns, top, job->zero_centred, &row_offset,
                      &row_scale);
-        const float scale = job->scale ? job->scale[row * job->range_stride] : row_scale;
+        const float scale = job->scale ? job->scale[0] : row_scale;
         const float *x = job->source + start;
         float *out = job->out + start;
         const uint32_t base = (uint32_t)start;
@@ -71,7 +71,7 @@ static void run(const job_t *job) {
             }
         } else {
             /* round(min(max((x - m) / s + u, 0), L)) * s + m */
-            const float offset = job->scale ? job->offset[row * job->range_stride] : row_offset;
+            const float offset = job->scale ? job->offset[0] : row_offset;
             for (int64_t i = 0; i < n; i++) {
                 float code = (x[i] - offset) / scale + hashed_noise(base + (uint32_t)i, job->seed);
                 code = code < 0.0f ? 0.0f : code;
@@ -81,39 +81,17 @@ static void run(const job_t *job) {
         }
         start = end;
     }
-}
-
-static void *run_thread(void *job) {
-    run((const job_t *)job);
     return 0;
 }
 
-#define MAX_THREADS 64
+/* A thread start costs more than a pass over less. */
 #define MIN_ELEMENTS_PER_THREAD 65536
 
-/* Quantize rows x columns float32 values (contiguous) into out; returns the number of threads used. With offset and
- * scale null, each row's grid is computed here (per-row ranges: one pass less over the tensor for each bound). */
-int hf_cpt_quantize_errors(const float *source, float *out, const float *offset, const float *scale,
-                           int64_t range_stride, int64_t rows, int64_t columns, float top, int32_t seed,
-                           int zero_centred, int threads) {
+/* Quantize rows x columns float32 values (contiguous) into out; returns the number of threads used. Offset and scale:
+ * one grid for the tensor, or null for each row's own, computed here (one pass less over the tensor per bound). */
+int hf_cpt_quantize_errors(const float *source, float *out, const float *offset, const float *scale, int64_t rows,
+                           int64_t columns, float top, int32_t seed, int zero_centred, int threads) {
+    const errors_args args = {source, out, offset, scale, columns, top, (uint32_t)seed, zero_centred};
     const int64_t total = rows * columns;
-    job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int64_t most = total / MIN_ELEMENTS_PER_THREAD + 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > most) threads = (int)most;
-    if (threads < 1) threads = 1;
-    for (int t = 0; t < threads; t++) {
-        job_t job = {source, out, offset, scale, range_stride, columns, total * t / threads,
-                     total * (t + 1) / threads, top, (uint32_t)seed, zero_centred};
-        jobs[t] = job;
-    }
-    int started = 1;
-    for (; started < threads; started++) {
-        if (pthread_create(&ids[started], 0, run_thread, &jobs[started]) != 0) break;
-    }
-    for (int t = started; t < threads; t++) run(&jobs[t]); /* threads that could not start */
-    run(&jobs[0]);
-    for (int t = 1; t < started; t++) pthread_join(ids[t], 0);
-    return threads;
+    return split_items(quantize_elements, &args, total, total, MIN_ELEMENTS_PER_THREAD, threads);
 }

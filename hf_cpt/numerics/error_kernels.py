@@ -123,7 +123,7 @@ def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
         return None
     entry = library.hf_cpt_quantize_errors
     entry.restype = ctypes.c_int
-    entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int32, ctypes.c_int,
+    entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int32, ctypes.c_int,
                                                                        ctypes.c_int]
     per_row, zero_centred = granularity == "token", grid_name == "symmetric"
 
@@ -138,7 +138,7 @@ def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
             offset, scale, top = grid(source, levels, per_row, zero_centred)
             offset = scale if offset is None else offset
         entry(source.data_ptr(), out.data_ptr(), None if offset is None else offset.data_ptr(),
-              None if scale is None else scale.data_ptr(), 0, source.numel() // columns, columns, float(top),
+              None if scale is None else scale.data_ptr(), source.numel() // columns, columns, float(top),
               int(seed), int(zero_centred), native.threads())
         return out.to(grad.dtype)
 

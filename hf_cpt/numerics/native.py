@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 # Exact IEEE float32 arithmetic (no fused multiply-add, no fast-math), vectorized for this CPU.
@@ -40,6 +42,14 @@ def threads() -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def takes(t: torch.Tensor, min_numel: int) -> bool:
+    """Whether a native kernel may take ``t``: a contiguous CPU tensor of at least ``min_numel`` elements (below, the
+    call costs more than it saves), outside a graph that torch.compile traces or exports (a kernel is an opaque call
+    on raw pointers). Each caller checks its dtypes and layout."""
+    return (t.device.type == "cpu" and t.is_contiguous() and t.numel() >= min_numel
+            and not torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting())
 
 
 def cache_dir() -> Path:

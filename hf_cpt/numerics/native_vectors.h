@@ -1,4 +1,5 @@
-/* What the package's C kernels share: a 16-float vector type and the bounds of a row of floats.
+/* What the package's C kernels share for their arithmetic: a 16-float vector type and the bounds of a row of floats
+ * (how they split work over threads: native_threads.h).
  *
  * GCC / clang vector extensions: 16 floats are one AVX-512 register or two AVX2 ones, the compiler splits them
  * for the target. Included by error_kernels.c, code_kernels.c and rotation_kernels.c; native.py keys each built

@@ -242,9 +242,8 @@ def _rotate_native(
     transform of the Sylvester part, the leading factor; one row at a time, in cache), or None where it does not
     serve the call: not a contiguous float32 CPU tensor, traced by torch.compile, small, or a Sylvester part
     under 16. (Along another axis the batched products measured faster than a column-tiled C kernel.)"""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or signs.dtype != torch.float32 or not x.is_contiguous()
-            or any(f.dtype != torch.float32 for f in factors)
-            or x.numel() < NATIVE_MIN_NUMEL or torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()):
+    if (not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or signs.dtype != torch.float32
+            or any(f.dtype != torch.float32 for f in factors)):
         return None
     lead = None if kinds[0] == "sylvester" else factors[0].contiguous()
     lead_size = 1 if lead is None else lead.shape[0]
@@ -254,10 +253,10 @@ def _rotate_native(
         return None
     out = torch.empty_like(x)
     signs = signs.contiguous()
-    failed = _native_library().hf_cpt_rotate(x.data_ptr(), out.data_ptr(), signs.data_ptr(),
-                                              None if lead is None else lead.data_ptr(), lead_size, power,
-                                              x.numel() // features, int(transpose), native.threads())
-    return None if failed else out
+    threads = _native_library().hf_cpt_rotate(x.data_ptr(), out.data_ptr(), signs.data_ptr(),
+                                               None if lead is None else lead.data_ptr(), lead_size, power,
+                                               x.numel() // features, int(transpose), native.threads())
+    return None if threads < 0 else out  # out of memory for a scratch row
 
 
 class _Rotate(torch.autograd.Function):

@@ -5,21 +5,21 @@
  * Sylvester factors is H_P itself). A row of d values is viewed as n blocks of P: the signs, a fast Walsh-Hadamard
  * transform of each block (log2 P butterfly stages instead of a P x P product), then A across the blocks. The
  * transpose R^T = (A^T ⊗ H_P / sqrt(P)) diag(s) runs the steps backwards. Each row stays in cache through every
- * step; rows are split over POSIX threads, and no result depends on the thread count. The values equal rotation.py's
+ * step; rows are split over threads (native_threads.h), and no result depends on the thread count. The values equal rotation.py's
  * factor-by-factor products up to float32 rounding (a different order of the same sums).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native_threads.h"
 #include "native_vectors.h"
 
 typedef struct {
     const float *x;
     float *y;
     const float *signs, *lead; /* lead: n x n row-major, or null */
-    int64_t lead_size, power, first_row, last_row;
+    int64_t lead_size, power;
     int transpose;
 } rotate_args;
 
@@ -91,8 +91,8 @@ static void lead_product(const float *t, float *y, const float *coefficients, in
     }
 }
 
-static void *rotate_rows(void *argument) {
-    const rotate_args *a = (const rotate_args *)argument;
+static int rotate_rows(const void *args, int64_t first_row, int64_t last_row) {
+    const rotate_args *a = (const rotate_args *)args;
     const int64_t n = a->lead_size, power = a->power, d = n * power;
     const float norm = (float)(1.0 / sqrt((double)power));
     /* R = diag(s) (A ⊗ H) / sqrt(P): forward the signs first, the transpose last. */
@@ -106,13 +106,13 @@ static void *rotate_rows(void *argument) {
         if (!t || !coefficients) {
             free(t);
             free(coefficients);
-            return (void *)1;
+            return 1;
         }
         for (int64_t in = 0; in < n; in++)
             for (int64_t out = 0; out < n; out++)
                 coefficients[in * n + out] = a->transpose ? a->lead[out * n + in] : a->lead[in * n + out];
     }
-    for (int64_t row = a->first_row; row < a->last_row; row++) {
+    for (int64_t row = first_row; row < last_row; row++) {
         const float *x = a->x + row * d;
         float *y = a->y + row * d;
         float *h = a->lead ? t : y; /* the transformed blocks: a scratch row when A still follows */
@@ -131,39 +131,13 @@ static void *rotate_rows(void *argument) {
     return 0;
 }
 
-#define MAX_THREADS 64
+/* A thread start costs more than rotating less. */
 #define MIN_ELEMENTS_PER_THREAD (1 << 20)
 
-static int launch(void *(*body)(void *), rotate_args base, int64_t items, int64_t values, int threads) {
-    rotate_args jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int64_t most = values / MIN_ELEMENTS_PER_THREAD + 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > most) threads = (int)most;
-    if (threads > items) threads = (int)items;
-    if (threads < 1) threads = 1;
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = base;
-        jobs[t].first_row = items * t / threads;
-        jobs[t].last_row = items * (t + 1) / threads;
-    }
-    int failed = 0, started = 1;
-    for (; started < threads; started++) {
-        if (pthread_create(&ids[started], 0, body, &jobs[started]) != 0) break;
-    }
-    for (int t = started; t < threads; t++) failed |= body(&jobs[t]) != 0;
-    failed |= body(&jobs[0]) != 0;
-    for (int t = 1; t < started; t++) {
-        void *result = 0;
-        pthread_join(ids[t], &result);
-        failed |= result != 0;
-    }
-    return failed;
-}
-
-/* y = x R (x R^T with transpose) for rows x (lead_size * power) float32 values (contiguous); 0 on success. */
+/* y = x R (x R^T with transpose) for rows x (lead_size * power) float32 values (contiguous); the number of threads
+ * used, or -1 when out of memory. */
 int hf_cpt_rotate(const float *x, float *y, const float *signs, const float *lead, int64_t lead_size, int64_t power,
                   int64_t rows, int transpose, int threads) {
-    rotate_args base = {x, y, signs, lead, lead_size, power, 0, 0, transpose};
-    return launch(rotate_rows, base, rows, rows * lead_size * power, threads);
+    const rotate_args args = {x, y, signs, lead, lead_size, power, transpose};
+    return split_items(rotate_rows, &args, rows, rows * lead_size * power, MIN_ELEMENTS_PER_THREAD, threads);
 }
