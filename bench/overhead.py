@@ -41,7 +41,7 @@ from torch import nn
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.nn.precision import PrecisionState
-from hf_cpt.numerics import code_kernels, rotation
+from hf_cpt.numerics import code_kernels, native, rotation
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported
 
@@ -434,12 +434,29 @@ def _with_torch_formulas(step: Step) -> Step:
     return run
 
 
+def _with_one_thread(step: Step) -> Step:
+    """``step`` with every C kernel on one thread of its own (``HF_CPT_NATIVE_THREADS=1``), not torch's OpenMP team."""
+    def run():
+        saved = os.environ.get(native.THREADS_VARIABLE)
+        os.environ[native.THREADS_VARIABLE] = "1"
+        try:
+            step()
+        finally:
+            if saved is None:
+                del os.environ[native.THREADS_VARIABLE]
+            else:
+                os.environ[native.THREADS_VARIABLE] = saved
+
+    return run
+
+
 def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_products: bool = False,
-             compare_native: bool = False) -> dict[str, float]:
+             compare_native: bool = False, compare_threads: bool = False) -> dict[str, float]:
     """Medians of interleaved repeats of the plain and the quantized step; with ``compare_kernels`` also the
     quantized step with the ``torch.compile`` error kernel instead of the C one, with ``compare_products`` the
     quantized step with float products instead of products on integer codes, and with ``compare_native`` the
-    quantized step with torch formulas instead of the other C kernels, interleaved with the others."""
+    quantized step with torch formulas instead of the other C kernels, with ``compare_threads`` the quantized step
+    with the C kernels on one thread each, interleaved with the others."""
     start = time.perf_counter()
     case.quantized()  # first call: builds the fused error kernels
     warmup = time.perf_counter() - start
@@ -450,6 +467,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         arms["float"] = _with_float_products(case.quantized)
     if compare_native:
         arms["torch"] = _with_torch_formulas(case.quantized)
+    if compare_threads:
+        arms["one_thread"] = _with_one_thread(case.quantized)
     for step in arms.values():
         step()
     samples: dict[str, list[float]] = {name: [] for name in arms}
@@ -473,6 +492,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         result["float_product_ratio"] = statistics.median(samples["float"]) * 1e3 / plain_ms
     if compare_native:
         result["torch_formula_ratio"] = statistics.median(samples["torch"]) * 1e3 / plain_ms
+    if compare_threads:
+        result["one_thread_ratio"] = statistics.median(samples["one_thread"]) * 1e3 / plain_ms
     return result
 
 
@@ -499,6 +520,9 @@ def main() -> None:
     parser.add_argument("--compare-native", action="store_true",
                         help="also time each quantized case with the torch formulas instead of the C kernels for "
                         "codes, ranges, products on codes and rotations (interleaved with the others)")
+    parser.add_argument("--compare-threads", action="store_true",
+                        help="also time each quantized case with the C kernels on one thread of their own each "
+                        "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
     parser.add_argument("--published-quantizer", metavar="FILE",
                         help="the CPT repository's cpt_cifar/modules/quantize.py: adds the published quantizer's "
                         "Linear and Conv2d rows (anchors)")
@@ -604,7 +628,8 @@ def main() -> None:
         case = cases[key]()
         result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None,
                           args.compare_products and integer_products and case.target is not None,
-                          args.compare_native and case.target is not None)
+                          args.compare_native and case.target is not None,
+                          args.compare_threads and case.target is not None)
         rows.append({"case": case.name, "target": case.target, **result})
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
@@ -619,6 +644,8 @@ def main() -> None:
         if "torch_formula_ratio" in result:
             print(f"{'  same, torch formulas for the C kernels':<44}{'':>10}{'':>10}"
                   f"{result['torch_formula_ratio']:>8.3f}")
+        if "one_thread_ratio" in result:
+            print(f"{'  same, C kernels on one thread each':<44}{'':>10}{'':>10}{result['one_thread_ratio']:>8.3f}")
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             plain_mib, quant_mib = (peak_memory_mib(memory_kinds[key], q, fused, options=options)

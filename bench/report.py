@@ -167,6 +167,7 @@ def overhead_summary(overhead: dict) -> list[str]:
         compiled = f" ({row['compiled_kernel_ratio']:.3f} ¶)" if "compiled_kernel_ratio" in row else ""
         compiled += f" ({row['float_product_ratio']:.3f} ∥)" if "float_product_ratio" in row else ""
         compiled += f" ({row['torch_formula_ratio']:.3f} ※)" if "torch_formula_ratio" in row else ""
+        compiled += f" ({row['one_thread_ratio']:.3f} ⁑)" if "one_thread_ratio" in row else ""
         lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok}"
                      f"{compiled} | {'anchor' if anchor else format(row['target'], '.2f')} | {memory} |")
     if any("memory_ratio_fixed_mmap" in row for row in overhead["rows"]):
@@ -191,6 +192,11 @@ def overhead_summary(overhead: dict) -> list[str]:
         lines += ["", "※ the same quantized step with the torch formulas instead of the C kernels for codes, ranges, "
                   "products on codes and rotations (the error kernel stays), timed in the same run, interleaved with "
                   "the others: what those kernels buy on this CPU."]
+    if any("one_thread_ratio" in row for row in overhead["rows"]):
+        lines += ["", "⁑ the same quantized step with each C kernel on one thread of its own "
+                  "(`HF_CPT_NATIVE_THREADS=1`) instead of torch's OpenMP team, timed in the same run, interleaved "
+                  "with the others: what running the kernels' slices on the workers that wait for torch's next "
+                  "parallel region buys."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]

@@ -285,13 +285,15 @@ def test_gradient_section_compares_the_attention_grids_group_by_group():
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [sys.executable, os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1",
-               "--no-startup", "--compare-kernels", "--compare-products", "--compare-native", "--output", str(output)]
+               "--no-startup", "--compare-kernels", "--compare-products", "--compare-native", "--compare-threads",
+               "--output", str(output)]
     subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     overhead = json.loads(output.read_text())
     (row,) = overhead["rows"]
     assert row["case"].startswith("Conv2d") and row["quant_ms"] > 0 and row["plain_ms"] > 0
     assert row["compiled_kernel_ratio"] > 0 and overhead["compare_kernels"] is True
     assert row["torch_formula_ratio"] > 0  # the C kernels for codes and rotations off, timed beside the others
+    assert row["one_thread_ratio"] > 0  # the C kernels on one thread each, not torch's OpenMP team
     assert overhead["startup"] == {}
     # the float-product arm runs where the CPU computes products on codes (for a Conv2d it times the same step)
     assert ("float_product_ratio" in row) == overhead["integer_products"]
@@ -303,7 +305,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     # step within its target and an import above it (figures chosen here to exercise each branch).
     row.update(plain_peak_mib=100.0, quant_peak_mib=95.0, memory_ratio=0.95, memory_target=0.9,
                memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234,
-               plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4, torch_formula_ratio=1.1)
+               plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4, torch_formula_ratio=1.1,
+               one_thread_ratio=1.3)
     overhead["integer_products"] = True
     overhead["startup"] = {"first_step_kind": "minilm", "processes": 3, "first_step_s": 4.0, "second_step_s": 3.0,
                            "first_step_extra_s": 1.0, "first_step_extras_s": [1.0, 2.5, 0.5],
@@ -314,7 +317,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §; kept for backward 0.750 (40 -> 30 MiB) ◊" in table
     assert "◊ what one training forward keeps for its backward" in table
     assert "MALLOC_MMAP_THRESHOLD_=131072" in table and "§ as ‡, with the eager error quantizer" in table
-    assert "| 1.200 (1.234 ¶) (1.400 ∥) (1.100 ※) | 1.50 |" in table
+    assert "| 1.200 (1.234 ¶) (1.400 ∥) (1.100 ※) (1.300 ⁑) | 1.50 |" in table
+    assert "⁑ the same quantized step with each C kernel on one thread of its own" in table
     assert "※ the same quantized step with the torch formulas instead of the C kernels" in table
     assert "¶ the same quantized step with the `torch.compile`" in table
     assert "∥ the same quantized step with float products" in table
