@@ -28,6 +28,8 @@ def method(config: dict) -> str:
         return "FP32"
     name = (f"static {config['bits_max']}/{config['grad_bits']}" if config["schedule"] == "static"
             else f"CPT {config['bits_min']}-{config['bits_max']}/{config['grad_bits']}")
+    if config.get("delay"):
+        name += f" (first {100 * config['delay']:.0f}% at {config.get('delay_precision', 'max')})"
     if config.get("quant_scheme", "auto") != "auto":
         name += f" ({config['quant_scheme']} activations)"
     if config.get("integer_matmul") is True:  # runs without the field used the float product
@@ -356,6 +358,8 @@ def _attention_by_schedule(grouped: dict, option: tuple) -> list[str]:
         pooled.setdefault(layers, []).extend(seed_gaps(entries, grouped.get((layers, option), [])))
     lines = []
     for layers, gaps in pooled.items():
+        if not gaps:  # no run of these layers without quantized attention to pair with
+            continue
         below = sum(g < 0 for g in gaps)
         chance = sum(math.comb(len(gaps), k) for k in range(below, len(gaps) + 1)) / 2 ** len(gaps)
         lines.append(f"- Quantized attention against the same run without it, pooled over its variants, {layers} "

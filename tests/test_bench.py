@@ -186,6 +186,11 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
                                                          **{**token, "error_range": "auto"}),
         # the layers' forward on integer codes: its own row, paired with the float product's run seed by seed
         "static-8/8-error-token-integer/seed1": _entry(1, 0.60, 1.0, integer_matmul=True, **token),
+        # a delayed start (CPTConfig.delay): its own row, named by it; with quantized attention it has no run without
+        # to pair with, and the pooled attention finding leaves it out
+        "cpt-4-8/8-error-token-delay/seed0": _entry(0, 0.56, 0.74, schedule="cpt", delay=0.1, **token),
+        "cpt-4-8/8-error-token-delay-attention/seed0": _entry(0, 0.55, 0.70, schedule="cpt", delay=0.2,
+                                                              quantize_attention=True, attention_bits=8, **token),
     }}
     ablation["finetune"]["renamed/seed1"]["cost"].pop("full_precision_mac_share")
     from hf_cpt.numerics.errors import ErrorQuantization
@@ -231,6 +236,8 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     assert (f"- static 8/8 + attention, its errors zero-centred against the same run without quantized attention, "
             f"seed by seed ({per_row}): -1.00 points (mean -1.00).") in page
     assert f"| static 8/8 (forward on integer codes) | {per_row} (default) | 1 | 60.00 ± 0.00 |" in page
+    assert f"| CPT 4-8/8 (first 10% at max) | {per_row} (default) | 0 | 56.00 ± 0.00 | -2.00 | 0.740 |" in page
+    assert "pooled over its variants, CPT 4-8/8 (first 20% at max)" not in page
     assert (f"- static 8/8 (forward on integer codes) against the same run with the float product, seed by seed "
             f"({per_row}; any change of rounding sends a run down another path, so a single gap is noise): +1.50 "
             "points (mean +1.50).") in page
