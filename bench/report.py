@@ -170,6 +170,11 @@ def overhead_summary(overhead: dict) -> list[str]:
         compiled += f" ({row['one_thread_ratio']:.3f} ⁑)" if "one_thread_ratio" in row else ""
         lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok}"
                      f"{compiled} | {'anchor' if anchor else format(row['target'], '.2f')} | {memory} |")
+    processes = {len(row["plain_peaks_mib"]) for row in overhead["rows"] if "plain_peaks_mib" in row}
+    if processes:
+        lines += ["", f"Peak memory: the median VmHWM of {', '.join(map(str, sorted(processes)))} fresh processes per "
+                  "side, interleaved (where glibc places each block, and so which freed holes of its heap stay "
+                  "resident, varies from one process to the next); ‡ and § one process each."]
     if any("memory_ratio_fixed_mmap" in row for row in overhead["rows"]):
         lines += ["", "‡ the same two processes with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=131072`): "
                   "freed large blocks go back to the system, so the peak follows the memory alive rather than the "

@@ -313,7 +313,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     row.update(plain_peak_mib=100.0, quant_peak_mib=95.0, memory_ratio=0.95, memory_target=0.9,
                memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234,
                plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4, torch_formula_ratio=1.1,
-               one_thread_ratio=1.3)
+               one_thread_ratio=1.3, plain_peaks_mib=[100.0, 101.0, 99.0], quant_peaks_mib=[95.0, 94.0, 97.0])
     overhead["integer_products"] = True
     overhead["startup"] = {"first_step_kind": "minilm", "processes": 3, "first_step_s": 4.0, "second_step_s": 3.0,
                            "first_step_extra_s": 1.0, "first_step_extras_s": [1.0, 2.5, 0.5],
@@ -323,6 +323,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     table = "\n".join(report.overhead_summary(overhead))
     assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §; kept for backward 0.750 (40 -> 30 MiB) ◊" in table
     assert "◊ what one training forward keeps for its backward" in table
+    assert "Peak memory: the median VmHWM of 3 fresh processes per side, interleaved" in table
     assert "MALLOC_MMAP_THRESHOLD_=131072" in table and "§ as ‡, with the eager error quantizer" in table
     assert "| 1.200 (1.234 ¶) (1.400 ∥) (1.100 ※) (1.300 ⁑) | 1.50 |" in table
     assert "⁑ the same quantized step with each C kernel on one thread of its own" in table
@@ -336,6 +337,22 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
            "+2.50, +0.50). The plain model's first step, in processes interleaved with these, took +0.75 s" in table
     assert "- The first two steps took +2.00 s more than two steady steps of 2.50 s (medians); in a fresh process " \
            "that finds the built kernels in the caches (every later run on the machine), +0.50 s." in table
+
+
+def test_peak_memory_is_measured_in_interleaved_fresh_processes(monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import overhead
+
+    calls = []
+
+    def peak(kind, quantized, fused, options=None):
+        calls.append(quantized)
+        return 100.0 + len(calls)
+
+    monkeypatch.setattr(overhead, "peak_memory_mib", peak)
+    plain, quant = overhead.peak_memories_mib("vit_small", True, processes=3)
+    assert calls == [False, True] * 3  # one process per side in turn, so no side always follows the other's load
+    assert plain == [101.0, 103.0, 105.0] and quant == [102.0, 104.0, 106.0]
 
 
 def test_saved_activation_memory_counts_what_autograd_keeps_apart_from_parameters():
