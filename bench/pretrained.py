@@ -95,6 +95,10 @@ BACKWARD_RUNS = {
                                                 "error_rotation": "features"},
     "cpt-4-8/8-error-token-attention-symmetric": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION},
     "cpt-4-8/8-error-token-attention-8-symmetric": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION, "attention_bits": 8},
+    # the same with the attention products' errors in full precision: is the cost of 8-bit attention under the cycle
+    # its forward or its quantized errors (the errors in FP32 are priced at 32 bits)?
+    "cpt-4-8/8-error-token-attention-8-forward": {**CPT_4_8, **PER_ROW, "quantize_attention": True, "attention_bits": 8,
+                                                  "attention_errors": False},
     # the same with the first 10% of steps held at bits_max (a delayed start: the fresh head forms before the layers
     # drop to 4 bits), which keeps its cost under 0.75 of static 8/8
     "cpt-4-8/8-error-token-attention-8-symmetric-delay": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION,
