@@ -4,8 +4,9 @@
  * (element index, seed) gives the noise, and the arithmetic runs in the same float32 order (built with
  * -ffp-contract=off, so no fused multiply-add changes a rounding). With one range per row, each row's grid
  * (offset, scale) is computed here, in the pass that quantizes the row; one grid for the tensor comes from the
- * caller. Each element is scaled, shifted by its noise, clamped and rounded half to even. Elements are split over threads (native_threads.h); the noise depends only on the element
- * index, so the result does not depend on the thread count.
+ * caller. Each element is scaled, shifted by its noise, clamped and rounded half to even. Elements are split over
+ * threads (native_threads.h); the noise depends only on the element index, so the result does not depend on the
+ * thread count.
  */
 #include <math.h>
 #include <stdint.h>

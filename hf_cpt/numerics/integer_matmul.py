@@ -58,11 +58,19 @@ def _centred(codes: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
 SUM_COLUMNS = 8
 
 
+@functools.lru_cache(maxsize=32)
+def _ones(reduced: int, device: torch.device) -> torch.Tensor:
+    """``[reduced, SUM_COLUMNS]`` int8 ones, made once per size and device (every product of a step needs one), as a
+    normal tensor even when first asked for under inference mode."""
+    with torch.inference_mode(False):
+        return torch.ones(reduced, SUM_COLUMNS, dtype=torch.int8, device=device)
+
+
 def _code_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The row sums of ``a`` ``[M, 1]`` and column sums of ``b`` ``[1, N]`` (int8), in int32: as int8 products with
     a block of ones, exact like every int32 sum here. (``sum(dtype=torch.int32)`` first copies the operand to int32,
     a tensor four times the codes' size, and reads it back.)"""
-    ones = torch.ones(a.shape[1], SUM_COLUMNS, dtype=torch.int8, device=a.device)
+    ones = _ones(a.shape[1], a.device)
     return torch._int_mm(a, ones)[:, :1], torch._int_mm(ones.t(), b)[:1]
 
 

@@ -5,8 +5,8 @@
  * Sylvester factors is H_P itself). A row of d values is viewed as n blocks of P: the signs, a fast Walsh-Hadamard
  * transform of each block (log2 P butterfly stages instead of a P x P product), then A across the blocks. The
  * transpose R^T = (A^T ⊗ H_P / sqrt(P)) diag(s) runs the steps backwards. Each row stays in cache through every
- * step; rows are split over threads (native_threads.h), and no result depends on the thread count. The values equal rotation.py's
- * factor-by-factor products up to float32 rounding (a different order of the same sums).
+ * step; rows are split over threads (native_threads.h), and no result depends on the thread count. The values equal
+ * rotation.py's factor-by-factor products up to float32 rounding (a different order of the same sums).
  */
 #include <math.h>
 #include <stdint.h>
