@@ -141,7 +141,8 @@ def environment() -> dict:
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_cpt": hf_cpt.__version__,
             "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def accuracy(eval_pred) -> dict:

@@ -123,6 +123,7 @@ DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]
 
 
 MODEL_PATH: str | None = None  # --model_path: another local BERT checkpoint (the smoke test uses a tiny one)
+DEVICE = "cpu"  # --device cuda: fine-tune on a GPU (results go to a file of their own: other kernels, other rounding)
 
 
 def bert_label() -> str:
@@ -230,13 +231,13 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
     total_steps = max_steps if max_steps > 0 else -(-len(train) // 32)
 
     def build_trainer(config: CPTConfig, seed: int, work_name: str) -> CPTTrainer:
-        model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=3)
+        model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=3, dtype=torch.float32)
         args = TrainingArguments(
             output_dir=os.path.join(output_dir, work_name), per_device_train_batch_size=32,
             per_device_eval_batch_size=64, learning_rate=1e-4, warmup_steps=max(1, total_steps // 10),
             num_train_epochs=1,
             max_steps=max_steps if max_steps > 0 else -1, seed=seed, logging_steps=5, save_strategy="no",
-            report_to="none", use_cpu=True, disable_tqdm=False,
+            report_to="none", use_cpu=DEVICE == "cpu", disable_tqdm=False,
         )
         return CPTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                           data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=harness.accuracy,
@@ -261,10 +262,14 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=-1, help="cap the steps (smoke tests); -1: one epoch")
     parser.add_argument("--eval_size", type=int, default=None, help="cap the evaluation pairs (smoke tests)")
     parser.add_argument("--no_profile", action="store_true", help="skip the precision profile")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="fine-tune on this device (the published figures: cpu)")
     parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_pretrained"))
     args = parser.parse_args()
-    global MODEL_PATH
-    MODEL_PATH = args.model_path
+    global MODEL_PATH, DEVICE
+    MODEL_PATH, DEVICE = args.model_path, args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device on this machine")
     results = harness.load_results(args.output)
     if args.part in ("fidelity", "all"):
         run_fidelity(results, args.data_dir, args.output, gpt2=not args.no_gpt2)

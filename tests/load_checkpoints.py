@@ -29,12 +29,14 @@ def main(manifest_path: str) -> None:
             kwargs["torch_dtype"] = getattr(torch, kwargs["torch_dtype"])
         model = auto_class.from_pretrained(entry["path"], **kwargs)
         io = torch.load(entry["io"])
-        inputs, expected = io["inputs"], io["expected"]
+        inputs, expected = io["inputs"], io["expected"].cpu()
+        device = next(model.parameters()).device  # device_map="cuda" puts the model on a GPU
         with torch.no_grad():
-            got = model(**inputs).logits
+            got = model(**{k: v.to(device) for k, v in inputs.items()}).logits.cpu()
         result = {
             "name": entry["name"],
             "max_rel_diff": float((got.float() - expected).abs().max() / expected.abs().max()),
+            "device": str(device),
             "dtype": str(next(model.parameters()).dtype),
             "training": model.training,
             "layers_frozen": sum(1 for _, layer in quant_layers(model) if "_frozen" in layer.__dict__),

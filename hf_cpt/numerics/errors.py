@@ -124,7 +124,7 @@ def _resolve_errors(errors: ErrorQuantization, activation_granularity: str) -> E
 def _stochastic_quantize(
     x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
-    levels = num_levels(bits).to(x.dtype)
+    levels = num_levels(bits).to(x.device, x.dtype)
     scale = quantization_scale(minimum, maximum, levels)
     codes = (x - minimum).div_(scale).add_(noise).clamp_min_(0.0).clamp_max_(levels).round_()
     return codes.mul_(scale).add_(minimum)

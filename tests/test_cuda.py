@@ -1,0 +1,148 @@
+"""On a GPU, as most users train: `CPTTrainer` with bf16 mixed precision on CUDA, checkpoints saved there and loaded
+by a fresh process on the GPU and on a CPU, and the numerics (weight codes, the fused error kernel) equal to the
+CPU's. Skipped where torch sees no CUDA device (CI); run on a GPU machine with ``pytest tests/test_cuda.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_cpt import CPTConfig, CPTTrainer, set_eval_precision
+from hf_cpt.convert import quant_layers
+from hf_cpt.numerics import error_kernels
+from hf_cpt.numerics.error_kernels import KERNEL_SOURCES
+from hf_cpt.numerics.fake_quant import quantize_codes
+
+from .test_serialization_fresh_process import FAMILIES, TOLERANCE, _data, _Rows, _run_loader
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# A model trained on a GPU and loaded on a CPU runs its float products on other kernels (other summation orders):
+# the codes and ranges are the trained ones, the outputs agree to float rounding, not bit for bit.
+CROSS_DEVICE_TOLERANCE = 1e-4
+
+CASES = [
+    ("bert-default", "bert", {}),
+    ("gpt2-attention", "gpt2", {"quantize_attention": True}),
+    ("llama-embeddings-attention-8", "llama", {"quantize_embeddings": True, "quantize_attention": True,
+                                               "attention_bits": 8}),
+    ("vit-default", "vit", {}),
+]
+
+
+def _train_on_gpu_and_save(name, family, fields, root) -> tuple[list[dict], dict]:
+    from transformers import TrainingArguments
+
+    torch.manual_seed(0)
+    model, kind, auto_class = FAMILIES[family]()
+    rows = _data(kind, family, 48, seed=1)
+    dataset = _Rows([{k: v[i] for k, v in rows.items()} for i in range(48)])
+    args = TrainingArguments(output_dir=str(root / name / "run"), per_device_train_batch_size=8, learning_rate=1e-3,
+                             max_steps=12, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+                             logging_steps=4, bf16=True)
+    trainer = CPTTrainer(model=model, args=args, train_dataset=dataset,
+                         cpt_config=CPTConfig(bits_min=4, bits_max=8, num_cycles=2, **fields))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    # accelerate wraps a mixed-precision model's forward in autocast; the checkpoint's outputs are the FP32 forward's
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
+    facts = {"device": next(model.parameters()).device.type,
+             "moved": sum(not torch.equal(p, before[n]) for n, p in model.named_parameters()),
+             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+             "bits": [h.get("cpt/bits") for h in trainer.state.log_history if "loss" in h]}
+    model.eval()
+    inputs = {k: v.cuda() for k, v in _data(kind, family, 6, seed=2).items() if k != "labels"}
+    set_eval_precision(model, 8)
+    with torch.no_grad():
+        expected = model(**inputs).logits.float().cpu()
+    path = root / name / "8bit"
+    trainer.save_model(str(path), bits=8)
+    torch.save({"inputs": {k: v.cpu() for k, v in inputs.items()}, "expected": expected}, root / name / "io.pt")
+    entry = {"path": str(path), "io": str(root / name / "io.pt"), "auto_class": auto_class, "bits": 8}
+    return [entry | {"name": f"{name} on cuda", "load_kwargs": {"device_map": "cuda"}},
+            entry | {"name": f"{name} on cpu"}], facts
+
+
+def test_cpt_trainer_trains_in_bf16_on_a_gpu_and_its_checkpoints_reload_on_gpu_and_cpu(tmp_path):
+    entries, facts = [], {}
+    for name, family, fields in CASES:
+        case_entries, facts[name] = _train_on_gpu_and_save(name, family, fields, tmp_path)
+        entries += case_entries
+    for name, case in facts.items():
+        assert case["device"] == "cuda", name
+        assert case["moved"] > 0 and all(torch.isfinite(torch.tensor(case["losses"]))), (name, case)
+        assert len(set(case["bits"])) > 1, (name, case["bits"])  # the schedule cycled
+    results = _run_loader(entries, tmp_path / "manifest.json")
+    for name, row in results.items():
+        print(f"{name:40s} {row['device']:8s} max rel diff {row['max_rel_diff']:.2e}")
+    assert {row["device"].split(":")[0] for row in results.values()} == {"cuda", "cpu"}
+    on_gpu = {n: r["max_rel_diff"] for n, r in results.items() if r["device"].startswith("cuda")}
+    on_cpu = {n: r["max_rel_diff"] for n, r in results.items() if r["device"] == "cpu"}
+    assert all(value <= TOLERANCE for value in on_gpu.values()), on_gpu
+    assert all(value <= CROSS_DEVICE_TOLERANCE for value in on_cpu.values()), on_cpu
+    assert all(row["layers_frozen"] > 0 for row in results.values())
+
+
+def test_weight_codes_on_a_gpu_equal_the_cpus():
+    torch.manual_seed(0)
+    weight = torch.randn(256, 384) * torch.logspace(-3, 1, 256).view(-1, 1)
+    for bits in (3, 4, 6, 8):
+        for channel_dim in (0, 1):
+            on_cpu = quantize_codes(weight, bits, channel_dim)
+            on_gpu = quantize_codes(weight.cuda(), bits, channel_dim)
+            for cpu_part, gpu_part in zip(on_cpu, on_gpu):
+                assert torch.equal(cpu_part, gpu_part.cpu()), (bits, channel_dim)
+
+
+@pytest.mark.parametrize("granularity, grid", [("token", "minmax"), ("tensor", "minmax"), ("token", "symmetric"),
+                                               ("tensor", "symmetric")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpus_error_quantizers_pick_the_cpus_codes(granularity, grid, dtype):
+    """The hashed noise depends only on the element's index and the seed, so the same error gets the same codes on
+    both devices: the formula run eagerly on the GPU gives the CPU's values bit for bit; the GPU's compiled kernel
+    (which fuses multiply-adds) gives nearly every value within a quarter step (bf16 within its own rounding: it
+    cannot hold an 8-bit grid exactly), and the rare value whose noisy code sat on a rounding boundary one step off.
+    """
+    source, levels_of = KERNEL_SOURCES[granularity, grid]
+    kernel = error_kernels.fused_kernel(torch.device("cuda"), granularity, grid)
+    torch.manual_seed(0)
+    for bits, shape in [(3.0, (1024, 96)), (4.0, (333, 257)), (8.0, (4096, 48))]:
+        grad = (torch.randn(shape) * torch.logspace(-5, 0, shape[0]).view(-1, 1)).to(dtype)
+        grad[-7:] = 0.0
+        magnitude = grad.float().abs().amax(-1, keepdim=True)  # one range per row
+        if granularity == "tensor":
+            grad, magnitude = grad.reshape(-1), magnitude.max()
+        levels, seed = levels_of(torch.tensor(bits)), torch.tensor(int(bits) * 977, dtype=torch.int32)
+        expected = source(grad, levels, seed)
+        assert torch.equal(source(grad.cuda(), levels.cuda(), seed.cuda()).cpu(), expected), (bits, shape)
+        got = kernel(grad.cuda(), levels.cuda(), seed.cuda()).cpu()
+        assert got.dtype == grad.dtype
+        difference = (got.float() - expected.float()).abs().view(magnitude.shape[0] if magnitude.dim() else 1, -1)
+        # A grid step lies between magnitude / 2^bits and magnitude * 2^(2 - bits). Nearly every value is within a
+        # quarter step (or two units of the dtype); the rare value whose noisy code sat on a rounding boundary may
+        # round to the neighbouring code, one step away, never further.
+        near = difference <= magnitude * max(2.0 ** -(bits + 2), 2 * torch.finfo(dtype).eps)
+        assert near.float().mean() >= 0.999, (bits, shape, float(near.float().mean()))
+        assert (difference <= magnitude * 2.0 ** (2 - bits)).all(), (bits, shape, float(difference.max()))
+        if granularity == "token":  # padding rows of zeros stay exactly zero
+            assert not got[-7:].any()
+
+
+def test_quantized_layers_follow_the_model_to_the_gpu():
+    """A model quantized on the CPU and moved with ``.to("cuda")`` (what Trainer does) computes on the GPU: every
+    quantized layer's buffers move with it, and one training step runs there."""
+    from hf_cpt import quantize_model
+
+    model, _, _ = FAMILIES["bert"]()
+    quantize_model(model, CPTConfig(quantize_attention=True))
+    model.cuda().train()
+    stray = [f"{name}.{buffer}" for name, layer in quant_layers(model)
+             for buffer, tensor in layer.named_buffers(recurse=False) if tensor.device.type != "cuda"]
+    assert not stray, stray
+    batch = {k: v.cuda() for k, v in _data("text-cls", "bert", 8, seed=3).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
