@@ -8,6 +8,7 @@ backward issue's: static 8/8 within 0.5 points of FP32, CPT within 1 point, CPT 
 from __future__ import annotations
 
 import math
+import statistics
 
 from results_page import mean, spread
 
@@ -84,7 +85,7 @@ def resolved_option(errors: ErrorQuantization, activations: str) -> tuple[str, .
 
 def backward_page(ablation: dict, pretrained: dict, default: ErrorQuantization,
                   from_scratch: list[tuple[str, dict, str, tuple, str]] | None = None,
-                  gradient_fidelity: dict | None = None) -> str:
+                  gradient_fidelity: dict | None = None, on_gpu: dict | None = None) -> str:
     default_errors = resolved_option(default, "token")  # MiniLM's layers: rotated, per-token activations
     grouped = groups(pretrained.get("finetune", {}), ablation.get("finetune", {}))
     fp32 = next((entries for (name, _), entries in grouped.items() if name == "FP32"), None)
@@ -115,11 +116,58 @@ def backward_page(ablation: dict, pretrained: dict, default: ErrorQuantization,
     lines += ["", "† measured before the cost meter counted the attention products (in FP32 there): both cost "
               "ratios of that row leave them out, so they read lower than a row that counts them.",
               "", "## Findings", ""] + findings(grouped, fp32, default_errors)
+    if on_gpu:
+        lines += [""] + gpu_section(on_gpu)
     if gradient_fidelity:
         lines += [""] + gradient_section(gradient_fidelity)
     for title, results, command, metric, activations in from_scratch or []:
         lines += [""] + scratch_section(title, results, command, metric, resolved_option(default, activations))
     return "\n".join(lines).rstrip() + "\n"
+
+
+GPU_COMMAND = ("python bench/pretrained.py --part finetune --device cuda --no_profile --seeds $(seq 100 115) \\\n"
+               "    --runs fp32 static-8/8-error-token cpt-4-8/8-error-token cpt-5-8/8-error-token \\\n"
+               "           cpt-4-8/8-error-token-attention-8-symmetric \\\n"
+               "    --model_path <all-MiniLM-L6-v2, weights in float16> --output bench/results/backward_gpu.json")
+
+
+def gpu_section(results: dict) -> list[str]:
+    """The same fine-tuning on a GPU, many seeds per setting: the paired gap to FP32 with its standard error, which
+    the CPU's few seeds cannot resolve."""
+    grouped = groups(results.get("finetune", {}))
+    fp32 = next((entries for (name, _), entries in grouped.items() if name == "FP32"), None)
+    if fp32 is None:
+        return []
+    gpu = results.get("environment", {}).get("gpu") or "a GPU"
+    lines = [f"## On a GPU: {len(fp32)} seeds per setting", "",
+             f"The same script, split and settings on one {gpu} (`--device cuda`; seeds of their own, 100 and up, "
+             "since a GPU's kernels round differently from the CPU's), with the pretrained weights stored in float16 "
+             "to travel to that machine (loaded as float32; every run, FP32 included, starts from them). vs FP32: "
+             "the mean of the seed-by-seed gaps ± its standard error; s/step: the median seconds per training step, "
+             "with several runs sharing the GPU at once (indicative only). Written by:", "", "```bash", GPU_COMMAND,
+             "python bench/report.py", "```", "",
+             "| run | errors | seeds | accuracy % | vs FP32 (points) | pairs below FP32 | cost vs static 8/8 "
+             "| target | s/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (name, option), entries in sorted(grouped.items(), key=lambda kv: (kv[0][0] != "FP32", kv[0])):
+        points = [e["metric"] for e in entries]
+        accuracy = f"{100 * mean(points):.2f} ± {100 * spread(points):.2f}"
+        seconds = f"{statistics.median(e['seconds_per_step'] for e in entries):.3f}"
+        if name == "FP32":
+            lines.append(f"| FP32 | - | {len(entries)} | {accuracy} | - | - | - | - | {seconds} |")
+            continue
+        gaps = seed_gaps(entries, fp32)
+        error = (sum((g - mean(gaps)) ** 2 for g in gaps) / (len(gaps) - 1) / len(gaps)) ** 0.5 if len(gaps) > 1 \
+            else float("nan")
+        cost = mean(e["cost"]["cost_vs_static"] for e in entries)
+        target = (STATIC_TARGET if name.startswith("static") else
+                  ATTENTION_TARGET if "+ attention" in name else CPT_TARGET)
+        verdict = f"{'meets' if mean(gaps) >= -target else 'misses'} {target}"
+        if name.startswith("CPT 4-8/8"):
+            verdict += f"; cost {'within' if cost <= COST_TARGET else 'above'} {COST_TARGET}"
+        lines.append(f"| {name} | {describe(option)} | {len(entries)} | {accuracy} | {mean(gaps):+.2f} ± {error:.2f} "
+                     f"| {sum(g < 0 for g in gaps)} of {len(gaps)} | {cost:.3f} | {verdict} | {seconds} |")
+    return lines
 
 
 def gradient_section(results: dict) -> list[str]:

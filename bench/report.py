@@ -270,7 +270,8 @@ def main() -> None:
                        for title, file, command, metric, activations in backward_page.FROM_SCRATCH]
             f.write(backward_page.backward_page(ablation, pretrained, default,
                                                 [section for section in scratch if section[1]],
-                                                results_page.load(args.results, "gradient_fidelity.json")))
+                                                results_page.load(args.results, "gradient_fidelity.json"),
+                                                results_page.load(args.results, "backward_gpu.json")))
         print(f"wrote {path}")
         replace_block(args.readme, "backward-summary",
                       backward_page.readme_summary(ablation, pretrained,

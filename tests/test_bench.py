@@ -270,6 +270,28 @@ def test_backward_page_names_the_settings_that_meet_accuracy_and_cost_together()
                     "seeds at 0.700.")
 
 
+def test_gpu_section_pairs_each_setting_with_fp32_seed_by_seed_with_its_standard_error():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import backward_page
+
+    token = dict(error_granularity="token", error_rounding="stochastic", error_products="both", error_rotation="none")
+    fp32 = {f"fp32/seed{s}": _entry(s, m, 1.0, schedule="fp32") for s, m in [(100, 0.60), (101, 0.50), (102, 0.70)]}
+    # gaps -1, -2, -1 points: mean -1.33, standard deviation 0.577, standard error 0.577 / sqrt(3)
+    cpt = {f"cpt/seed{s}": _entry(s, m, 0.80, schedule="cyclic", **token)
+           for s, m in [(100, 0.59), (101, 0.48), (102, 0.69)]}
+    for entry in fp32.values():
+        entry["seconds_per_step"] = 0.02
+    for seconds, entry in zip((0.1, 0.3, 0.05), cpt.values()):
+        entry["seconds_per_step"] = seconds
+    results = {"environment": {"gpu": "Some GPU"}, "finetune": {**fp32, **cpt}}
+    section = "\n".join(backward_page.gpu_section(results))
+    assert section.startswith("## On a GPU: 3 seeds per setting") and "one Some GPU" in section
+    option = backward_page.describe(("token", "stochastic", "both", "none", "minmax"))
+    assert (f"| CPT 4-8/8 | {option} | 3 | 58.67 ± 10.50 | -1.33 ± 0.33 | 3 of 3 | 0.800 | misses 1.0; cost above "
+            "0.75 | 0.100 |") in section
+    assert backward_page.gpu_section({"finetune": cpt}) == []  # nothing to pair with
+
+
 def test_gradient_section_compares_the_attention_grids_group_by_group():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import backward_page
