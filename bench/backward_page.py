@@ -131,14 +131,39 @@ GPU_COMMAND = ("python bench/pretrained.py --part finetune --device cuda --no_pr
                "    --model_path <all-MiniLM-L6-v2, weights in float16> --output bench/results/backward_gpu.json")
 
 
-def gpu_section(results: dict) -> list[str]:
-    """The same fine-tuning on a GPU, many seeds per setting: the paired gap to FP32 with its standard error, which
-    the CPU's few seeds cannot resolve."""
+def _paired_gaps(results: dict) -> tuple[list[dict], list[tuple[str, tuple, list[dict], float, float]]] | None:
+    """FP32's entries and, per other setting, (name, errors, entries, mean seed-by-seed gap to FP32 in points, its
+    standard error); None without FP32 runs."""
     grouped = groups(results.get("finetune", {}))
     fp32 = next((entries for (name, _), entries in grouped.items() if name == "FP32"), None)
     if fp32 is None:
+        return None
+    rows = []
+    for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
+        gaps = seed_gaps(entries, fp32)
+        if name == "FP32" or not gaps:
+            continue
+        error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
+        rows.append((name, option, entries, mean(gaps), error))
+    return fp32, rows
+
+
+def gpu_section(results: dict) -> list[str]:
+    """The same fine-tuning on a GPU, many seeds per setting: the paired gap to FP32 with its standard error, which
+    the CPU's few seeds cannot resolve."""
+    paired = _paired_gaps(results)
+    if paired is None:
         return []
+    fp32, rows = paired
     gpu = results.get("environment", {}).get("gpu") or "a GPU"
+
+    def seconds(entries: list[dict]) -> str:
+        return f"{statistics.median(e['seconds_per_step'] for e in entries):.3f}"
+
+    def accuracy(entries: list[dict]) -> str:
+        points = [e["metric"] for e in entries]
+        return f"{100 * mean(points):.2f} ± {100 * spread(points):.2f}"
+
     lines = [f"## On a GPU: {len(fp32)} seeds per setting", "",
              f"The same script, split and settings on one {gpu} (`--device cuda`; seeds of their own, 100 and up, "
              "since a GPU's kernels round differently from the CPU's), with the pretrained weights stored in float16 "
@@ -148,26 +173,32 @@ def gpu_section(results: dict) -> list[str]:
              "python bench/report.py", "```", "",
              "| run | errors | seeds | accuracy % | vs FP32 (points) | pairs below FP32 | cost vs static 8/8 "
              "| target | s/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for (name, option), entries in sorted(grouped.items(), key=lambda kv: (kv[0][0] != "FP32", kv[0])):
-        points = [e["metric"] for e in entries]
-        accuracy = f"{100 * mean(points):.2f} ± {100 * spread(points):.2f}"
-        seconds = f"{statistics.median(e['seconds_per_step'] for e in entries):.3f}"
-        if name == "FP32":
-            lines.append(f"| FP32 | - | {len(entries)} | {accuracy} | - | - | - | - | {seconds} |")
-            continue
+             "|---|---|---|---|---|---|---|---|---|",
+             f"| FP32 | - | {len(fp32)} | {accuracy(fp32)} | - | - | - | - | {seconds(fp32)} |"]
+    for name, option, entries, gap, error in rows:
         gaps = seed_gaps(entries, fp32)
-        error = (sum((g - mean(gaps)) ** 2 for g in gaps) / (len(gaps) - 1) / len(gaps)) ** 0.5 if len(gaps) > 1 \
-            else float("nan")
         cost = mean(e["cost"]["cost_vs_static"] for e in entries)
         target = (STATIC_TARGET if name.startswith("static") else
                   ATTENTION_TARGET if "+ attention" in name else CPT_TARGET)
-        verdict = f"{'meets' if mean(gaps) >= -target else 'misses'} {target}"
+        verdict = f"{'meets' if gap >= -target else 'misses'} {target}"
         if name.startswith("CPT 4-8/8"):
             verdict += f"; cost {'within' if cost <= COST_TARGET else 'above'} {COST_TARGET}"
-        lines.append(f"| {name} | {describe(option)} | {len(entries)} | {accuracy} | {mean(gaps):+.2f} ± {error:.2f} "
-                     f"| {sum(g < 0 for g in gaps)} of {len(gaps)} | {cost:.3f} | {verdict} | {seconds} |")
+        lines.append(f"| {name} | {describe(option)} | {len(entries)} | {accuracy(entries)} | {gap:+.2f} ± "
+                     f"{error:.2f} | {sum(g < 0 for g in gaps)} of {len(gaps)} | {cost:.3f} | {verdict} | "
+                     f"{seconds(entries)} |")
     return lines
+
+
+def gpu_summary(results: dict) -> list[str]:
+    """One line for the README: each setting's paired gap to FP32 on the GPU."""
+    paired = _paired_gaps(results)
+    if paired is None or not paired[1]:
+        return []
+    fp32, rows = paired
+    gpu = results.get("environment", {}).get("gpu") or "a GPU"
+    return [f"- On one {gpu}, {len(fp32)} seeds per setting (default errors; [docs/backward.md](docs/backward.md)), "
+            "points against FP32 of the same seed, ± standard error: "
+            + "; ".join(f"{name} {gap:+.2f} ± {error:.2f}" for name, _, _, gap, error in rows) + "."]
 
 
 def gradient_section(results: dict) -> list[str]:
@@ -281,7 +312,7 @@ README_METHODS = ("static 8/8", "CPT 4-8/8", "CPT 5-8/8", "CPT 4-8/8 + attention
                   "CPT 4-8/8 + attention at 8 bits, its errors zero-centred", "CPT 4-8/8 (paper activations)")
 
 
-def readme_summary(ablation: dict, pretrained: dict, default_errors: tuple) -> list[str]:
+def readme_summary(ablation: dict, pretrained: dict, default_errors: tuple, on_gpu: dict | None = None) -> list[str]:
     """The README's table: FP32 against each method with per-tensor errors (the paper's) and the default."""
     grouped = groups(pretrained.get("finetune", {}), ablation.get("finetune", {}))
     fp32 = next((entries for (name, _), entries in grouped.items() if name == "FP32"), None)
@@ -311,7 +342,8 @@ def readme_summary(ablation: dict, pretrained: dict, default_errors: tuple) -> l
             "",
             "† measured before the cost meter counted the attention products: attention, in FP32 unless "
             "`quantize_attention=True`, is left out of both sides of this ratio.",
-            ""] + _attention_by_schedule(grouped, default_errors) + _both_targets(grouped, fp32)
+            ""] + _attention_by_schedule(grouped, default_errors) + _both_targets(grouped, fp32) + gpu_summary(
+                on_gpu or {})
 
 
 def _noise(grouped: dict) -> list[str]:

@@ -264,6 +264,7 @@ def main() -> None:
         from hf_cpt import CPTConfig
 
         default = CPTConfig().errors  # granularity "auto": resolved per task by the activations of its layers
+        on_gpu = results_page.load(args.results, "backward_gpu.json")
         path = os.path.join(args.docs, "backward.md")
         with open(path, "w") as f:
             scratch = [(title, results_page.load(args.results, file), command, metric, activations)
@@ -271,11 +272,11 @@ def main() -> None:
             f.write(backward_page.backward_page(ablation, pretrained, default,
                                                 [section for section in scratch if section[1]],
                                                 results_page.load(args.results, "gradient_fidelity.json"),
-                                                results_page.load(args.results, "backward_gpu.json")))
+                                                on_gpu))
         print(f"wrote {path}")
         replace_block(args.readme, "backward-summary",
                       backward_page.readme_summary(ablation, pretrained,
-                                                   backward_page.resolved_option(default, "token")))
+                                                   backward_page.resolved_option(default, "token"), on_gpu))
     path = os.path.join(args.docs, "RESULTS.md")
     with open(path, "w") as f:
         f.write(results_page.results_page(args.results, os.path.join(args.docs, "results")))
