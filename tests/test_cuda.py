@@ -129,6 +129,15 @@ def test_the_gpus_error_quantizers_pick_the_cpus_codes(granularity, grid, dtype)
             assert not got[-7:].any()
 
 
+def test_the_layers_read_the_current_bits_on_the_gpu():
+    from hf_cpt.nn import PrecisionState
+
+    state, cuda = PrecisionState(), torch.device("cuda")
+    for bits in (4, 7, 5):
+        state.set(bits, 8)
+        assert state.on_device(state.bits, cuda).item() == bits and state.on_device(state.grad_bits, cuda).item() == 8
+
+
 def test_quantized_layers_follow_the_model_to_the_gpu():
     """A model quantized on the CPU and moved with ``.to("cuda")`` (what Trainer does) computes on the GPU: every
     quantized layer's buffers move with it, and one training step runs there."""

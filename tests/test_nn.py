@@ -160,6 +160,24 @@ def test_bits_live_in_one_shared_state():
     assert model[2].cpt_precision.bits is model[0].cpt_precision.bits
 
 
+def test_bits_reach_another_device_once_per_change_of_value():
+    """On an accelerator the layers read a per-device copy of the bit-width, refreshed in place when the CPU source
+    changes (not one blocking copy per product); on the CPU they read the source itself. (The meta device stands in
+    for a GPU here; tests/test_cuda.py checks the values on a real one.)"""
+    from hf_cpt.nn import PrecisionState
+
+    state, meta = PrecisionState(), torch.device("meta")
+    state.set(6, 8)
+    assert state.on_device(state.bits, torch.device("cpu")) is state.bits and state.on_device(None, meta) is None
+    copy_ = state.on_device(state.bits, meta)
+    assert copy_.device == meta and state.on_device(state.bits, meta) is copy_
+    version = copy_._version
+    assert state.on_device(state.bits, meta)._version == version  # unchanged source: no new copy
+    state.set(5, 8)
+    assert state.on_device(state.bits, meta) is copy_ and copy_._version > version  # refreshed in place
+    assert state.on_device(state.grad_bits, meta) is not copy_
+
+
 def test_changing_bits_does_not_retrace_a_compiled_model():
     import torch._dynamo
 

@@ -114,7 +114,7 @@ def cpt_attention_forward(
     original_key, original_value = key, value
     key, value = _repeat_kv(key, query.shape[1]), _repeat_kv(value, query.shape[1])
     precision = state.precision
-    bits = state.bits(module.training)
+    bits = precision.on_device(state.bits(module.training), query.device)
     training = module.training and torch.is_grad_enabled()
     quantize_backward = state.quantize and state.quantize_errors and training and precision.backward_enabled
     if training:

@@ -198,8 +198,9 @@ class QuantLayerMixin:
         return rotation.apply(weight, self.weight_feature_dim, transpose=inverse)
 
     def forward_bits(self) -> torch.Tensor | None:
-        """The forward bit-width now in force for this layer, None for full precision."""
-        return self.cpt_precision.forward_bits(self.training)
+        """The forward bit-width now in force for this layer, on its weight's device; None for full precision."""
+        precision = self.cpt_precision
+        return precision.on_device(precision.forward_bits(self.training), self.weight.device)
 
     def input_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: each row's own range. Per tensor: batch range in training (tracked by EMA), EMA in eval."""
@@ -274,7 +275,7 @@ class QuantLayerMixin:
         if training_products:
             return QuantizedProducts.apply(
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
-                precision.grad_bits if quantize_backward else None,
+                precision.on_device(precision.grad_bits, weight.device) if quantize_backward else None,
                 precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation, x_quantized,
                 weight_quantized, integer,
             )

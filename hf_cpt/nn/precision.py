@@ -53,12 +53,34 @@ class PrecisionState:
         # Each weight's codes, kept for the other forwards of one optimizer step while the Trainer integration
         # sets an epoch (`hf_cpt.nn.reused_weights`).
         self.reused_weights = ReusedWeights()
+        # The bit-width tensors on each accelerator the layers run on: (source id, device) -> [source version, copy].
+        self._device_bits: dict[tuple[int, torch.device], list] = {}
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:
         """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
         return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors,
                    getattr(settings, "integer_matmul", "auto"))  # a checkpoint's settings do not store it
+
+    def on_device(self, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """``bits`` (one of the 0-d bit-width tensors, kept on the CPU) on ``device``, for the layers there.
+
+        On an accelerator a blocking host-to-device copy waits for the device's queue to drain. One such copy per
+        quantized product would stall a GPU at every layer, so each device keeps its own copy of each tensor,
+        refreshed in place when the source changes (about once per optimizer step). The copy's version counter
+        moves with it, so keys built from (id, version) stay valid. The CPU and traced code get ``bits`` itself.
+        """
+        if bits is None or bits.device == device or torch.compiler.is_dynamo_compiling():
+            return bits
+        key = (id(bits), device)
+        entry = self._device_bits.get(key)
+        if entry is None:
+            entry = self._device_bits[key] = [None, torch.empty((), dtype=bits.dtype, device=device)]
+        if entry[0] != bits._version:
+            with torch.no_grad():
+                entry[1].copy_(bits)
+            entry[0] = bits._version
+        return entry[1]
 
     def integer_products(self, device: torch.device) -> bool:
         """Whether training products on ``device`` run on integer codes (CPU only; see `integer_matmul`)."""
@@ -70,7 +92,8 @@ class PrecisionState:
         """Mark ``output`` so that the error arriving at it is quantized at the error bits, with these settings
         (``attention=True``: the attention products' settings) for activations quantized with ``granularity``."""
         scheme = self.attention_errors if attention else self.errors
-        return quantize_error_on_backward(output, self.grad_bits, scheme.for_activations(granularity), feature_dim)
+        return quantize_error_on_backward(output, self.on_device(self.grad_bits, output.device),
+                                          scheme.for_activations(granularity), feature_dim)
 
     def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""
