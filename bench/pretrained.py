@@ -20,6 +20,9 @@ The backward ablation (`BACKWARD_RUNS`: each error option), resumable in its own
 
     nohup python bench/pretrained.py --part finetune --runs backward --no_profile \
         --output bench/results/backward_ablation.json > outputs/backward_ablation.log 2>&1 &
+
+On a GPU (``--device cuda``), many seeds per setting in a file of their own (the command: docs/backward.md):
+several processes may share one GPU and one output file, each claiming a (run, seed) before training it.
 """
 
 from __future__ import annotations

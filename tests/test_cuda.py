@@ -1,6 +1,6 @@
 """On a GPU, as most users train: `CPTTrainer` with bf16 mixed precision on CUDA, checkpoints saved there and loaded
-by a fresh process on the GPU and on a CPU, and the numerics (weight codes, the fused error kernel) equal to the
-CPU's. Skipped where torch sees no CUDA device (CI); run on a GPU machine with ``pytest tests/test_cuda.py``."""
+by a fresh process on the GPU and on a CPU, weight codes equal to the CPU's and error quantizers on the CPU's codes.
+Skipped where torch sees no CUDA device (CI); run on a GPU machine with ``pytest tests/test_cuda.py``."""
 
 from __future__ import annotations
 
@@ -140,12 +140,13 @@ def test_the_layers_read_the_current_bits_on_the_gpu():
 
 def test_quantized_layers_follow_the_model_to_the_gpu():
     """A model quantized on the CPU and moved with ``.to("cuda")`` (what Trainer does) computes on the GPU: every
-    quantized layer's buffers move with it, and one training step runs there."""
-    from hf_cpt import quantize_model
+    quantized layer's buffers move with it, and one quantized training step runs there."""
+    from hf_cpt import quantize_model, set_precision
 
     model, _, _ = FAMILIES["bert"]()
     quantize_model(model, CPTConfig(quantize_attention=True))
     model.cuda().train()
+    set_precision(model, 6, 8)
     stray = [f"{name}.{buffer}" for name, layer in quant_layers(model)
              for buffer, tensor in layer.named_buffers(recurse=False) if tensor.device.type != "cuda"]
     assert not stray, stray

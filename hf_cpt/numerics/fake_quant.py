@@ -38,7 +38,7 @@ def _grid(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(source in the compute dtype, minimum, scale, top code) of quantizing ``x`` over ``[minimum, maximum]``."""
     source = _compute_dtype(x)
-    levels = num_levels(bits).to(source.device, source.dtype)  # the layers share one bit-width tensor, on the CPU
+    levels = num_levels(bits).to(source.device, source.dtype)  # a caller's bits may live on the CPU
     minimum, maximum = minimum.to(source.dtype), maximum.to(source.dtype)
     return source, minimum, quantization_scale(minimum, maximum, levels), levels
 
