@@ -419,7 +419,7 @@ def _with_compiled_kernels(step: Step) -> Step:
     return run
 
 
-def _with_float_products(step: Step) -> Step:
+def with_float_products(step: Step) -> Step:
     """``step`` with every layer's training product in floating point (as ``integer_matmul=False``)."""
     def run():
         original = PrecisionState.integer_products
@@ -432,7 +432,7 @@ def _with_float_products(step: Step) -> Step:
     return run
 
 
-def _with_torch_formulas(step: Step) -> Step:
+def with_torch_formulas(step: Step) -> Step:
     """``step`` with the C kernels for codes, ranges, products on codes and rotations declining every call: their
     torch formulas run instead (the error kernel stays; ``--compare-kernels`` times it)."""
     def run():
@@ -476,9 +476,9 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
     if compare_kernels:
         arms["compiled"] = _with_compiled_kernels(case.quantized)
     if compare_products:
-        arms["float"] = _with_float_products(case.quantized)
+        arms["float"] = with_float_products(case.quantized)
     if compare_native:
-        arms["torch"] = _with_torch_formulas(case.quantized)
+        arms["torch"] = with_torch_formulas(case.quantized)
     if compare_threads:
         arms["one_thread"] = _with_one_thread(case.quantized)
     for step in arms.values():

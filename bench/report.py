@@ -139,6 +139,20 @@ def replace_block(path: str, name: str, lines: list[str]) -> None:
         f.write(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
 
 
+def op_counts_summary(counts: dict) -> list[str]:
+    """The README's table of operations per training step on a GPU's path, from `bench/op_counts.py`'s JSON."""
+    lines = [f"Operations per training step on the path a GPU runs (`{counts['command']}`, torch {counts['torch']}: "
+             "each one a kernel launch there, issued from Python, which at fine-tuning sizes weighs more than the "
+             "arithmetic; counted on this CPU with the C kernels off; [docs/benchmarks.md](docs/benchmarks.md)):",
+             "",
+             "| case | plain | CPT 8/8 | ratio | most frequent in the CPT step |", "|---|---:|---:|---:|---|"]
+    for row in counts["rows"]:
+        top = ", ".join(f"{name} {count}" for name, count in list(row["top_quant_ops"].items())[:5])
+        lines.append(f"| {row['case']} | {row['plain_ops']:,} | {row['quant_ops']:,} | "
+                     f"{row['quant_ops'] / row['plain_ops']:.2f} | {top} |")
+    return lines
+
+
 def overhead_summary(overhead: dict) -> list[str]:
     """The README's overhead table, from `bench/overhead.py`'s JSON."""
     integer = {True: "layers' training products on integer codes (this CPU has int8 dot products), ",
@@ -285,6 +299,9 @@ def main() -> None:
     overhead = results_page.load(args.results, "overhead.json")
     if overhead:
         replace_block(args.readme, "overhead-summary", overhead_summary(overhead))
+    counts = results_page.load(args.results, "op_counts.json")
+    if counts:
+        replace_block(args.readme, "op-counts", op_counts_summary(counts))
     print(f"updated {args.readme}")
 
 

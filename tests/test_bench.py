@@ -524,3 +524,38 @@ def test_processes_sharing_a_scan_skip_each_others_cells_and_keep_each_others_en
     assert on_disk["settings"] == {"a": 1} and "environment" in on_disk
     assert mine == on_disk
     assert not os.path.exists(harness._claim_file(path, "runs", "cpt/seed0"))
+
+
+def test_op_counts_count_kernels_not_views_allocations_or_host_reads():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import op_counts
+
+    x = torch.randn(4, 8)
+    with op_counts.OperationCounter() as counter:
+        y = x.view(8, 4).t()  # views: no kernel
+        torch.empty(3)  # an allocation: no kernel
+        z = (y @ x.t().contiguous()).add_(1.0)  # a copy, a product, an addition: three kernels
+        float(z.sum())  # a reduction (a kernel) and a host read (none)
+    assert counter.counts == {"clone": 1, "mm": 1, "add_": 1, "sum": 1}
+
+
+def test_op_counts_of_a_quantized_step_take_the_gpu_path_and_the_readme_table_renders_them():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import op_counts
+    import overhead
+    import report
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 128, (2, 16)), "labels": torch.tensor([0, 1])}
+    plain, quantized = overhead.model_steps(lambda: BertForSequenceClassification(tiny_bert_config()), batch, True)
+    plain_counts = op_counts.count_step(plain)
+    gpu_path = op_counts.count_step(overhead.with_float_products(overhead.with_torch_formulas(quantized)))
+    assert sum(gpu_path.values()) > sum(plain_counts.values())
+    assert "_int_mm" not in gpu_path and gpu_path["mm"] >= plain_counts["mm"]  # float products, not codes
+    row = {"case": "tiny BERT", "plain_ops": sum(plain_counts.values()), "quant_ops": sum(gpu_path.values()),
+           "top_quant_ops": dict(gpu_path.most_common(10))}
+    lines = report.op_counts_summary({"command": "python bench/op_counts.py", "torch": "2.x", "rows": [row]})
+    name, count = gpu_path.most_common(1)[0]
+    assert lines[-1].startswith(f"| tiny BERT | {row['plain_ops']:,} | {row['quant_ops']:,} | "
+                                f"{row['quant_ops'] / row['plain_ops']:.2f} | {name} {count}, ")
