@@ -176,6 +176,10 @@ def test_bits_reach_another_device_once_per_change_of_value():
     state.set(5, 8)
     assert state.on_device(state.bits, meta) is copy_ and copy_._version > version  # refreshed in place
     assert state.on_device(state.grad_bits, meta) is not copy_
+    with torch.inference_mode():  # an evaluation reads the eval bits' copy first; training then updates it in place
+        assert not state.on_device(state.eval_bits, meta).is_inference()
+    state.set_eval(4)
+    assert state.on_device(state.eval_bits, meta).device == meta
 
 
 def test_changing_bits_does_not_retrace_a_compiled_model():
