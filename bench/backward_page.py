@@ -131,9 +131,9 @@ GPU_COMMAND = ("python bench/pretrained.py --part finetune --device cuda --no_pr
                "    --model_path <all-MiniLM-L6-v2, weights in float16> --output bench/results/backward_gpu.json")
 
 
-def _paired_gaps(results: dict) -> tuple[list[dict], list[tuple[str, tuple, list[dict], float, float]]] | None:
-    """FP32's entries and, per other setting, (name, errors, entries, mean seed-by-seed gap to FP32 in points, its
-    standard error); None without FP32 runs."""
+def _paired_gaps(results: dict) -> tuple[list[dict], list[tuple[str, tuple, list[dict], list[float], float]]] | None:
+    """FP32's entries and, per other setting, (name, errors, entries, seed-by-seed gaps to FP32 in points, the
+    standard error of their mean); None without FP32 runs."""
     grouped = groups(results.get("finetune", {}))
     fp32 = next((entries for (name, _), entries in grouped.items() if name == "FP32"), None)
     if fp32 is None:
@@ -144,7 +144,7 @@ def _paired_gaps(results: dict) -> tuple[list[dict], list[tuple[str, tuple, list
         if name == "FP32" or not gaps:
             continue
         error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
-        rows.append((name, option, entries, mean(gaps), error))
+        rows.append((name, option, entries, gaps, error))
     return fp32, rows
 
 
@@ -175,8 +175,8 @@ def gpu_section(results: dict) -> list[str]:
              "| target | s/step |",
              "|---|---|---|---|---|---|---|---|---|",
              f"| FP32 | - | {len(fp32)} | {accuracy(fp32)} | - | - | - | - | {seconds(fp32)} |"]
-    for name, option, entries, gap, error in rows:
-        gaps = seed_gaps(entries, fp32)
+    for name, option, entries, gaps, error in rows:
+        gap = mean(gaps)
         cost = mean(e["cost"]["cost_vs_static"] for e in entries)
         target = (STATIC_TARGET if name.startswith("static") else
                   ATTENTION_TARGET if "+ attention" in name else CPT_TARGET)
@@ -198,7 +198,7 @@ def gpu_summary(results: dict) -> list[str]:
     gpu = results.get("environment", {}).get("gpu") or "a GPU"
     return [f"- On one {gpu}, {len(fp32)} seeds per setting (default errors; [docs/backward.md](docs/backward.md)), "
             "points against FP32 of the same seed, ± standard error: "
-            + "; ".join(f"{name} {gap:+.2f} ± {error:.2f}" for name, _, _, gap, error in rows) + "."]
+            + "; ".join(f"{name} {mean(gaps):+.2f} ± {error:.2f}" for name, _, _, gaps, error in rows) + "."]
 
 
 def gradient_section(results: dict) -> list[str]:

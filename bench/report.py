@@ -142,8 +142,8 @@ def replace_block(path: str, name: str, lines: list[str]) -> None:
 def op_counts_summary(counts: dict) -> list[str]:
     """The README's table of operations per training step on a GPU's path, from `bench/op_counts.py`'s JSON."""
     lines = [f"Operations per training step on the path a GPU runs (`{counts['command']}`, torch {counts['torch']}: "
-             "each one a kernel launch there, issued from Python, which at fine-tuning sizes weighs more than the "
-             "arithmetic; counted on this CPU with the C kernels off; [docs/benchmarks.md](docs/benchmarks.md)):",
+             "each one a kernel launch there; counted on this CPU with the C kernels off; "
+             "[docs/benchmarks.md](docs/benchmarks.md)):",
              "",
              "| case | plain | CPT 8/8 | ratio | most frequent in the CPT step |", "|---|---:|---:|---:|---|"]
     for row in counts["rows"]:

@@ -74,12 +74,12 @@ class PrecisionState:
             return bits
         key = (id(bits), device)
         entry = self._device_bits.get(key)
-        # Made and refreshed outside inference mode: a copy first made under it (an evaluation) could not be updated
-        # in place by the training that follows.
-        with torch.inference_mode(False), torch.no_grad():
-            if entry is None:
-                entry = self._device_bits[key] = [None, torch.empty((), dtype=bits.dtype, device=device)]
-            if entry[0] != bits._version:
+        if entry is None or entry[0] != bits._version:
+            # Made and refreshed outside inference mode: a copy first made under it (an evaluation) could not be
+            # updated in place by the training that follows.
+            with torch.inference_mode(False), torch.no_grad():
+                if entry is None:
+                    entry = self._device_bits[key] = [None, torch.empty((), dtype=bits.dtype, device=device)]
                 entry[1].copy_(bits)
                 entry[0] = bits._version
         return entry[1]

@@ -124,7 +124,7 @@ def _resolve_errors(errors: ErrorQuantization, activation_granularity: str) -> E
 def _stochastic_quantize(
     x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
-    levels = num_levels(bits).to(x.device, x.dtype)
+    levels = num_levels(bits).to(x.device, x.dtype)  # a caller's bits may live on the CPU
     scale = quantization_scale(minimum, maximum, levels)
     codes = (x - minimum).div_(scale).add_(noise).clamp_min_(0.0).clamp_max_(levels).round_()
     return codes.mul_(scale).add_(minimum)
@@ -159,7 +159,7 @@ def quantize_error_per_row(grad: torch.Tensor, bits: torch.Tensor, feature_dim: 
     source = _compute_dtype(grad)
     minimum, maximum = token_range(source, feature_dim)
     noise = torch.empty_like(source).uniform_(-0.5, 0.5)
-    return _stochastic_quantize(source, minimum, maximum, bits.to(source.device), noise).to(grad.dtype)
+    return _stochastic_quantize(source, minimum, maximum, bits, noise).to(grad.dtype)
 
 
 def quantize_error(
@@ -194,7 +194,7 @@ def _quantize_error_unrotated(
             return quantize_error_symmetric(grad, bits, per_row, feature_dim, stochastic=False)
         source = _compute_dtype(grad)
         minimum, maximum = token_range(source, feature_dim) if per_row else tensor_range(source)
-        return fake_quantize(source, minimum, maximum, bits.to(source.device)).to(grad.dtype)
+        return fake_quantize(source, minimum, maximum, bits).to(grad.dtype)
     # Inside a compiled graph the compiler fuses the plain formula; outside, a fused kernel runs it (the native one
     # on CPU, a compiled one elsewhere). (Not torch.compiler.is_compiling(): a process-wide flag, also set while
     # another thread compiles.)

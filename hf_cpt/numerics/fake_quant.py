@@ -176,7 +176,7 @@ def quantize_codes(
     """
     source = weight.detach().float()
     bits = bits if isinstance(bits, torch.Tensor) else torch.tensor(float(bits))
-    codes, scale, minimum = quantization_codes(source, *channel_ranges(source, channel_dim), bits.to(source.device))
+    codes, scale, minimum = quantization_codes(source, *channel_ranges(source, channel_dim), bits)
     channels = weight.shape[channel_dim]
     codes = codes.movedim(channel_dim, 0).reshape(channels, -1).to(torch.uint8)
     return codes, scale.reshape(channels), minimum.reshape(channels)
