@@ -4,6 +4,7 @@ import io
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
@@ -180,6 +181,60 @@ def test_bits_reach_another_device_once_per_change_of_value():
         assert not state.on_device(state.eval_bits, meta).is_inference()
     state.set_eval(4)
     assert state.on_device(state.eval_bits, meta).device == meta
+
+
+class _OperationNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_derives_the_top_codes_only_when_the_bits_change():
+    """The top code 2^b - 1 of the forward and of the errors is computed once per bit-width, not at every product
+    (on a GPU each is a kernel launch per layer): a second step at the same bits computes none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    quantize_model(model, CPTConfig(include_modules=["3"], fused_error_quantizer=False, integer_matmul=False))
+    x = torch.randn(6, 32)
+
+    def step_operations() -> list[str]:
+        with _OperationNames() as names:
+            model(x).square().sum().backward()
+        return names.names
+
+    set_precision(model, 6, 8)
+    assert "exp2" in step_operations()
+    assert "exp2" not in step_operations()
+    set_precision(model, 5, 8)  # both bit-widths set anew: each top code once, whatever the number of layers
+    assert step_operations().count("exp2") == 2
+
+
+def test_the_backward_quantizes_errors_at_the_bits_its_forward_ran_with():
+    """Error bits changed between a forward and its backward do not reach that backward (no copy of the bits per
+    product keeps them: `PrecisionState.error_bits` hands out a tensor that is never modified)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    quantize_model(model, CPTConfig(fused_error_quantizer=False, error_rounding="nearest"))
+    x = torch.randn(8, 16)
+
+    def gradients(grad_bits_at_backward: int) -> list[torch.Tensor]:
+        model.zero_grad()
+        set_precision(model, 8, 2)
+        loss = model(x).square().sum()
+        set_precision(model, 8, grad_bits_at_backward)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    at_two, changed = gradients(2), gradients(8)
+    assert all(torch.equal(a, b) for a, b in zip(at_two, changed))
+    set_precision(model, 8, 8)
+    model.zero_grad()
+    model(x).square().sum().backward()
+    assert not torch.equal(model[0].weight.grad, at_two[0])  # 8-bit errors do give other gradients
 
 
 def test_changing_bits_does_not_retrace_a_compiled_model():

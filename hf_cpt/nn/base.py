@@ -275,7 +275,7 @@ class QuantLayerMixin:
         if training_products:
             return QuantizedProducts.apply(
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
-                precision.on_device(precision.grad_bits, weight.device) if quantize_backward else None,
+                precision.error_bits(weight.device) if quantize_backward else None,
                 precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation, x_quantized,
                 weight_quantized, integer,
             )

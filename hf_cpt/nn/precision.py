@@ -55,6 +55,8 @@ class PrecisionState:
         self.reused_weights = ReusedWeights()
         # The bit-width tensors on each accelerator the layers run on: (source id, device) -> [source version, copy].
         self._device_bits: dict[tuple[int, torch.device], list] = {}
+        # The error bits per device, one unmodified tensor per value (`error_bits`): device -> (source version, copy).
+        self._error_bits: dict[torch.device, tuple[int, torch.Tensor]] = {}
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:
@@ -82,6 +84,19 @@ class PrecisionState:
                     entry = self._device_bits[key] = [None, torch.empty((), dtype=bits.dtype, device=device)]
                 entry[1].copy_(bits)
                 entry[0] = bits._version
+        return entry[1]
+
+    def error_bits(self, device: torch.device) -> torch.Tensor:
+        """The error bits on ``device`` as they are now, in a tensor that is never modified: the same tensor until
+        ``grad_bits`` changes. A layer's backward reads the bits its forward ran with from it without a copy per
+        product, and what is derived from it (the top code) is computed once per value (`hf_cpt.numerics.derived`).
+        """
+        if torch.compiler.is_dynamo_compiling():
+            return self.grad_bits.to(device, copy=True)
+        entry = self._error_bits.get(device)
+        if entry is None or entry[0] != self.grad_bits._version:
+            with torch.inference_mode(False), torch.no_grad():  # serves the training that follows an evaluation
+                entry = self._error_bits[device] = (self.grad_bits._version, self.grad_bits.to(device, copy=True))
         return entry[1]
 
     def integer_products(self, device: torch.device) -> bool:

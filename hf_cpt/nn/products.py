@@ -58,7 +58,8 @@ class QuantizedProducts(torch.autograd.Function):
     With ``integer`` (decided by `QuantLayerMixin.forward`: 8 bits or fewer, both operands quantized, a layer with
     `compute_on_codes`), the forward product runs on the operands' integer codes (`hf_cpt.numerics.integer_matmul`)
     and the fake-quantized floats are never formed; an operand given quantized then comes as (None, its codes).
-    Backward: straight-through for both operands; with error bits, the error is quantized once and each
+    Backward: straight-through for both operands; with error bits (``grad_bits``, a tensor never modified afterwards:
+    `PrecisionState.error_bits`), the error is quantized once and each
     product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
     follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
     under autocast. A rotated layer passes ``W R`` computed once outside autograd, and its weight gradient is
@@ -71,7 +72,7 @@ class QuantizedProducts(torch.autograd.Function):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         keep_x = keeps_input(layer, needs_x, needs_weight)
         ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
-        ctx.grad_bits = None if grad_bits is None else grad_bits.detach().clone()
+        ctx.grad_bits = grad_bits  # never modified (`PrecisionState.error_bits`): the bits of this forward
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.shapes = (x.shape, weight.shape)
         operand = weight if rotated_weight is None else rotated_weight

@@ -22,7 +22,7 @@ from ..utils import check_choice, setting
 from . import error_kernels
 from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_round
 from .error_rotation import ERROR_ROTATIONS, rotate_error
-from .fake_quant import _compute_dtype, fake_quantize, num_levels, quantization_scale, tensor_range, token_range
+from .fake_quant import _compute_dtype, fake_quantize, levels_on, quantization_scale, tensor_range, token_range
 
 # Below this many elements the eager error quantizer is as fast as the fused one.
 FUSED_MIN_NUMEL = 1 << 16
@@ -124,7 +124,7 @@ def _resolve_errors(errors: ErrorQuantization, activation_granularity: str) -> E
 def _stochastic_quantize(
     x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
-    levels = num_levels(bits).to(x.device, x.dtype)  # a caller's bits may live on the CPU
+    levels = levels_on(bits, x.device, x.dtype)
     scale = quantization_scale(minimum, maximum, levels)
     codes = (x - minimum).div_(scale).add_(noise).clamp_min_(0.0).clamp_max_(levels).round_()
     return codes.mul_(scale).add_(minimum)
@@ -206,7 +206,7 @@ def _quantize_error_unrotated(
         kernel = error_kernels.fused_kernel(grad.device, scheme.granularity, scheme.range)
     if kernel is not None:
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
-        levels = levels_of(bits.to(grad.device))
+        levels = levels_on(bits, grad.device, bits.dtype, levels_of)
         try:
             if per_row:  # as (rows, features): one kernel serves every rank and layout
                 rows = grad.movedim(feature_dim, -1)

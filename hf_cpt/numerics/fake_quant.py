@@ -12,9 +12,12 @@ This module knows nothing about layers, schedules or the Trainer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .code_kernels import quantize_codes_native, ranges_native, restore_codes_native
+from .derived import derived
 
 MIN_SCALE = 1e-8
 
@@ -22,6 +25,15 @@ MIN_SCALE = 1e-8
 def num_levels(bits: torch.Tensor) -> torch.Tensor:
     """Largest integer code, ``2^b - 1``, exact for integer ``b`` up to 24."""
     return torch.exp2(bits) - 1
+
+
+def levels_on(
+    bits: torch.Tensor, device: torch.device, dtype: torch.dtype,
+    levels: Callable[[torch.Tensor], torch.Tensor] = num_levels,
+) -> torch.Tensor:
+    """``levels(bits)`` (default `num_levels`) on ``device`` in ``dtype``, computed once per value of ``bits``
+    (`hf_cpt.numerics.derived`): a caller's bits may live on the CPU, and the same bits serve every layer."""
+    return derived(bits, ("levels", levels, device, dtype), lambda: levels(bits).to(device, dtype))
 
 
 def quantization_scale(minimum: torch.Tensor, maximum: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -38,7 +50,7 @@ def _grid(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(source in the compute dtype, minimum, scale, top code) of quantizing ``x`` over ``[minimum, maximum]``."""
     source = _compute_dtype(x)
-    levels = num_levels(bits).to(source.device, source.dtype)  # a caller's bits may live on the CPU
+    levels = levels_on(bits, source.device, source.dtype)
     minimum, maximum = minimum.to(source.dtype), maximum.to(source.dtype)
     return source, minimum, quantization_scale(minimum, maximum, levels), levels
 

@@ -25,6 +25,7 @@ import functools
 import torch
 
 from .code_kernels import code_product_native
+from .derived import derived
 
 # CPU flags (/proc/cpuinfo) of int8 dot-product instructions: without them int8 GEMMs run far slower than float32.
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -74,6 +75,11 @@ def _code_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch._int_mm(a, ones)[:, :1], torch._int_mm(ones.t(), b)[:1]
 
 
+def _middle_code(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    middle = torch.exp2(bits.float() - 1)
+    return middle, middle.to(torch.uint8)
+
+
 def code_matmul(
     a_codes: torch.Tensor, a_scale: torch.Tensor, a_min: torch.Tensor,
     b_codes: torch.Tensor, b_scale: torch.Tensor, b_min: torch.Tensor,
@@ -88,8 +94,8 @@ def code_matmul(
     reduced = a_codes.shape[1]
     if reduced > MAX_REDUCED_SIZE:
         raise ValueError(f"code_matmul sums at most {MAX_REDUCED_SIZE} code products exactly in int32, got {reduced}")
-    middle = torch.exp2(bits.float() - 1)  # the middle code, 2^(b-1)
-    middle_code = middle.to(torch.uint8)
+    # the middle code, 2^(b-1), as a float and as a code: once per value of the bits (`derived`)
+    middle, middle_code = derived(bits, "middle_code", lambda: _middle_code(bits))
     a, b = _centred(a_codes, middle_code), _centred(b_codes, middle_code)
     a_scale, b_scale = a_scale.float(), b_scale.float()
     a_zero = a_min.float() + middle * a_scale  # the value of the middle code

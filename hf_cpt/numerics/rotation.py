@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
+from .derived import derived
 
 MAX_FACTOR = 32  # largest power-of-two Hadamard factor stored (the rotation's definition)
 MAX_MERGED_BLOCK = 256  # trailing factors merged into one block of at most this size when applied (speed only)
@@ -143,13 +144,18 @@ class Rotation:
                 mults += n
         return adds, mults
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> Rotation:
-        return Rotation(
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> Rotation:
+        """This rotation on ``device`` in ``dtype``: itself where it is already, else one copy per (device, dtype),
+        kept beside it (`derived`; bf16 activations under autocast ask at every product)."""
+        device = torch.device(device)
+        if self.signs.device == device and self.signs.dtype == dtype:
+            return self
+        return derived(self.signs, ("rotation", device, dtype), lambda: Rotation(
             self.features,
-            self.signs.to(device=device, dtype=dtype),
-            tuple(f.to(device=device, dtype=dtype) for f in self.factors),
+            self.signs.to(device=device, dtype=dtype, copy=True),
+            tuple(f.to(device=device, dtype=dtype, copy=True) for f in self.factors),
             self.kinds,
-        )
+        ))
 
     def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False) -> torch.Tensor:
         """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable in ``x`` (the rotation is
@@ -176,7 +182,20 @@ def _axis_steps(
 ) -> list[torch.Tensor]:
     """The matrices `_rotate` contracts one axis at a time, innermost first: the trailing factors merged into one
     block of at most `MAX_MERGED_BLOCK`, or a Sylvester part split anew as `SYLVESTER_SPLITS` says for a rotation
-    along the last axis (``last_axis``) or another."""
+    along the last axis (``last_axis``) or another. Computed once per rotation and layout (`derived`): a product
+    made contiguous or a merged block is a kernel launch per call on a GPU."""
+    def kept() -> list[torch.Tensor]:  # nothing kept beside factors[0] may refer to it (it would never be freed)
+        steps = _build_axis_steps(factors, kinds, transpose, last_axis)
+        return [step.clone() if step._base is not None or any(step is f for f in factors) else step for step in steps]
+
+    # The factors of one rotation live and die together, so their ids name them while factors[0] lives.
+    key = ("axis_steps", tuple(map(id, factors[1:])), kinds, transpose, last_axis)
+    return derived(factors[0], key, kept)
+
+
+def _build_axis_steps(
+    factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...], transpose: bool, last_axis: bool
+) -> list[torch.Tensor]:
     leading = len(factors) - kinds.count("sylvester")  # factor_sizes puts the odd-order factor first
     power = 1
     for factor in factors[leading:]:  # (a loop, not math.prod over a generator, which torch.compile cannot trace)
@@ -259,6 +278,11 @@ def _rotate_native(
     return None if threads < 0 else out  # out of memory for a scratch row
 
 
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: itself, or one copy kept beside it (`derived`)."""
+    return t if t.dtype == dtype else derived(t, ("dtype", dtype), lambda: t.to(dtype, copy=True))
+
+
 class _Rotate(torch.autograd.Function):
     """A fixed rotation with a backward that keeps only the rotation (autograd's own would keep an expanded
     copy of each factor per batched product)."""
@@ -271,7 +295,7 @@ class _Rotate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # The gradient's dtype rules (bf16 when the forward ran under autocast; autograd casts it to x's).
-        signs, factors = ctx.signs.to(grad.dtype), tuple(f.to(grad.dtype) for f in ctx.factors)
+        signs, factors = _in_dtype(ctx.signs, grad.dtype), tuple(_in_dtype(f, grad.dtype) for f in ctx.factors)
         rotated = _rotate(grad, ctx.dim, not ctx.transpose, signs, factors, ctx.kinds)
         return (rotated, None, None, None, None, *(None for _ in ctx.factors))
 
