@@ -5,7 +5,8 @@ arithmetic: the number of operations per step is what its time follows there. Th
 the count is the same: every dispatched torch operation of one training step (forward, backward, AdamW), without
 views, allocations and host reads (no kernel). The C kernels for codes, ranges and rotations and the products on
 integer codes are turned off (CPU-only), so that the quantized model runs the torch formulas a GPU runs. The fused
-error quantizer stays the C kernel here and is not counted (one compiled kernel per quantized error on a GPU). Run:
+error quantizer stays the C kernel here and is not counted (one compiled kernel per quantized error on a GPU). Each
+step is counted in float32 and under bf16 autocast (a GPU run with ``bf16=True``). Run:
 
     python bench/op_counts.py            # writes bench/results/op_counts.json; bench/report.py renders it
 
@@ -60,14 +61,25 @@ def count_step(step) -> collections.Counter:
     return counter.counts
 
 
+def under_bf16_autocast(step):
+    """``step`` under bf16 autocast (how a GPU run with ``bf16=True`` trains; on the CPU, CPU autocast's casts)."""
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step()
+    return run
+
+
 def count_model(kind: str) -> dict:
-    """The operations of one training step of ``kind``'s plain model and of its CPT 8/8 copy, with the ten most
-    frequent operations of the quantized step."""
+    """The operations of one training step of ``kind``'s plain model and of its CPT 8/8 copy, in float32 and under
+    bf16 autocast, with the ten most frequent operations of the float32 quantized step."""
     name, builder = MODELS[kind]
     plain_step, quantized_step = overhead.model_steps(*builder(), fused=True)
     quantized_step = overhead.with_float_products(overhead.with_torch_formulas(quantized_step))
     plain, quantized = count_step(plain_step), count_step(quantized_step)
+    plain_bf16 = count_step(under_bf16_autocast(plain_step))
+    quantized_bf16 = count_step(under_bf16_autocast(quantized_step))
     return {"case": name, "plain_ops": sum(plain.values()), "quant_ops": sum(quantized.values()),
+            "plain_ops_bf16": sum(plain_bf16.values()), "quant_ops_bf16": sum(quantized_bf16.values()),
             "top_quant_ops": dict(quantized.most_common(10))}
 
 
@@ -84,7 +96,8 @@ def main() -> None:
         row = count_model(kind)
         rows.append(row)
         print(f"{row['case']:40s} plain {row['plain_ops']:6d}  CPT 8/8 {row['quant_ops']:6d}  "
-              f"ratio {row['quant_ops'] / row['plain_ops']:.2f}")
+              f"ratio {row['quant_ops'] / row['plain_ops']:.2f}  bf16 autocast: plain {row['plain_ops_bf16']:6d}  "
+              f"CPT 8/8 {row['quant_ops_bf16']:6d}  ratio {row['quant_ops_bf16'] / row['plain_ops_bf16']:.2f}")
     command = "python bench/op_counts.py" + ("" if args.only == list(MODELS) else " --only " + " ".join(args.only))
     with open(args.output, "w") as f:
         json.dump({"command": command, "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -145,11 +145,14 @@ def op_counts_summary(counts: dict) -> list[str]:
              "each one a kernel launch there; counted on this CPU with the C kernels off; "
              "[docs/benchmarks.md](docs/benchmarks.md)):",
              "",
-             "| case | plain | CPT 8/8 | ratio | most frequent in the CPT step |", "|---|---:|---:|---:|---|"]
+             "| case | plain | CPT 8/8 | ratio | bf16 autocast: plain | CPT 8/8 | ratio | most frequent in the CPT step |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for row in counts["rows"]:
         top = ", ".join(f"{name} {count}" for name, count in list(row["top_quant_ops"].items())[:5])
+        bf16 = (f"{row['plain_ops_bf16']:,} | {row['quant_ops_bf16']:,} | "
+                f"{row['quant_ops_bf16'] / row['plain_ops_bf16']:.2f}" if "quant_ops_bf16" in row else "- | - | -")
         lines.append(f"| {row['case']} | {row['plain_ops']:,} | {row['quant_ops']:,} | "
-                     f"{row['quant_ops'] / row['plain_ops']:.2f} | {top} |")
+                     f"{row['quant_ops'] / row['plain_ops']:.2f} | {bf16} | {top} |")
     return lines
 
 

@@ -553,9 +553,16 @@ def test_op_counts_of_a_quantized_step_take_the_gpu_path_and_the_readme_table_re
     gpu_path = op_counts.count_step(overhead.with_float_products(overhead.with_torch_formulas(quantized)))
     assert sum(gpu_path.values()) > sum(plain_counts.values())
     assert "_int_mm" not in gpu_path and gpu_path["mm"] >= plain_counts["mm"]  # float products, not codes
+    plain_bf16 = op_counts.count_step(op_counts.under_bf16_autocast(plain))
+    assert plain_bf16 != plain_counts  # autocast casts the products' operands: other operations
     row = {"case": "tiny BERT", "plain_ops": sum(plain_counts.values()), "quant_ops": sum(gpu_path.values()),
+           "plain_ops_bf16": sum(plain_bf16.values()), "quant_ops_bf16": 2 * sum(plain_bf16.values()),
            "top_quant_ops": dict(gpu_path.most_common(10))}
     lines = report.op_counts_summary({"command": "python bench/op_counts.py", "torch": "2.x", "rows": [row]})
     name, count = gpu_path.most_common(1)[0]
     assert lines[-1].startswith(f"| tiny BERT | {row['plain_ops']:,} | {row['quant_ops']:,} | "
-                                f"{row['quant_ops'] / row['plain_ops']:.2f} | {name} {count}, ")
+                                f"{row['quant_ops'] / row['plain_ops']:.2f} | {row['plain_ops_bf16']:,} | "
+                                f"{row['quant_ops_bf16']:,} | 2.00 | {name} {count}, ")
+    del row["plain_ops_bf16"], row["quant_ops_bf16"]  # a file from before the bf16 counts
+    lines = report.op_counts_summary({"command": "python bench/op_counts.py", "torch": "2.x", "rows": [row]})
+    assert " | - | - | - | " in lines[-1]
