@@ -145,7 +145,8 @@ def op_counts_summary(counts: dict) -> list[str]:
              "each one a kernel launch there; counted on this CPU with the C kernels off; "
              "[docs/benchmarks.md](docs/benchmarks.md)):",
              "",
-             "| case | plain | CPT 8/8 | ratio | bf16 autocast: plain | CPT 8/8 | ratio | most frequent in the CPT step |",
+             "| case | plain | CPT 8/8 | ratio | bf16 autocast: plain | CPT 8/8 | ratio "
+             "| most frequent in the CPT step |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for row in counts["rows"]:
         top = ", ".join(f"{name} {count}" for name, count in list(row["top_quant_ops"].items())[:5])

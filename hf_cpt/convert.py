@@ -20,6 +20,7 @@ from .nn.attention import attention_support, install_attention, uninstall_attent
 from .nn.base import QuantLayerMixin, input_features
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.precision import PrecisionState
+from .numerics import native
 from .numerics.bits import check_bits
 from .numerics.rotation import can_rotate
 
@@ -179,6 +180,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             f"{type(model).__name__}:\n{report}\nCheck CPTConfig.target_modules / exclude_modules."
         )
     report.attention = _prepare_attention(model, config, precision)
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)
     eval_bits = config.eval_precision
     precision.set_eval(eval_bits, follow_training=config.eval_bits == "current")

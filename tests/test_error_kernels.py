@@ -192,6 +192,39 @@ def test_a_cpu_run_builds_the_native_kernel_once_per_machine_and_loads_no_compil
     assert sorted(path.name for path in cache.iterdir()) == built
 
 
+_BUILD_AHEAD = """
+import os, torch
+from hf_cpt import quantize_model
+from hf_cpt.numerics import native
+quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+started = native._pending is not None
+pid = os.fork()
+if pid == 0:  # a forked child has no build thread to wait for
+    os._exit(0 if native._pending is None else 3)
+child = os.waitpid(pid, 0)[1] == 0
+if started:
+    native._pending.result()
+print('started', started, 'child', child, 'loaded', native.load.cache_info().currsize)
+"""
+
+
+@pytest.mark.slow
+def test_quantize_model_builds_the_kernels_ahead_of_the_first_step(tmp_path):
+    """On a new machine the C build starts when the model is quantized, on a thread, and has built every library
+    before any kernel ran; once they are all cached, nothing starts."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "HF_CPT_CACHE": str(cache)}
+    first = subprocess.run([sys.executable, "-c", _BUILD_AHEAD], capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "started True child True loaded 0" in first.stdout
+    sources = sorted(path.stem for path in Path(native.__file__).parent.glob("*.c"))
+    assert sorted(path.name.rsplit("-", 1)[0] for path in cache.iterdir()) == sources
+    again = subprocess.run([sys.executable, "-c", _BUILD_AHEAD], capture_output=True, text=True, timeout=300, env=env)
+    assert "started False child True loaded 0" in again.stdout, again.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_without_the_native_kernel_the_compiled_one_runs_and_prints_no_cuda_warning(tmp_path):
     if torch.cuda.is_available():

@@ -151,12 +151,52 @@ def _build_missing(compiler: str) -> None:
         _built.update(zip((target for target, _ in missing), pool.map(build, missing)))
 
 
+# The build `build_ahead` started on a background thread, until `load` has waited for it.
+_pending: concurrent.futures.Future | None = None
+
+
+def _forget_pending() -> None:  # a forked child has no build thread: it builds (or finds) the libraries itself
+    global _pending
+    _pending = None
+
+
+os.register_at_fork(after_in_child=_forget_pending)
+
+
+def build_ahead() -> None:
+    """Start building the package's libraries missing from the cache on a background thread, and return at once.
+    `hf_cpt.quantize_model` calls it, so that on a new machine the build (about half a second) overlaps the rest of
+    a run's setup instead of stalling its first training step; `load` waits for it where it has not finished."""
+    global _pending
+    if _pending is not None or os.environ.get(DISABLE_VARIABLE) == "0":
+        return
+    if all(_target(source).exists() for source in Path(__file__).parent.glob("*.c")):
+        return
+    compiler = _compiler()
+    if compiler is None:
+        return
+    builder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cpt-build")
+    _pending = builder.submit(_build_missing, compiler)
+    builder.shutdown(wait=False)  # its thread ends with the build
+
+
+def _wait_for_pending() -> None:
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        try:
+            pending.result()
+        except Exception as error:  # noqa: BLE001  (its outcome is recorded per library; load reports a failure)
+            logger.info("hf_cpt: the background build of the native kernels stopped (%s)", error)
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The shared library built from ``hf_cpt/numerics/<name>.c`` (built on first use, with the package's other
-    libraries, then cached), or None."""
+    libraries, then cached; or by `build_ahead`), or None."""
     if os.environ.get(DISABLE_VARIABLE) == "0":
         return None
+    _wait_for_pending()
     target = _target(Path(__file__).with_name(f"{name}.c"))
     if not target.exists():
         compiler = _compiler()
