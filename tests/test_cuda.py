@@ -156,3 +156,47 @@ def test_quantized_layers_follow_the_model_to_the_gpu():
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_a_steady_gpu_step_copies_nothing_from_the_host():
+    """The bit-widths live on the CPU; a training step on the GPU reads their per-device copies and what is derived
+    from them (`hf_cpt.numerics.derived`), so once the bits are set no step copies from the host (each such copy
+    blocks until the GPU's queue drains), and changing them costs a few copies for the whole model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_cpt import quantize_model, set_precision
+
+    class HostCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            sources = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
+            if func.overloadpacket.__name__ in ("_to_copy", "copy_") and sources and isinstance(out, torch.Tensor) \
+                    and out.device.type == "cuda":
+                self.count += 1
+            return out
+
+    batch = {k: v.cuda() for k, v in _data("text-cls", "bert", 8, seed=3).items()}
+
+    def step(model) -> int:
+        with HostCopies() as copies, torch.autocast("cuda", dtype=torch.bfloat16):
+            model(**batch).loss.backward()
+        return copies.count
+
+    torch.manual_seed(0)
+    plain = FAMILIES["bert"]()[0].cuda().train()
+    step(plain)
+    plain_copies = step(plain)  # whatever the model itself copies per step
+    model = FAMILIES["bert"]()[0]
+    quantize_model(model, CPTConfig(quantize_attention=True))
+    model.cuda().train()
+    set_precision(model, 6, 8)
+    layers = len(list(quant_layers(model)))
+    assert step(model) - plain_copies < layers  # the first step makes each device copy once, not once per layer
+    assert step(model) == plain_copies
+    set_precision(model, 5, 8)
+    assert 0 < step(model) - plain_copies < layers
