@@ -237,6 +237,22 @@ def test_the_backward_quantizes_errors_at_the_bits_its_forward_ran_with():
     assert not torch.equal(model[0].weight.grad, at_two[0])  # 8-bit errors do give other gradients
 
 
+def test_error_bits_are_one_unmodified_tensor_per_value_also_in_a_copied_state():
+    from hf_cpt.nn import PrecisionState
+
+    state, cpu = PrecisionState(), torch.device("cpu")
+    state.set(8, 6)
+    first = state.error_bits(cpu)
+    assert first is not state.grad_bits and state.error_bits(cpu) is first and first.item() == 6
+    state.set(8, 5)
+    assert state.error_bits(cpu).item() == 5 and first.item() == 6  # a new tensor; the old one keeps its value
+    clone = copy.deepcopy(state)  # a copied model's state: its own bits, whatever their version counters read
+    for grad_bits in (2, 3, 4, 7):
+        clone.set(8, grad_bits)
+        assert clone.error_bits(cpu).item() == grad_bits
+    assert state.error_bits(cpu).item() == 5
+
+
 def test_changing_bits_does_not_retrace_a_compiled_model():
     import torch._dynamo
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..numerics.derived import derived
 from ..numerics.errors import PAPER_ERRORS, ErrorQuantization, quantize_error_on_backward
 from ..numerics.integer_matmul import integer_matmul_supported
 from .reused_weights import ReusedWeights
@@ -55,8 +56,6 @@ class PrecisionState:
         self.reused_weights = ReusedWeights()
         # The bit-width tensors on each accelerator the layers run on: (source id, device) -> [source version, copy].
         self._device_bits: dict[tuple[int, torch.device], list] = {}
-        # The error bits per device, one unmodified tensor per value (`error_bits`): device -> (source version, copy).
-        self._error_bits: dict[torch.device, tuple[int, torch.Tensor]] = {}
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:
@@ -91,13 +90,8 @@ class PrecisionState:
         ``grad_bits`` changes. A layer's backward reads the bits its forward ran with from it without a copy per
         product, and what is derived from it (the top code) is computed once per value (`hf_cpt.numerics.derived`).
         """
-        if torch.compiler.is_dynamo_compiling():
-            return self.grad_bits.to(device, copy=True)
-        entry = self._error_bits.get(device)
-        if entry is None or entry[0] != self.grad_bits._version:
-            with torch.inference_mode(False), torch.no_grad():  # serves the training that follows an evaluation
-                entry = self._error_bits[device] = (self.grad_bits._version, self.grad_bits.to(device, copy=True))
-        return entry[1]
+        grad_bits = self.grad_bits
+        return derived(grad_bits, ("error_bits", device), lambda: grad_bits.to(device, copy=True))
 
     def integer_products(self, device: torch.device) -> bool:
         """Whether training products on ``device`` run on integer codes (CPU only; see `integer_matmul`)."""
