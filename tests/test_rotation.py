@@ -67,6 +67,18 @@ def test_rotation_gradient_is_the_transposed_rotation(features):
     assert grad.dtype == torch.float32 and torch.allclose(grad, expected, atol=0.05, rtol=0.02)
 
 
+def test_a_rotation_in_another_dtype_is_made_once_and_equals_the_direct_conversion():
+    """bf16 activations under autocast ask for the rotation in bf16 at every product: one copy, kept (`derived`)."""
+    rotation = get_rotation(384)
+    assert rotation.to("cpu", torch.float32) is rotation
+    half = rotation.to("cpu", torch.bfloat16)
+    assert rotation.to(torch.device("cpu"), torch.bfloat16) is half and half is not rotation
+    assert torch.equal(half.signs, rotation.signs.bfloat16())
+    assert all(torch.equal(a, b.bfloat16()) for a, b in zip(half.factors, rotation.factors))
+    x = torch.randn(4, 384, dtype=torch.bfloat16)
+    assert torch.allclose(half.apply(x).float(), rotation.apply(x.float()), atol=0.05, rtol=0.02)
+
+
 def test_rotation_spreads_an_outlier_and_is_deterministic():
     rotation = get_rotation(384, seed=3)
     spike = torch.zeros(384)
