@@ -49,6 +49,16 @@ def test_inference_tensors_and_subclasses_compute_anew():
     assert count.calls == 3
 
 
+def test_nothing_computed_under_a_fake_tensor_mode_is_kept():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    bits = torch.tensor(6.0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert isinstance(levels_on(bits, torch.device("cpu"), torch.float32), FakeTensor)
+    real = levels_on(bits, torch.device("cpu"), torch.float32)
+    assert not isinstance(real, FakeTensor) and real.item() == 63
+
+
 def test_what_is_computed_inside_inference_mode_serves_training_afterwards():
     bits = torch.tensor(8.0)
     with torch.inference_mode():

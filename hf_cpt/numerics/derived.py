@@ -3,8 +3,8 @@
 A layer's top code ``2^b - 1`` follows from the bit-width tensor, a rotation's transposed factors from the rotation:
 computed at every product, each is a few kernel launches that a GPU pays at every layer of every step. `derived`
 keeps them beside the tensor they come from, until that tensor changes in place (its version counter moves) or is
-freed. Code that torch.compile traces, inference tensors (no version counter) and tensor subclasses compute anew.
-This module knows nothing about quantization.
+freed. Code that torch.compile traces or that runs on fake tensors, inference tensors (no version counter) and tensor
+subclasses compute anew. This module knows nothing about quantization.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 _DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def _tracing_with_fake_tensors() -> bool:
+    # Under a fake-tensor mode (non-strict export, shape propagation) compute would return a fake tensor: never kept.
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def derived(source: torch.Tensor, key: Hashable, compute: Callable[[], Any]) -> Any:
     """``compute()``, kept with ``source`` under ``key`` while ``source`` keeps its value.
 
@@ -28,7 +33,7 @@ def derived(source: torch.Tensor, key: Hashable, compute: Callable[[], Any]) -> 
     """
     if torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting():  # first: the trace keeps no branch
         return compute()
-    if type(source) is not torch.Tensor or source.is_inference():
+    if type(source) is not torch.Tensor or source.is_inference() or _tracing_with_fake_tensors():
         return compute()
     entries = _DERIVED.get(source)
     if entries is None:
