@@ -136,7 +136,8 @@ def quantize_error_symmetric(
     """Quantization on the zero-centred grid (`ErrorQuantization.range="symmetric"`), one ``max|e|`` per tensor
     or per row over ``feature_dim``; stochastic rounding draws from the global RNG (the eager path)."""
     source = _compute_dtype(grad)
-    _, scale, top = grid(source, symmetric_levels(bits.to(source.device)), per_row, True, feature_dim)
+    _, scale, top = grid(source, levels_on(bits, source.device, bits.dtype, symmetric_levels), per_row, True,
+                         feature_dim)
     noise = torch.empty_like(source).uniform_(-0.5, 0.5) if stochastic else None
     return symmetric_round(source, scale, top, noise).to(grad.dtype)
 
