@@ -8,8 +8,8 @@ Linear on 2048 tokens, with the default scheme and with the paper's, (b) forward
 16->16 3x3 conv on a 128x16x32x32 batch, (c) one training step (forward, backward, AdamW) of a
 BERT-small-shaped classifier, (d) training steps at realistic sizes: GPT-2 small (124M,
 ``GPT2Config()``), also as one optimizer step of 4 accumulated micro-batches (each weight quantized once per
-step), BERT-base at batch 4 and 16 (also with ``quantize_attention``), ViT-S/16 (timm) and the pretrained MiniLM
-at batch 32 (the `bench` extra), each with its peak resident memory measured in a fresh process per side (CPU: no
+step), BERT-base at batch 4 and 16 (also with ``quantize_attention``), ViT-S/16 (timm), the CPT paper's CIFAR
+ResNet-20 at batch 128 and the pretrained MiniLM at batch 32 (the `bench` extra), each with its peak resident memory measured in a fresh process per side (CPU: no
 allocator statistics; on a GPU ``torch.cuda.max_memory_allocated`` is the figure to use) and the memory one forward
 keeps for its backward (`saved_activation_mib`, which no allocator changes). The
 quantized versions run at 8-bit weights/activations and 8-bit errors. A one-off warm-up step of each
@@ -60,7 +60,8 @@ class Case:
 
 QUANT_SCHEME = "auto"  # --quant-scheme
 CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16",
-         "bert-base-16-attention", "vit-s", "minilm", "linear-torchao", "linear-published", "conv-published")
+         "bert-base-16-attention", "vit-s", "resnet20", "minilm", "linear-torchao", "linear-published",
+         "conv-published")
 CASE_OPTIONS = {"bert-base-16-attention": {"quantize_attention": True}}  # CPTConfig fields beside the defaults
 FIRST_STEP_KIND = "minilm"  # the fine-tuning run a new user starts (GPT-2 small without the bench extra)
 FIRST_STEP_TARGET_S = 2.0  # first CPT step at most this much slower than the second
@@ -269,6 +270,14 @@ class _TimmClassifier(nn.Module):
 def vit_small() -> tuple[Callable[[], nn.Module], dict]:
     batch = {"pixel_values": torch.randn(4, 3, 224, 224), "labels": torch.randint(0, 10, (4,))}
     return lambda: _TimmClassifier("vit_small_patch16_224"), batch
+
+
+def resnet20() -> tuple[Callable[[], nn.Module], dict]:
+    """The CPT paper's CIFAR model, a ResNet-20 (`cifar10.CifarResNet`), at batch 128: every conv quantized."""
+    from cifar10 import CifarResNet
+
+    batch = {"pixel_values": torch.randn(128, 3, 32, 32), "labels": torch.randint(0, 10, (128,))}
+    return lambda: CifarResNet(20), batch
 
 
 # glibc raises its mmap threshold each time a large block is freed, after which blocks of up to that size come from
@@ -590,6 +599,8 @@ def main() -> None:
             iters=1, target=1.25, memory_target=0.9),
         "vit-s": lambda: Case("ViT-S/16 (timm) train step, batch 4x224^2", *model_steps(*vit_small(), fused),
                               iters=1, target=1.25),
+        "resnet20": lambda: Case("CIFAR ResNet-20 train step, batch 128x32^2", *model_steps(*resnet20(), fused),
+                                 iters=2, target=1.25),
         "minilm": lambda: Case("pretrained MiniLM fine-tuning step, batch 32x128", *model_steps(*minilm(), fused),
                                iters=1, target=1.25),
         # Anchors: other implementations of quantized training: the same Linear and input as the rows above; a
@@ -611,7 +622,8 @@ def main() -> None:
     }
     published = published_quantizer(args.published_quantizer) if args.published_quantizer else None
     memory_kinds = {"gpt2": "gpt2_small", "bert-base": "bert_base", "bert-base-16": "bert_base_16",
-                    "bert-base-16-attention": "bert_base_16", "vit-s": "vit_small", "minilm": "minilm"}
+                    "bert-base-16-attention": "bert_base_16", "vit-s": "vit_small", "resnet20": "resnet20",
+                    "minilm": "minilm"}
     selected = args.only or list(cases)
     if published is None:
         selected = [key for key in selected if not key.endswith("-published")]

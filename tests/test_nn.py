@@ -438,6 +438,89 @@ def test_training_keeps_only_what_the_needed_gradients_read(kind):
     assert shape in shapes and weight_shape not in shapes and layer[0].weight.grad is not None
 
 
+class _CountConvolutionBackward(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten.convolution_backward.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("products", ["both", "input"])
+@pytest.mark.parametrize("conv", [dict(stride=2, padding=1), dict(padding=2, dilation=2, groups=2)])
+def test_conv2d_backward_forms_both_gradients_in_one_call_where_they_share_an_error(products, conv, monkeypatch):
+    """One convolution backward for both gradients where they take the same error (as autograd's own Conv2d): the
+    same gradients bit for bit as one call per gradient; an error per product keeps two calls."""
+    torch.manual_seed(0)
+    model = _wrap(nn.Conv2d(4, 6, 3, **conv))
+    quantize_model(model, CPTConfig(include_modules=["0"], error_products=products, fused_error_quantizer=False))
+    set_precision(model, 6, 8)
+    x = torch.randn(3, 4, 11, 11)
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        source = x.clone().requires_grad_()
+        counter = _CountConvolutionBackward()
+        torch.manual_seed(1)  # the same stochastic rounding of the errors in every call
+        with counter:
+            model(source).square().sum().backward()
+        return source.grad, model[0].weight.grad, counter.calls
+
+    grad_x, grad_weight, calls = gradients()
+    monkeypatch.setattr(QuantConv2d, "both_gradients", lambda self, error, x, weight: None)
+    separate_x, separate_weight, separate_calls = gradients()
+    assert torch.equal(grad_x, separate_x) and torch.equal(grad_weight, separate_weight)
+    assert separate_calls == 2 and calls == (1 if products == "both" else 2)
+
+
+def _two_layers(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """Two quantized layers in a row, large enough for the native kernels (16K values) and the fused error kernel
+    (64K), so that both backwards take the reused buffers in turn."""
+    if kind == "conv2d":
+        layers = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+        return layers, torch.randn(4, 8, 32, 32)
+    first, second = (nn.Linear(256, 512), nn.Linear(512, 256)) if kind == "linear" else (Conv1D(512, 256),
+                                                                                        Conv1D(256, 512))
+    return nn.Sequential(first, nn.GELU(), second), torch.randn(2, 64, 256)
+
+
+@pytest.mark.parametrize("kind,scheme", [("conv2d", "auto"), ("linear", "paper"), ("linear", "auto"),
+                                         ("conv1d", "per-token")])
+def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kind, scheme, monkeypatch):
+    """The backward's rebuilt operands and quantized error (and a float forward's operands) go into reused buffers
+    (`hf_cpt.numerics.scratch`): the same gradients bit for bit as with a fresh tensor each time, and no gradient
+    handed to autograd lives in a buffer."""
+    from hf_cpt.numerics import errors, fake_quant, scratch
+
+    torch.manual_seed(0)
+    model, x = _two_layers(kind)
+    quantize_model(model, CPTConfig(quant_scheme=scheme, integer_matmul=False, include_modules=["0", "2"]))
+    set_precision(model, 6, 8)
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        source = x.clone().requires_grad_()
+        torch.manual_seed(1)  # the same stochastic rounding of the errors in every call
+        model(source).square().sum().backward()
+        return [source.grad] + [p.grad for p in model.parameters()]
+
+    scratch.release()
+    reused = gradients()
+    buffers = scratch._local.buffers
+    # (a conv's weight, under 16K values, keeps the torch formula; a float forward forms its input in a buffer)
+    expected = {"input", "error", "forward input"} if kind == "conv2d" else {"input", "weight", "error"}
+    assert {role for role, _ in buffers} >= expected
+    ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers.values()]
+    assert not any(low <= g.data_ptr() < high for g in reused for low, high in ranges)
+    fresh = lambda role, shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731
+    monkeypatch.setattr(fake_quant, "take", fresh)
+    monkeypatch.setattr(errors, "take", fresh)
+    assert all(torch.equal(a, b) for a, b in zip(reused, gradients()))
+    scratch.release()
+
+
 class _Siblings(nn.Module):
     """Three projections of one input (an attention's query, key and value) and a layer reading another input."""
 

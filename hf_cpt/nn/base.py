@@ -369,6 +369,13 @@ class QuantLayerMixin:
             weight = weight.detach().requires_grad_()
             return torch.autograd.grad(self.compute(x.detach(), weight), weight, error)[0]
 
+    def both_gradients(
+        self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`input_gradient`, `weight_gradient`) of one ``error`` in one call, where the layer's backward kernel forms
+        both at once (a convolution's); None: the two products are made separately."""
+        return None
+
     def quantized_weight(self, bits: int | None = None, rotated: bool = False) -> torch.Tensor:
         """The weight as the layer uses it at ``bits`` (default: the eval precision), without grad.
 

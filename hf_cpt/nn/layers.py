@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.utils import _pair
 
 from ..numerics.fake_quant import quantize_weight
 from ..numerics.integer_matmul import code_matmul
@@ -84,6 +85,16 @@ class QuantConv2d(QuantLayerMixin, nn.Conv2d):
             return super().weight_gradient(error, x, weight)
         return torch.nn.grad.conv2d_weight(x, weight.shape, error, self.stride, self.padding, self.dilation,
                                            self.groups)
+
+    def both_gradients(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+        """Both gradients from one convolution backward, as autograd's own Conv2d backward forms them (the same
+        values as `input_gradient` and `weight_gradient`, in less time than two calls)."""
+        if not self._direct_gradients():
+            return None
+        grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
+            error, x, weight, None, _pair(self.stride), _pair(self.padding), _pair(self.dilation), False, [0, 0],
+            self.groups, [True, True, False])
+        return grad_x, grad_weight
 
 
 QUANT_LAYER_CLASSES: dict[type, type] = {nn.Linear: QuantLinear, nn.Conv2d: QuantConv2d}

@@ -26,23 +26,27 @@ def keeps_input(layer, needs_input_grad: bool, needs_weight_grad: bool) -> bool:
 
 def quantized_operand(
     t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor | None,
-    compact: bool, keep: bool,
+    compact: bool, keep: bool, scratch: str | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
-    """(the operand as the product uses it, what the backward saves to rebuild it: nothing unless ``keep``)."""
+    """(the operand as the product uses it, what the backward saves to rebuild it: nothing unless ``keep``). With
+    ``scratch``, an operand kept as codes may be formed in that reused buffer (`hf_cpt.numerics.scratch`): for a
+    product that reads it at once."""
     if minimum is None:
         return t, ((t, None, None) if keep else NOT_SAVED)
     if compact and keep:
-        return fake_quantize_compact(t, minimum, maximum, bits)
+        return fake_quantize_compact(t, minimum, maximum, bits, scratch)
     value = fake_quantize(t, minimum, maximum, bits)
     return value, ((value, None, None) if keep else NOT_SAVED)
 
 
-def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read)."""
+def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size,
+                     scratch: str | None = None) -> torch.Tensor:
+    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read); rebuilt from
+    codes into the reused buffer ``scratch`` where given (`hf_cpt.numerics.scratch`: read once, then dropped)."""
     codes, scale, minimum = saved
     if codes is None:
         return torch.empty(shape, dtype=dtype, device="meta")
-    return codes if scale is None else restore_compact(codes, scale, minimum, dtype)
+    return codes if scale is None else restore_compact(codes, scale, minimum, dtype, scratch)
 
 
 class QuantizedProducts(torch.autograd.Function):
@@ -84,12 +88,15 @@ class QuantizedProducts(torch.autograd.Function):
             autocast = torch.is_autocast_enabled(x.device.type)
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
             return layer.compute_on_codes(x_codes, weight_codes, bits).to(dtype)
+        # An operand quantized here is read by the product alone (its codes are what the backward keeps): it may be
+        # formed in a reused buffer.
         if x_quantized is None:
-            x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x)
+            x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x, scratch="forward input")
         else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all
             x_value, x_saved = x_quantized
         if weight_quantized is None:
-            weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
+            weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x,
+                                                           scratch="forward weight")
         else:  # quantized by the layer already (its codes kept for the other forwards of this optimizer step)
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
@@ -103,22 +110,39 @@ class QuantizedProducts(torch.autograd.Function):
         layer, errors = ctx.layer, ctx.errors
         input_error = weight_error = error
         if ctx.grad_bits is not None:
-            quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim)
+            quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error")
             input_error = quantized if errors.quantizes_input_gradient else error
             weight_error = quantized if errors.quantizes_weight_gradient else error
         compute_dtype = error.dtype
-        x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0]).to(compute_dtype)
-        weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1]).to(compute_dtype)
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = layer.input_gradient(input_error, x, weight).to(x_dtype)
-        if ctx.needs_input_grad[3]:
-            grad_weight = _weight_gradient(layer, weight_error, x, weight, ctx.weight_rotation).to(weight_dtype)
+        # The quantized error and the rebuilt operands are read by the products below and dropped: reused buffers
+        # (`hf_cpt.numerics.scratch`).
+        x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0], scratch="input").to(compute_dtype)
+        weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1], scratch="weight").to(compute_dtype)
+        grad_x, grad_weight = _gradients(layer, input_error, weight_error, x, weight, ctx.weight_rotation,
+                                         ctx.needs_input_grad[0], ctx.needs_input_grad[3])
+        grad_x = None if grad_x is None else grad_x.to(x_dtype)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
+        grad_bias = None
         if bias_dtype is not None and ctx.needs_input_grad[6]:
             feature_dim = layer.output_feature_dim % weight_error.dim()
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
                 None, None)
+
+
+def _gradients(
+    layer, input_error: torch.Tensor, weight_error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+    rotation: Rotation | None, needs_x: bool, needs_weight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the input gradient, the weight gradient), None where not needed: in one call where both come from one error
+    and the layer's backward kernel forms them together (`QuantLayerMixin.both_gradients`), else one product each."""
+    if needs_x and needs_weight and input_error is weight_error and rotation is None:
+        both = layer.both_gradients(input_error, x, weight)
+        if both is not None:
+            return both
+    grad_x = layer.input_gradient(input_error, x, weight) if needs_x else None
+    grad_weight = _weight_gradient(layer, weight_error, x, weight, rotation) if needs_weight else None
+    return grad_x, grad_weight
 
 
 def _weight_gradient(

@@ -127,9 +127,11 @@ def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
                                                                        ctypes.c_int]
     per_row, zero_centred = granularity == "token", grid_name == "symmetric"
 
-    def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor,
+            out: Callable[[torch.Size, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
+        """``out(shape, dtype)``: the contiguous tensor to write the result into (default: a new one)."""
         source = _compute_dtype(grad).contiguous()
-        out = torch.empty_like(source)
+        out = torch.empty_like(source) if out is None else out(source.shape, source.dtype)
         columns = source.shape[-1] if per_row else source.numel()
         if per_row:  # each row's grid computed in the kernel, in the same pass that quantizes it
             offset = scale = None
@@ -188,7 +190,8 @@ def _compiled_kernel(granularity: str, grid_name: str) -> Callable:
     if name not in _compiled_kernels:
         compiled = torch.compile(KERNEL_SOURCES[granularity, grid_name][0], dynamic=True)
 
-        def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, out=None) -> torch.Tensor:
+            """(``out`` is the C kernel's: a compiled kernel makes its own result.)"""
             with _quiet_cuda_probe(name):
                 return compiled(grad, levels, seed)
 

@@ -23,6 +23,7 @@ from . import error_kernels
 from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_round
 from .error_rotation import ERROR_ROTATIONS, rotate_error
 from .fake_quant import _compute_dtype, fake_quantize, levels_on, quantization_scale, tensor_range, token_range
+from .scratch import take
 
 # Below this many elements the eager error quantizer is as fast as the fused one.
 FUSED_MIN_NUMEL = 1 << 16
@@ -164,7 +165,8 @@ def quantize_error_per_row(grad: torch.Tensor, bits: torch.Tensor, feature_dim: 
 
 
 def quantize_error(
-    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1
+    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1,
+    scratch: str | None = None,
 ) -> torch.Tensor:
     """Quantization of an error tensor at ``bits`` with ``scheme`` (docs/method.md §2).
 
@@ -172,7 +174,9 @@ def quantize_error(
     stochastic or nearest rounding;
     optionally in a rotated basis (`rotate_error`) and rotated back. Stochastic rounding with
     ``scheme.fused`` runs one fused kernel (hashed noise, clamp, rounding; `error_kernels.fused_kernel`) for large
-    tensors and falls back to the eager path, with one warning, if no fused kernel can be built.
+    tensors and falls back to the eager path, with one warning, if no fused kernel can be built. With ``scratch`` (a
+    role of `hf_cpt.numerics.scratch`), the native kernel writes the result into that reused buffer: for a caller
+    that reads it and drops it before that role is taken again.
     """
     if scheme.granularity not in ERROR_GRANULARITIES or scheme.range not in ERROR_RANGES:
         raise ValueError(f"error granularity and range must be one of {ERROR_GRANULARITIES} and {ERROR_RANGES} when "
@@ -181,13 +185,13 @@ def quantize_error(
     if grad.numel() == 0:
         return grad
     if scheme.rotation == "none":
-        return _quantize_error_unrotated(grad, bits, scheme, feature_dim)
+        return _quantize_error_unrotated(grad, bits, scheme, feature_dim, scratch)
     rotated, rotated_dim, back = rotate_error(grad, scheme.rotation, feature_dim)
-    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim))
+    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim, scratch))
 
 
 def _quantize_error_unrotated(
-    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int
+    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int, scratch: str | None = None
 ) -> torch.Tensor:
     per_row, symmetric = scheme.granularity == "token", scheme.range == "symmetric"
     if scheme.rounding == "nearest":
@@ -205,6 +209,8 @@ def _quantize_error_unrotated(
         kernel = KERNEL_SOURCES[scheme.granularity, scheme.range][0]
     elif scheme.fused and grad.numel() >= FUSED_MIN_NUMEL:
         kernel = error_kernels.fused_kernel(grad.device, scheme.granularity, scheme.range)
+        if scratch is not None:  # the C kernel writes into the reused buffer; the others make their own
+            kernel = functools.partial(kernel, out=functools.partial(take, scratch))
     if kernel is not None:
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
         levels = levels_on(bits, grad.device, bits.dtype, levels_of)

@@ -18,6 +18,7 @@ import torch
 
 from .code_kernels import quantize_codes_native, ranges_native, restore_codes_native
 from .derived import derived
+from .scratch import take
 
 MIN_SCALE = 1e-8
 
@@ -79,16 +80,19 @@ def fake_quantize(
 
 
 def fake_quantize_compact(
-    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor, scratch: str | None = None
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`fake_quantize`, and the same values kept compact: (uint8 codes, scale, minimum), for at most 8 bits.
 
     ``restore_compact(*compact, x.dtype)`` gives back the fake-quantized tensor bit for bit (the same
     ``codes * scale + minimum`` in the same dtype): what a layer's backward saves instead of a float copy.
-    On CPU the codes and values come from one native pass where it serves the call (`code_kernels`).
+    On CPU the codes and values come from one native pass where it serves the call (`code_kernels`); with
+    ``scratch`` (a role of `hf_cpt.numerics.scratch`) the values go into that reused buffer, for a caller that reads
+    them and drops them before that role is taken again.
     """
     source, minimum, scale, levels = _grid(x, minimum, maximum, bits)
-    native = quantize_codes_native(source, minimum, scale, levels, values=True)
+    out = None if scratch is None else (lambda: take(scratch, source.shape, torch.float32))
+    native = quantize_codes_native(source, minimum, scale, levels, values=True, values_out=out)
     if native is not None:
         codes, values = native
         return values.to(x.dtype), (codes, scale, minimum)
@@ -110,10 +114,13 @@ def quantize_compact(
 
 
 def restore_compact(
-    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype, scratch: str | None = None
 ) -> torch.Tensor:
-    """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum."""
-    native = restore_codes_native(codes, scale, minimum)
+    """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum. With ``scratch`` (a role
+    of `hf_cpt.numerics.scratch`), the native kernel writes it into that reused buffer: for a caller that reads it
+    and drops it before that role is taken again."""
+    out = None if scratch is None else (lambda: take(scratch, codes.shape, torch.float32))
+    native = restore_codes_native(codes, scale, minimum, out)
     if native is not None:
         return native.to(dtype)
     return codes.to(scale.dtype).mul_(scale).add_(minimum).to(dtype)

@@ -1,0 +1,64 @@
+import os
+import threading
+
+import pytest
+import torch
+
+from hf_cpt.numerics import scratch
+
+
+@pytest.fixture(autouse=True)
+def _fresh_buffers():
+    scratch.release()
+    yield
+    scratch.release()
+
+
+def test_a_role_reuses_its_buffer_and_grows_it_when_a_larger_tensor_is_asked_for():
+    first = scratch.take("input", (4, 6), torch.float32)
+    assert first.shape == (4, 6) and first.dtype == torch.float32 and first.is_contiguous()
+    smaller = scratch.take("input", (3, 5), torch.float32)
+    assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (3, 5)
+    assert scratch.held_bytes() == 24 * 4
+    larger = scratch.take("input", (10, 10), torch.float32)
+    assert larger.shape == (10, 10) and scratch.held_bytes() == 100 * 4  # the smaller buffer was dropped
+    other_role = scratch.take("error", (10, 10), torch.float32)
+    other_dtype = scratch.take("input", (10, 10), torch.float64)
+    pointers = {larger.data_ptr(), other_role.data_ptr(), other_dtype.data_ptr()}
+    assert len(pointers) == 3 and scratch.held_bytes() == 100 * 4 * 2 + 100 * 8
+    scratch.release()
+    assert scratch.held_bytes() == 0
+
+
+def test_each_thread_has_its_own_buffers():
+    mine = scratch.take("input", (8,), torch.float32)
+    theirs = {}
+
+    def other() -> None:
+        theirs["pointer"] = scratch.take("input", (8,), torch.float32).data_ptr()
+        theirs["held"] = scratch.held_bytes()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert theirs["pointer"] != mine.data_ptr() and theirs["held"] == 32
+
+
+def test_a_buffer_first_taken_under_inference_mode_serves_training():
+    with torch.inference_mode():
+        buffer = scratch.take("input", (5,), torch.float32)
+    assert not buffer.is_inference()
+    buffer.fill_(1.0)  # written outside inference mode, as a backward writes it
+    assert buffer.sum().item() == 5
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_writes_its_own_copy_of_the_pages():
+    buffer = scratch.take("input", (4,), torch.float32)
+    buffer.fill_(2.0)
+    child = os.fork()
+    if child == 0:  # a DataLoader worker, say: its writes must not reach the parent's buffer
+        buffer[0] = 5.0
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert buffer.tolist() == [2.0, 2.0, 2.0, 2.0]
