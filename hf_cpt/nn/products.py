@@ -89,14 +89,14 @@ class QuantizedProducts(torch.autograd.Function):
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
             return layer.compute_on_codes(x_codes, weight_codes, bits).to(dtype)
         # An operand quantized here is read by the product alone (its codes are what the backward keeps): it may be
-        # formed in a reused buffer.
+        # formed in a reused buffer, the one its backward rebuilds it in (never in use at the same time).
         if x_quantized is None:
-            x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x, scratch="forward input")
+            x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x, scratch="input")
         else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all
             x_value, x_saved = x_quantized
         if weight_quantized is None:
             weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x,
-                                                           scratch="forward weight")
+                                                           scratch="weight")
         else:  # quantized by the layer already (its codes kept for the other forwards of this optimizer step)
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
