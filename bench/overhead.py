@@ -9,9 +9,10 @@ Linear on 2048 tokens, with the default scheme and with the paper's, (b) forward
 BERT-small-shaped classifier, (d) training steps at realistic sizes: GPT-2 small (124M,
 ``GPT2Config()``), also as one optimizer step of 4 accumulated micro-batches (each weight quantized once per
 step), BERT-base at batch 4 and 16 (also with ``quantize_attention``), ViT-S/16 (timm), the CPT paper's CIFAR
-ResNet-20 at batch 128 and the pretrained MiniLM at batch 32 (the `bench` extra), each with its peak resident memory measured in a fresh process per side (CPU: no
-allocator statistics; on a GPU ``torch.cuda.max_memory_allocated`` is the figure to use) and the memory one forward
-keeps for its backward (`saved_activation_mib`, which no allocator changes). The
+ResNet-20 at batch 128 and the pretrained MiniLM at batch 32 (the `bench` extra), each with its peak resident
+memory measured in a fresh process per side (CPU: no allocator statistics; on a GPU
+``torch.cuda.max_memory_allocated`` is the figure to use) and the memory one forward keeps for its backward
+(`saved_activation_mib`, which no allocator changes). The
 quantized versions run at 8-bit weights/activations and 8-bit errors. A one-off warm-up step of each
 quantized case, which includes building the fused error quantizer (the C kernel on CPU, or
 ``torch.compile``), is timed separately. Then, in fresh processes: the first and second CPT step of a
