@@ -205,7 +205,9 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "parameters excluded), which no allocator changes. A quantized layer keeps the uint8 codes of its "
                   "input and of its weight (a quarter of the weight's size, kept beside the weight, so at small "
                   "batches the two sides are close); the rest is the model's own (LayerNorm inputs, dropout masks, "
-                  "GELU inputs, softmax outputs), and with `quantize_attention` the attention products keep codes too."]
+                  "GELU inputs, softmax outputs), and with `quantize_attention` the attention products keep codes too. "
+                  "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
+                  "own backward: there the plain conv keeps nothing of its own and the codes are extra (ResNet-20)."]
     if any("float_product_ratio" in row for row in overhead["rows"]):
         lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "
                   "GEMM on fake-quantized floats, as on a CPU without int8 dot products), timed in the same run, "
