@@ -24,6 +24,15 @@ import torch
 
 from . import native
 
+# Where a kernel writes its result: ``allocate(shape, dtype)`` gives a contiguous CPU tensor (e.g. a reused buffer,
+# `hf_cpt.numerics.scratch.take` with its role bound).
+Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+
+def _empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 # Below this many elements the torch formula is as fast (the call itself costs a few microseconds).
 NATIVE_MIN_NUMEL = 1 << 14
 
@@ -82,12 +91,11 @@ def _range_operands(t: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor)
 
 def quantize_codes_native(
     x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, values: bool,
-    values_out: Callable[[], torch.Tensor] | None = None,
+    out: Allocate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(uint8 codes ``round(clamp((x - m) / s, 0, L))``, the values ``codes * s + m`` if ``values``) of a float32 ``x``
     over ``minimum`` and ``scale`` (broadcastable, ``scale`` of the broadcast shape), or None where the native
-    kernel does not serve this call. The values go into ``values_out()`` (a contiguous float32 tensor of ``x``'s
-    shape) if given, else a new tensor."""
+    kernel does not serve this call. The values go into ``out(shape, dtype)`` if given, else a new tensor."""
     if x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
         return None
     operands = _range_operands(x, minimum, scale)
@@ -95,23 +103,22 @@ def quantize_codes_native(
         return None
     minimum, scale, ranges = operands
     codes = torch.empty(x.shape, dtype=torch.uint8)
-    out = None if not values else torch.empty_like(x) if values_out is None else values_out()
+    out = None if not values else (out or _empty)(x.shape, torch.float32)
     _library().hf_cpt_quantize_codes(x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(),
                                      *ranges, float(levels), native.threads())
     return codes, out
 
 
 def restore_codes_native(
-    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, out: Callable[[], torch.Tensor] | None = None
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, out: Allocate | None = None
 ) -> torch.Tensor | None:
     """``codes * scale + minimum`` in float32 (``scale`` of the broadcast shape of both ranges), written into
-    ``out()`` (a contiguous float32 tensor of the codes' shape) if given, else a new tensor; None where the native
-    kernel does not serve this call."""
+    ``out(shape, dtype)`` if given, else a new tensor; None where the native kernel does not serve this call."""
     operands = _range_operands(codes, minimum, scale) if codes.dtype == torch.uint8 else None
     if operands is None:
         return None
     minimum, scale, ranges = operands
-    values = torch.empty(codes.shape, dtype=torch.float32) if out is None else out()
+    values = (out or _empty)(codes.shape, torch.float32)
     _library().hf_cpt_restore_codes(codes.data_ptr(), values.data_ptr(), *ranges, native.threads())
     return values
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from . import native
+from .code_kernels import Allocate
 from .fake_quant import MIN_SCALE, _compute_dtype, num_levels, quantization_scale, tensor_range, token_range
 
 logger = logging.getLogger(__name__)
@@ -127,8 +128,7 @@ def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
                                                                        ctypes.c_int]
     per_row, zero_centred = granularity == "token", grid_name == "symmetric"
 
-    def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor,
-            out: Callable[[torch.Size, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
+    def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, out: Allocate | None = None) -> torch.Tensor:
         """``out(shape, dtype)``: the contiguous tensor to write the result into (default: a new one)."""
         source = _compute_dtype(grad).contiguous()
         out = torch.empty_like(source) if out is None else out(source.shape, source.dtype)

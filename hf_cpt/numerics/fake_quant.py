@@ -12,6 +12,7 @@ This module knows nothing about layers, schedules or the Trainer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -91,8 +92,8 @@ def fake_quantize_compact(
     them and drops them before that role is taken again.
     """
     source, minimum, scale, levels = _grid(x, minimum, maximum, bits)
-    out = None if scratch is None else (lambda: take(scratch, source.shape, torch.float32))
-    native = quantize_codes_native(source, minimum, scale, levels, values=True, values_out=out)
+    out = None if scratch is None else functools.partial(take, scratch)
+    native = quantize_codes_native(source, minimum, scale, levels, values=True, out=out)
     if native is not None:
         codes, values = native
         return values.to(x.dtype), (codes, scale, minimum)
@@ -119,8 +120,7 @@ def restore_compact(
     """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum. With ``scratch`` (a role
     of `hf_cpt.numerics.scratch`), the native kernel writes it into that reused buffer: for a caller that reads it
     and drops it before that role is taken again."""
-    out = None if scratch is None else (lambda: take(scratch, codes.shape, torch.float32))
-    native = restore_codes_native(codes, scale, minimum, out)
+    native = restore_codes_native(codes, scale, minimum, None if scratch is None else functools.partial(take, scratch))
     if native is not None:
         return native.to(dtype)
     return codes.to(scale.dtype).mul_(scale).add_(minimum).to(dtype)
