@@ -41,6 +41,7 @@ from torch import nn
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
+from hf_cpt.nn import products
 from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.numerics import code_kernels, native, rotation
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
@@ -456,6 +457,20 @@ def with_torch_formulas(step: Step) -> Step:
     return run
 
 
+def with_kept_activation_inputs(step: Step) -> Step:
+    """``step`` with every activation keeping its float input (as ``recompute_activation_inputs=False``): no layer
+    output is tagged as recomputable."""
+    def run():
+        original = products.mark_recomputable
+        products.mark_recomputable = lambda *args: None
+        try:
+            step()
+        finally:
+            products.mark_recomputable = original
+
+    return run
+
+
 def _with_one_thread(step: Step) -> Step:
     """``step`` with every C kernel on one thread of its own (``HF_CPT_NATIVE_THREADS=1``), not torch's OpenMP team."""
     def run():
@@ -473,12 +488,14 @@ def _with_one_thread(step: Step) -> Step:
 
 
 def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_products: bool = False,
-             compare_native: bool = False, compare_threads: bool = False) -> dict[str, float]:
+             compare_native: bool = False, compare_threads: bool = False, compare_recompute: bool = False
+             ) -> dict[str, float]:
     """Medians of interleaved repeats of the plain and the quantized step; with ``compare_kernels`` also the
     quantized step with the ``torch.compile`` error kernel instead of the C one, with ``compare_products`` the
     quantized step with float products instead of products on integer codes, and with ``compare_native`` the
     quantized step with torch formulas instead of the other C kernels, with ``compare_threads`` the quantized step
-    with the C kernels on one thread each, interleaved with the others."""
+    with the C kernels on one thread each, with ``compare_recompute`` the quantized step with activations keeping
+    their inputs, interleaved with the others."""
     start = time.perf_counter()
     case.quantized()  # first call: builds the fused error kernels
     warmup = time.perf_counter() - start
@@ -491,6 +508,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         arms["torch"] = with_torch_formulas(case.quantized)
     if compare_threads:
         arms["one_thread"] = _with_one_thread(case.quantized)
+    if compare_recompute:
+        arms["kept_inputs"] = with_kept_activation_inputs(case.quantized)
     for step in arms.values():
         step()
     samples: dict[str, list[float]] = {name: [] for name in arms}
@@ -516,6 +535,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         result["torch_formula_ratio"] = statistics.median(samples["torch"]) * 1e3 / plain_ms
     if compare_threads:
         result["one_thread_ratio"] = statistics.median(samples["one_thread"]) * 1e3 / plain_ms
+    if compare_recompute:
+        result["kept_inputs_ratio"] = statistics.median(samples["kept_inputs"]) * 1e3 / plain_ms
     return result
 
 
@@ -544,6 +565,9 @@ def main() -> None:
     parser.add_argument("--compare-native", action="store_true",
                         help="also time each quantized case with the torch formulas instead of the C kernels for "
                         "codes, ranges, products on codes and rotations (interleaved with the others)")
+    parser.add_argument("--compare-recompute", action="store_true",
+                        help="also time the model steps, and measure their memory, with activations keeping their "
+                        "inputs (recompute_activation_inputs=False)")
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
                         "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
@@ -656,7 +680,8 @@ def main() -> None:
         result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None,
                           args.compare_products and integer_products and case.target is not None,
                           args.compare_native and case.target is not None,
-                          args.compare_threads and case.target is not None)
+                          args.compare_threads and case.target is not None,
+                          args.compare_recompute and key in memory_kinds)
         rows.append({"case": case.name, "target": case.target, **result})
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
@@ -673,6 +698,8 @@ def main() -> None:
                   f"{result['torch_formula_ratio']:>8.3f}")
         if "one_thread_ratio" in result:
             print(f"{'  same, C kernels on one thread each':<44}{'':>10}{'':>10}{result['one_thread_ratio']:>8.3f}")
+        if "kept_inputs_ratio" in result:
+            print(f"{'  same, activations keep their inputs':<44}{'':>10}{'':>10}{result['kept_inputs_ratio']:>8.3f}")
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             plain_peaks, quant_peaks = peak_memories_mib(memory_kinds[key], fused, args.memory_processes, options)
@@ -697,6 +724,13 @@ def main() -> None:
             print(f"{'  kept for backward by one forward (MiB)':<44}{saved[0]:>10.0f}{saved[1]:>10.0f}"
                   f"{saved[1] / saved[0]:>8.3f}", flush=True)
             rows[-1].update(plain_saved_mib=saved[0], quant_saved_mib=saved[1])
+            if args.compare_recompute:  # what recomputing activation inputs saves
+                kept_inputs = {**(options or {}), "recompute_activation_inputs": False}
+                peak = peak_memory_mib(memory_kinds[key], True, fused, env=FIXED_MMAP_THRESHOLD, options=kept_inputs)
+                kept = saved_activations(memory_kinds[key], fused, kept_inputs)[1]
+                print(f"{'  same, activations keep their inputs':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
+                      f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed; kept for backward {kept:.0f} MiB)", flush=True)
+                rows[-1].update(memory_ratio_kept_inputs=peak / fixed[0], kept_inputs_saved_mib=kept)
     startup = {}
     if not args.no_startup:
         kind = FIRST_STEP_KIND if minilm_path() is not None else "gpt2_small"

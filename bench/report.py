@@ -180,12 +180,16 @@ def overhead_summary(overhead: dict) -> list[str]:
             if "plain_saved_mib" in row:
                 memory += (f"; kept for backward {row['quant_saved_mib'] / row['plain_saved_mib']:.3f} "
                            f"({row['plain_saved_mib']:,.0f} -> {row['quant_saved_mib']:,.0f} MiB) ◊")
+            if "memory_ratio_kept_inputs" in row:
+                memory += (f"; {row['memory_ratio_kept_inputs']:.3f} ‡ and kept for backward "
+                           f"{row['kept_inputs_saved_mib'] / row['plain_saved_mib']:.3f} ⊘")
         anchor = row["target"] is None  # another implementation's overhead on the same layer
         ok = "" if anchor or row["ratio"] <= row["target"] else " (missed)"
         compiled = f" ({row['compiled_kernel_ratio']:.3f} ¶)" if "compiled_kernel_ratio" in row else ""
         compiled += f" ({row['float_product_ratio']:.3f} ∥)" if "float_product_ratio" in row else ""
         compiled += f" ({row['torch_formula_ratio']:.3f} ※)" if "torch_formula_ratio" in row else ""
         compiled += f" ({row['one_thread_ratio']:.3f} ⁑)" if "one_thread_ratio" in row else ""
+        compiled += f" ({row['kept_inputs_ratio']:.3f} ⊘)" if "kept_inputs_ratio" in row else ""
         lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f}{ok}"
                      f"{compiled} | {'anchor' if anchor else format(row['target'], '.2f')} | {memory} |")
     processes = {len(row["plain_peaks_mib"]) for row in overhead["rows"] if "plain_peaks_mib" in row}
@@ -204,8 +208,10 @@ def overhead_summary(overhead: dict) -> list[str]:
         lines += ["", "◊ what one training forward keeps for its backward (the distinct tensors autograd saves, "
                   "parameters excluded), which no allocator changes. A quantized layer keeps the uint8 codes of its "
                   "input and of its weight (a quarter of the weight's size, kept beside the weight, so at small "
-                  "batches the two sides are close); the rest is the model's own (LayerNorm inputs, dropout masks, "
-                  "GELU inputs, softmax outputs), and with `quantize_attention` the attention products keep codes too. "
+                  "batches the two sides are close); an activation fed by a product on codes keeps references to those "
+                  "codes, not its float input (`recompute_activation_inputs`, ⊘); the rest is the model's own "
+                  "(LayerNorm inputs, dropout masks, softmax outputs), and with `quantize_attention` the attention "
+                  "products keep codes too. "
                   "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
                   "own backward: there the plain conv keeps nothing of its own and the codes are extra (ResNet-20)."]
     if any("float_product_ratio" in row for row in overhead["rows"]):
@@ -222,6 +228,12 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "(`HF_CPT_NATIVE_THREADS=1`) instead of torch's OpenMP team, timed in the same run, interleaved "
                   "with the others: what running the kernels' slices on the workers that wait for torch's next "
                   "parallel region buys."]
+    if any("kept_inputs_ratio" in row or "memory_ratio_kept_inputs" in row for row in overhead["rows"]):
+        lines += ["", "⊘ the same quantized step with every activation keeping its float input "
+                  "(`recompute_activation_inputs=False`) instead of recomputing it from the codes of the product "
+                  "before it in backward (docs/method.md §2): its time, timed in the same run, interleaved with the "
+                  "others; its peak memory as ‡ (one process) and what its forward keeps for backward, against the "
+                  "plain model's."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]

@@ -20,6 +20,7 @@ from .nn.attention import attention_support, install_attention, uninstall_attent
 from .nn.base import QuantLayerMixin, input_features
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.precision import PrecisionState
+from .nn.recompute import convert_activation, restore_activation
 from .numerics import native
 from .numerics.bits import check_bits
 from .numerics.rotation import can_rotate
@@ -38,6 +39,8 @@ class QuantizationReport:
     schemes: dict[str, str] = field(default_factory=dict)  # quantized layer -> its activation scheme
     not_rotated: dict[str, str] = field(default_factory=dict)  # layers a rotated scheme could not rotate, why
     attention: str = "not counted"  # the attention products: quantized / counted in full precision / why not
+    # activations that recompute their input from a product's codes in backward (`hf_cpt.nn.recompute`)
+    recomputing: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
@@ -47,6 +50,8 @@ class QuantizationReport:
         lines += [f"  kept {name}: {reason}" for name, reason in self.kept.items()]
         lines += [f"  not rotated {name}: {reason}" for name, reason in self.not_rotated.items()]
         lines.append(f"  attention products: {self.attention}")
+        if self.recomputing:
+            lines.append(f"  activations recomputing their input from codes in backward: {len(self.recomputing)}")
         return "\n".join(lines)
 
 
@@ -180,6 +185,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             f"{type(model).__name__}:\n{report}\nCheck CPTConfig.target_modules / exclude_modules."
         )
     report.attention = _prepare_attention(model, config, precision)
+    if config.recompute_activation_inputs:
+        report.recomputing = [name for name, module in list(model.named_modules()) if convert_activation(module)]
     if any(p.device.type == "cpu" for p in model.parameters()):
         native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)
@@ -261,6 +268,8 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     for _, layer in list(quant_layers(model)):
         restore_layer(layer)
     uninstall_attention(model)
+    for module in model.modules():
+        restore_activation(module)
     return model
 
 

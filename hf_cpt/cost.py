@@ -17,6 +17,10 @@ A rotated layer (docs/method.md, "Rotation") also rotates its input and weight i
 forward and backward: each rotated value costs the transform's additions at 32 bit operations and
 its multiplications (dense factors only) at 32 x 32; this is counted apart as ``rotation_bitops`` and
 included in the totals (and in the static counterfactual, which would rotate too).
+
+An activation's input recomputed from codes in backward (`hf_cpt.nn.recompute`) is a forward product run again:
+its MACs count once more at ``b_w * b_a`` (and in the static counterfactual at its bits; a plain FP32 run keeps the
+input and recomputes nothing).
 """
 
 from __future__ import annotations
@@ -123,7 +127,10 @@ class CostMeter:
         # Shared inputs served so far (`hf_cpt.nn.shared_input`), and weights reused within a step
         # (`hf_cpt.nn.reused_weights`), as last seen by the hook.
         precision = next((m.cpt_precision for m in layers if isinstance(m, QuantLayerMixin)), None)
+        self._precision = precision
         self._reuses = precision.shared_inputs.reuses if precision is not None else 0
+        # Forward MACs recomputed in backward for activations (`hf_cpt.nn.recompute`), as last seen.
+        self._recomputed_macs = precision.recomputed_macs if precision is not None else 0
         self._weight_reuses = precision.reused_weights.reuses if precision is not None else 0
         # Bit operations per rotated value of each rotated layer (fixed for the run), looked up by the hook.
         self._rotation_price = {
@@ -167,6 +174,10 @@ class CostMeter:
         if self._attention is not None:
             attention, attention_float = self._attention.drain_macs()
             self._float_macs += attention_float
+        recomputed = 0
+        if self._precision is not None:
+            recomputed = (self._precision.recomputed_macs - self._recomputed_macs) * self.scale
+            self._recomputed_macs = self._precision.recomputed_macs
         layers, attention = self._quantized_macs * self.scale, attention * self.scale
         quantized, float_ = layers + attention, self._float_macs * self.scale
         full = bitops_per_mac(None, None)
@@ -180,7 +191,9 @@ class CostMeter:
             # attention_errors=False: 32-bit errors), at their fixed bit-width (attention_bits) whenever the layers
             # are quantized.
             attention_bits = fixed if fixed is not None and bits is not None else bits
-            return layers * bitops_per_mac(bits, grad_bits, self.error_products) + attention * bitops_per_mac(
+            # Products recomputed in backward (from codes: only steps that quantize) run again at the forward's bits.
+            again = recomputed * bits * bits if bits is not None else 0
+            return again + layers * bitops_per_mac(bits, grad_bits, self.error_products) + attention * bitops_per_mac(
                 attention_bits, grad_bits if attention_errors else None)
 
         def rotations(bits: int | None, grad_bits: int | None) -> float:

@@ -188,9 +188,20 @@ class ActivationConfig:
         "(docs/method.md §2)."
     )
 
+    recompute_activation_inputs: bool = setting(
+        True,
+        "Activations (GELU, SiLU, ReLU, ...) fed by a product on integer codes keep a reference to the codes that "
+        "layer keeps anyway, not their float input, and recompute the input in backward: the same gradients bit for "
+        "bit, one more product on codes per such layer and step, and a full-size float tensor less per layer "
+        "(docs/method.md §2)."
+    )
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
+        if not isinstance(self.recompute_activation_inputs, bool):
+            raise ConfigError(owner, "recompute_activation_inputs",
+                              f"must be True or False, got {self.recompute_activation_inputs!r}.")
         if self.integer_matmul not in (True, False, "auto"):
             raise ConfigError(owner, "integer_matmul", f"must be True, False or 'auto', got {self.integer_matmul!r}.")
         if not is_int(self.rotation_seed) or self.rotation_seed < 0:

@@ -348,7 +348,8 @@ class QuantLayerMixin:
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    # ``compute_on_codes(x, weight, bits)``: `compute` from each operand's (uint8 codes, scale, minimum), in float32,
+    # ``compute_on_codes(x, weight, bits, bias)``: `compute` from each operand's (uint8 codes, scale, minimum) and the
+    # bias, in float32,
     # for layers whose product is a matrix product (`hf_cpt.numerics.integer_matmul`); None: the float product only.
     compute_on_codes = None
 

@@ -25,9 +25,10 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight, self.bias)
 
-    def compute_on_codes(self, x: tuple, weight: tuple, bits: torch.Tensor) -> torch.Tensor:
+    def compute_on_codes(self, x: tuple, weight: tuple, bits: torch.Tensor, bias: torch.Tensor | None
+                         ) -> torch.Tensor:
         """`compute` on (codes, scale, minimum) of the input and the ``[out, in]`` weight, in float32."""
-        return _matmul_on_codes(x, weight, bits, transposed_weight=True, bias=self.bias)
+        return _matmul_on_codes(x, weight, bits, transposed_weight=True, bias=bias)
 
     input_gradient_reads_input = False
 
@@ -111,9 +112,10 @@ if Conv1D is not None:
             size_out = x.size()[:-1] + (self.nf,)
             return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), weight).view(size_out)
 
-        def compute_on_codes(self, x: tuple, weight: tuple, bits: torch.Tensor) -> torch.Tensor:
+        def compute_on_codes(self, x: tuple, weight: tuple, bits: torch.Tensor, bias: torch.Tensor | None
+                             ) -> torch.Tensor:
             """`compute` on (codes, scale, minimum) of the input and the ``[in, out]`` weight, in float32."""
-            return _matmul_on_codes(x, weight, bits, transposed_weight=False, bias=self.bias)
+            return _matmul_on_codes(x, weight, bits, transposed_weight=False, bias=bias)
 
         input_gradient_reads_input = False
 

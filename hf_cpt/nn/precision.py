@@ -27,6 +27,7 @@ class PrecisionState:
         activation_ema_init: str = "zeros",
         errors: ErrorQuantization = PAPER_ERRORS,
         integer_matmul: bool | str = "auto",
+        recompute_activation_inputs: bool = True,
     ) -> None:
         self.bits = torch.zeros(())
         self.compact_codes = False
@@ -47,6 +48,10 @@ class PrecisionState:
         # Training products on integer codes (`hf_cpt.numerics.integer_matmul`): True, False or "auto", resolved for
         # CPU here, once (not inside a compiled graph, which cannot read the CPU's flags).
         self.integer_on_cpu = integer_matmul_supported() if integer_matmul == "auto" else bool(integer_matmul)
+        # Products on codes tag their outputs so that a converted activation recomputes them in backward instead of
+        # keeping them (`hf_cpt.nn.recompute`); the forward MACs those recomputations ran so far.
+        self.recompute_activation_inputs = recompute_activation_inputs
+        self.recomputed_macs = 0
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
@@ -61,7 +66,8 @@ class PrecisionState:
     def from_settings(cls, settings) -> PrecisionState:
         """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
         return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors,
-                   getattr(settings, "integer_matmul", "auto"))  # a checkpoint's settings do not store it
+                   getattr(settings, "integer_matmul", "auto"),  # a checkpoint's settings store neither
+                   getattr(settings, "recompute_activation_inputs", True))
 
     def on_device(self, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """``bits`` (one of the 0-d bit-width tensors, kept on the CPU) on ``device``, for the layers there.

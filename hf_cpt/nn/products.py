@@ -14,6 +14,7 @@ import torch
 from ..numerics.errors import quantize_error
 from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact
 from ..numerics.rotation import Rotation
+from .recompute import mark_recomputable
 
 NOT_SAVED = (None, None, None)
 
@@ -37,6 +38,15 @@ def quantized_operand(
         return fake_quantize_compact(t, minimum, maximum, bits, scratch)
     value = fake_quantize(t, minimum, maximum, bits)
     return value, ((value, None, None) if keep else NOT_SAVED)
+
+
+def _not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (e.g. float32 read in place over a product's int32 sums) as a tensor of its own over the same memory: a
+    view returned by a custom Function may not be edited in place (an in-place ReLU after a Linear)."""
+    if torch.compiler.is_dynamo_compiling() or t._base is None:  # a traced graph returns no view of its own
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                                t.stride())
 
 
 def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size,
@@ -87,7 +97,11 @@ class QuantizedProducts(torch.autograd.Function):
             ctx.save_for_backward(*(x_codes if keep_x else NOT_SAVED), *(weight_codes if needs_x else NOT_SAVED))
             autocast = torch.is_autocast_enabled(x.device.type)
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-            return layer.compute_on_codes(x_codes, weight_codes, bits).to(dtype)
+            output = _not_a_view(layer.compute_on_codes(x_codes, weight_codes, bits, bias).to(dtype))
+            if (keep_x and needs_x and layer.cpt_precision.recompute_activation_inputs
+                    and not torch.compiler.is_dynamo_compiling()):  # both codes kept: exact to recompute
+                mark_recomputable(output, layer, x_codes, weight_codes, bits, bias, dtype)
+            return output
         # An operand quantized here is read by the product alone (its codes are what the backward keeps): it may be
         # formed in a reused buffer, the one its backward rebuilds it in (never in use at the same time).
         if x_quantized is None:
