@@ -51,7 +51,8 @@ class QuantizationReport:
         lines += [f"  not rotated {name}: {reason}" for name, reason in self.not_rotated.items()]
         lines.append(f"  attention products: {self.attention}")
         if self.recomputing:
-            lines.append(f"  activations recomputing their input from codes in backward: {len(self.recomputing)}")
+            lines.append(f"  activations that recompute their input where a product on codes feeds them: "
+                         f"{len(self.recomputing)}")
         return "\n".join(lines)
 
 

@@ -129,7 +129,7 @@ def test_the_activation_keeps_no_float_input_and_the_backward_runs_each_product_
     _gradients(recomputing, batch)
     hidden = model.config.hidden_size
     assert precision.recomputed_macs == layers * tokens * hidden * 64 + 4 * hidden * hidden  # FFN-in, pooler
-    assert "activations recomputing their input from codes in backward: 3" in str(report)
+    assert "activations that recompute their input where a product on codes feeds them: 3" in str(report)
 
 
 def test_the_cost_meter_prices_the_recomputed_products_at_the_forward_bits():
