@@ -478,12 +478,12 @@ def _two_layers(kind: str) -> tuple[nn.Module, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind,scheme", [("conv2d", "auto"), ("linear", "paper"), ("linear", "auto"),
-                                         ("conv1d", "per-token")])
+                                         ("conv1d", "per-token"), ("conv1d", "auto")])
 def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kind, scheme, monkeypatch):
-    """The backward's rebuilt operands and quantized error (and a float forward's operands) go into reused buffers
-    (`hf_cpt.numerics.scratch`): the same gradients bit for bit as with a fresh tensor each time, and no gradient
-    handed to autograd lives in a buffer."""
-    from hf_cpt.numerics import errors, fake_quant, scratch
+    """The backward's rebuilt operands and quantized error (and a float forward's operands, and a rotated weight with
+    its intermediates) go into reused buffers (`hf_cpt.numerics.scratch`): the same gradients bit for bit as with a
+    fresh tensor each time, and no gradient handed to autograd lives in a buffer."""
+    from hf_cpt.numerics import errors, fake_quant, rotation, scratch
 
     torch.manual_seed(0)
     model, x = _two_layers(kind)
@@ -500,13 +500,17 @@ def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kin
     scratch.release()
     reused = gradients()
     buffers = scratch._local.buffers
-    # (a conv's weight, under 16K values, keeps the torch formula)
-    assert {role for role, _ in buffers} == ({"input", "error"} if kind == "conv2d" else {"input", "weight", "error"})
+    # (a conv's weight, under 16K values, keeps the torch formula; a Linear's weight is rotated by the C kernel in
+    # one pass, a Conv1D's, along its first axis, by products that alternate between two buffers)
+    rotated = {"linear": {"rotated_weight"}, "conv1d": {"rotated_weight", "rotated_weight:step"}}.get(kind, set())
+    assert {role for role, _ in buffers} == (
+        {"input", "error"} if kind == "conv2d" else {"input", "weight", "error"} | (rotated if scheme == "auto" else set()))
     ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers.values()]
     assert not any(low <= g.data_ptr() < high for g in reused for low, high in ranges)
     fresh = lambda role, shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731
     monkeypatch.setattr(fake_quant, "take", fresh)
     monkeypatch.setattr(errors, "take", fresh)
+    monkeypatch.setattr(rotation, "take", fresh)
     assert all(torch.equal(a, b) for a, b in zip(reused, gradients()))
     scratch.release()
 
@@ -662,8 +666,8 @@ def test_weight_codes_are_reused_within_an_epoch_with_the_same_values(make_layer
     layer = reusing[0]
     rotated_weights = []
     apply = type(layer.rotation).apply
-    monkeypatch.setattr(type(layer.rotation), "apply", lambda self, t, dim=-1, transpose=False: (
-        rotated_weights.append(t.data_ptr() == layer.weight.data_ptr()) or apply(self, t, dim, transpose)))
+    monkeypatch.setattr(type(layer.rotation), "apply", lambda self, t, dim=-1, transpose=False, scratch=None: (
+        rotated_weights.append(t.data_ptr() == layer.weight.data_ptr()) or apply(self, t, dim, transpose, scratch)))
     for _ in range(3):  # gradient accumulation: the same weight, bits and epoch
         expected, got = _forward_backward(plain, x), _forward_backward(reusing, x)
         for a, b in zip(expected, got):

@@ -308,3 +308,28 @@ def test_calls_the_native_rotation_does_not_serve_keep_the_products():
     column = torch.randn(768, 64)
     dense = kronecker_reference(get_rotation(768, dtype=torch.float64))
     assert torch.allclose(rotation.apply(column, dim=0).double(), dense.T @ column.double(), atol=1e-5)
+
+
+@pytest.mark.parametrize("features,dim", [(768, -1), (768, 0), (3072, 0), (96, -1), (576, 0)])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, transpose):
+    """``scratch``: the result lands in that role's buffer (its intermediates in a second one), bit for bit the values
+    of the rotation into fresh tensors, and a second call reuses the same memory; a tensor that needs its gradient is
+    refused (a reused buffer cannot carry autograd's history)."""
+    from hf_cpt.numerics import scratch
+
+    rotation = get_rotation(features)
+    shape = (features, 512) if dim == 0 else (300, features)
+    x = torch.randn(*shape) * torch.logspace(-3, 2, shape[-1])
+    scratch.release()
+    try:
+        reused = rotation.apply(x, dim, transpose, scratch="rotated")
+        assert torch.equal(reused, rotation.apply(x, dim, transpose))
+        buffer = scratch._local.buffers[("rotated", torch.float32)]
+        assert reused.data_ptr() == buffer.data_ptr()
+        again = rotation.apply(x.flip(0), dim, transpose, scratch="rotated")
+        assert again.data_ptr() == buffer.data_ptr() and torch.equal(again, rotation.apply(x.flip(0), dim, transpose))
+        with pytest.raises(ValueError, match="x.detach"):
+            rotation.apply(x.requires_grad_(), dim, transpose, scratch="rotated")
+    finally:
+        scratch.release()

@@ -258,7 +258,8 @@ class QuantLayerMixin:
                 weight_quantized = (None if integer else restore_compact(*reused, weight.dtype), reused)
                 weight_rotation = rotation if training_products else None
             elif rotation is not None and training_products:
-                rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim)
+                # W R is read by the range and the quantization below, then dropped: a reused buffer.
+                rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim, scratch="rotated_weight")
                 weight_rotation = rotation
                 weight_range = channel_ranges(rotated_weight, self.weight_channel_dim)
             else:

@@ -29,6 +29,7 @@ import torch
 
 from . import native
 from .derived import derived
+from .scratch import take
 
 MAX_FACTOR = 32  # largest power-of-two Hadamard factor stored (the rotation's definition)
 MAX_MERGED_BLOCK = 256  # trailing factors merged into one block of at most this size when applied (speed only)
@@ -157,14 +158,19 @@ class Rotation:
             self.kinds,
         ))
 
-    def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False, scratch: str | None = None
+              ) -> torch.Tensor:
         """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable in ``x`` (the rotation is
-        fixed: its backward is ``grad R^T`` and keeps nothing but the rotation)."""
+        fixed: its backward is ``grad R^T`` and keeps nothing but the rotation). With ``scratch`` (a role of
+        `hf_cpt.numerics.scratch`; no gradient through ``x``), a CPU result and its intermediates go into reused
+        buffers: for a caller that reads the result and drops it before that role is taken again."""
         if x.shape[dim] != self.features:
             raise ValueError(f"rotation of {self.features} features applied to a tensor of shape {tuple(x.shape)}")
         if torch.is_grad_enabled() and x.requires_grad:
+            if scratch is not None:
+                raise ValueError("a rotation into a reused buffer takes no gradient: pass x.detach()")
             return _Rotate.apply(x, dim, transpose, self.signs, self.kinds, *self.factors)
-        return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds)
+        return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, scratch)
 
     def matrix(self) -> torch.Tensor:
         """The dense ``d x d`` matrix (for tests and inspection)."""
@@ -214,31 +220,50 @@ def _build_axis_steps(
 
 def _rotate(
     x: torch.Tensor, dim: int, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...],
-    kinds: tuple[str, ...],
+    kinds: tuple[str, ...], scratch: str | None = None,
 ) -> torch.Tensor:
     """``x diag(s) (F_1 ⊗ F_2 ⊗ ...)`` along ``dim`` (its transpose with ``transpose=True``).
 
     Each step (`_axis_steps`) contracts one axis of a view of ``x`` as ``(lead, size, trailing)`` by a (batched)
     matrix product, along any ``dim``, so no step copies the tensor to move an axis (docs/method.md, "Rotation").
-    Over the last axis of a float32 CPU tensor the C kernel runs instead (`_rotate_native`).
+    Over the last axis of a float32 CPU tensor the C kernel runs instead (`_rotate_native`). With ``scratch`` (a
+    CPU tensor), the result goes into that role's reused buffer and the intermediates alternate with a second one.
     """
     dim = dim % x.dim()
     trailing = math.prod(x.shape[dim + 1:])
+    if scratch is not None and (x.device.type != "cpu" or torch.compiler.is_dynamo_compiling()):
+        scratch = None
     if trailing == 1:
-        rotated = _rotate_native(x, transpose, signs, factors, kinds)
+        rotated = _rotate_native(x, transpose, signs, factors, kinds, scratch)
         if rotated is not None:
             return rotated
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
-    y = x if transpose else x * signs
-    for factor in _axis_steps(factors, kinds, transpose, last_axis=trailing == 1):
+    steps = _axis_steps(factors, kinds, transpose, last_axis=trailing == 1)
+    # Each step writes a new tensor: with scratch, into the two roles in turn so that the last one lands in scratch.
+    roles = [None] * (len(steps) + 1) if scratch is None else [
+        scratch if (len(steps) - i) % 2 == 0 else f"{scratch}:step" for i in range(len(steps) + 1)]
+    if not transpose:
+        y = _out_of(roles[0], x.shape, torch.mul, x, signs)
+        roles = roles[1:]
+    else:
+        y = x
+    for factor, role in zip(steps, roles):
         size = factor.shape[0]
         if trailing == 1:  # the last axis: one plain matrix product
-            y = y.reshape(-1, size) @ factor
+            y = _out_of(role, (y.numel() // size, size), torch.mm, y.reshape(-1, size), factor)
         else:  # F^T @ y over this axis, every other axis batched
-            y = torch.matmul(factor.t(), y.reshape(-1, size, trailing))
+            batched = y.reshape(-1, size, trailing)
+            y = _out_of(role, batched.shape, torch.matmul, factor.t(), batched)
         trailing *= size
     y = y.reshape(x.shape)
-    return y * signs if transpose else y
+    return _out_of(roles[-1], x.shape, torch.mul, y, signs) if transpose else y
+
+
+def _out_of(role: str | None, shape, operation, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``operation(a, b)`` of ``shape``, written into the reused buffer of ``role`` when there is one."""
+    if role is None:
+        return operation(a, b)
+    return operation(a, b, out=take(role, shape, torch.promote_types(a.dtype, b.dtype)))
 
 
 # Below this many values the factor-by-factor products are as fast as the native kernel.
@@ -255,7 +280,8 @@ def _native_library():
 
 
 def _rotate_native(
-    x: torch.Tensor, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...]
+    x: torch.Tensor, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...],
+    scratch: str | None = None,
 ) -> torch.Tensor | None:
     """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``: the signs, a fast Walsh-Hadamard
     transform of the Sylvester part, the leading factor; one row at a time, in cache), or None where it does not
@@ -270,7 +296,7 @@ def _rotate_native(
     power = features // lead_size
     if power % 16 or _native_library() is None:
         return None
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if scratch is None else take(scratch, x.shape, x.dtype)
     signs = signs.contiguous()
     threads = _native_library().hf_cpt_rotate(x.data_ptr(), out.data_ptr(), signs.data_ptr(),
                                                None if lead is None else lead.data_ptr(), lead_size, power,
