@@ -179,3 +179,40 @@ def test_a_transformer_trains_on_codes_through_its_shared_inputs():
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         losses[integer] = loss.item()
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+def test_shared_inputs_of_products_on_codes_keep_no_rotated_copy_and_give_the_same_gradients(monkeypatch):
+    """On codes, a layer's input rotation is formed in a reused buffer for its range and codes only; the shared entry
+    holds a stand-in with no values (`Rotation.stand_in`), and every gradient is the one a materialized ``x R`` gives,
+    bit for bit (the same codes; the stand-in's backward is the rotation's)."""
+    from transformers import BertForSequenceClassification
+
+    from hf_cpt.nn.shared_input import SharedInputs
+    from hf_cpt.numerics.rotation import Rotation
+
+    held = []  # the bytes of each rotated input a shared entry held
+    put = SharedInputs.put
+    monkeypatch.setattr(SharedInputs, "put", lambda self, x, key, entry: (
+        held.append(entry.rotated.untyped_storage().nbytes()), put(self, x, key, entry))[-1])
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(tiny_bert_config())
+    batch = {"input_ids": torch.randint(5, 100, (4, 10)), "labels": torch.tensor([0, 1, 2, 0])}
+
+    def gradients():
+        model = copy.deepcopy(base)
+        quantize_model(model, CPTConfig(integer_matmul=True))
+        set_precision(model, 6, 8)
+        model.train()
+        torch.manual_seed(1)  # the same dropout masks and stochastic rounding of the errors
+        held.clear()
+        model(**batch).loss.backward()
+        return [p.grad for p in model.parameters() if p.grad is not None], list(held)
+
+    with_stand_in, stand_in_bytes = gradients()
+    assert stand_in_bytes and set(stand_in_bytes) == {4}  # one float32 element each
+    monkeypatch.setattr(Rotation, "stand_in", lambda self, x, dim=-1: self.apply(x, dim))
+    materialized, materialized_bytes = gradients()
+    # full-size copies, the smallest the pooler's input (4 tokens)
+    assert len(materialized_bytes) == len(stand_in_bytes) and min(materialized_bytes) >= 4 * 32 * 4
+    assert len(with_stand_in) == len(materialized)
+    assert all(torch.equal(a, b) for a, b in zip(with_stand_in, materialized))

@@ -503,8 +503,8 @@ def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kin
     # (a conv's weight, under 16K values, keeps the torch formula; a Linear's weight is rotated by the C kernel in
     # one pass, a Conv1D's, along its first axis, by products that alternate between two buffers)
     rotated = {"linear": {"rotated_weight"}, "conv1d": {"rotated_weight", "rotated_weight:step"}}.get(kind, set())
-    assert {role for role, _ in buffers} == (
-        {"input", "error"} if kind == "conv2d" else {"input", "weight", "error"} | (rotated if scheme == "auto" else set()))
+    expected = {"input", "error"} if kind == "conv2d" else {"input", "weight", "error"}
+    assert {role for role, _ in buffers} == expected | (rotated if scheme == "auto" else set())
     ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers.values()]
     assert not any(low <= g.data_ptr() < high for g in reused for low, high in ranges)
     fresh = lambda role, shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731

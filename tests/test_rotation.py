@@ -333,3 +333,22 @@ def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, tran
             rotation.apply(x.requires_grad_(), dim, transpose, scratch="rotated")
     finally:
         scratch.release()
+
+
+def test_a_stand_in_forms_no_values_and_has_the_rotation_gradient():
+    """`Rotation.stand_in`: the shape and dtype of ``x R`` over one NaN element (a read by mistake shows), with the
+    gradient `apply` gives, bit for bit; without a gradient to track, the same kind of tensor, no graph."""
+    rotation = get_rotation(384)
+    x = torch.randn(3, 7, 384)
+    tracked, reference = x.clone().requires_grad_(), x.clone().requires_grad_()
+    stand_in = rotation.stand_in(tracked)
+    assert stand_in.shape == x.shape and stand_in.dtype == x.dtype
+    assert stand_in.untyped_storage().nbytes() == x.element_size() and torch.isnan(stand_in).all()
+    grad = torch.randn(3, 7, 384)
+    stand_in.backward(grad)
+    rotation.apply(reference).backward(grad)
+    assert torch.equal(tracked.grad, reference.grad)
+    untracked = rotation.stand_in(x)
+    assert untracked.grad_fn is None and untracked.untyped_storage().nbytes() == x.element_size()
+    with pytest.raises(ValueError, match="384 features"):
+        rotation.stand_in(torch.randn(3, 100))

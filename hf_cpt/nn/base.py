@@ -336,8 +336,14 @@ class QuantLayerMixin:
                training, keep, integer)
         entry = precision.shared_inputs.get(x, key)
         if entry is None:
-            rotated = None if rotation is None else rotation.apply(x, self.input_feature_dim)
-            source = x if rotated is None else rotated
+            if rotation is not None and integer:
+                # The products read the codes alone: x R is formed in a reused buffer for its range and codes, and
+                # the graph gets a stand-in that rotates the gradient back (no rotated copy kept by the entry).
+                source = rotation.apply(x.detach(), self.input_feature_dim, scratch="rotated_input")
+                rotated = rotation.stand_in(x, self.input_feature_dim)
+            else:
+                rotated = None if rotation is None else rotation.apply(x, self.input_feature_dim)
+                source = x if rotated is None else rotated
             x_range = token_range(source, self.input_feature_dim)
             with torch.no_grad():
                 quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only

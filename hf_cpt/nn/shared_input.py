@@ -23,8 +23,9 @@ import torch
 @dataclass
 class SharedInput:
     """One input as the layers compute with it: rotated (autograd-tracked; None when not rotated: the input
-    itself, never held here), its per-token range, and the quantized operand with what the backward keeps
-    (``(value, saved)`` of `hf_cpt.nn.products.quantized_operand`)."""
+    itself, never held here; for products on codes, a stand-in with no values, `Rotation.stand_in`), its per-token
+    range, and the quantized operand with what the backward keeps (``(value, saved)`` of
+    `hf_cpt.nn.products.quantized_operand`)."""
 
     rotated: torch.Tensor | None
     x_range: tuple[torch.Tensor, torch.Tensor]

@@ -172,6 +172,17 @@ class Rotation:
             return _Rotate.apply(x, dim, transpose, self.signs, self.kinds, *self.factors)
         return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, scratch)
 
+    def stand_in(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """What stands for ``x R`` in the autograd graph of a product that reads only codes made from ``x R``
+        elsewhere (`apply` with ``scratch``): a tensor of its shape and dtype with no values (one NaN element, zero
+        strides, so a read by mistake shows), whose backward rotates the gradient back as `apply`'s does. The
+        values of ``x R`` then live only as long as their quantization, in a reused buffer."""
+        if x.shape[dim] != self.features:
+            raise ValueError(f"rotation of {self.features} features applied to a tensor of shape {tuple(x.shape)}")
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _RotationStandIn.apply(x, dim, False, self.signs, self.kinds, *self.factors)
+        return _values_never_formed(x)
+
     def matrix(self) -> torch.Tensor:
         """The dense ``d x d`` matrix (for tests and inspection)."""
         eye = torch.eye(self.features, dtype=self.signs.dtype, device=self.signs.device)
@@ -227,7 +238,8 @@ def _rotate(
     Each step (`_axis_steps`) contracts one axis of a view of ``x`` as ``(lead, size, trailing)`` by a (batched)
     matrix product, along any ``dim``, so no step copies the tensor to move an axis (docs/method.md, "Rotation").
     Over the last axis of a float32 CPU tensor the C kernel runs instead (`_rotate_native`). With ``scratch`` (a
-    CPU tensor), the result goes into that role's reused buffer and the intermediates alternate with a second one.
+    role; CPU tensors outside a compiled graph), the result goes into that role's reused buffer and the
+    intermediates alternate with a second one.
     """
     dim = dim % x.dim()
     trailing = math.prod(x.shape[dim + 1:])
@@ -324,6 +336,20 @@ class _Rotate(torch.autograd.Function):
         signs, factors = _in_dtype(ctx.signs, grad.dtype), tuple(_in_dtype(f, grad.dtype) for f in ctx.factors)
         rotated = _rotate(grad, ctx.dim, not ctx.transpose, signs, factors, ctx.kinds)
         return (rotated, None, None, None, None, *(None for _ in ctx.factors))
+
+
+def _values_never_formed(x: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``x``'s shape, dtype and device over one NaN element (zero strides)."""
+    return torch.empty_strided(x.shape, (0,) * x.dim(), dtype=x.dtype, device=x.device).fill_(math.nan)
+
+
+class _RotationStandIn(_Rotate):
+    """`_Rotate` whose forward forms no values (`Rotation.stand_in`); the same backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, transpose, signs, kinds, *factors):
+        ctx.dim, ctx.transpose, ctx.signs, ctx.kinds, ctx.factors = dim, transpose, signs, kinds, factors
+        return _values_never_formed(x)
 
 
 def _orthonormal(kind: str, size: int, generator: torch.Generator) -> torch.Tensor:
