@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -293,7 +295,6 @@ def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: st
     """Build one side of model case ``kind`` (``options``: more CPTConfig fields) in a fresh Python process
     (``step`` = one training step), run ``body`` there and return (the JSON value its last line prints, the
     process's stderr)."""
-    import json
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -552,6 +553,9 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes of model cases")
     parser.add_argument("--memory-processes", type=int, default=3,
                         help="fresh processes per side for the default allocator's peak memory (median reported)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cases (and the startup figures) already in --output from a run with the same "
+                             "settings, and run only the others: the JSON is written after every case")
     parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                          "overhead.json"),
                         help="JSON of the rows, for bench/report.py ('' to skip)")
@@ -674,15 +678,31 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    rows = []
+    settings = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME,
+                "fused": fused, "repeats": args.repeats, "compare_kernels": args.compare_kernels,
+                "integer_products": integer_products}
+    earlier = _earlier_results(args.output, settings) if args.resume else {"rows": [], "startup": {}}
+    rows = [row for row in earlier["rows"] if row.get("key") in selected]
+    done = {row["key"] for row in rows}
+    if done:
+        print(f"resumed: {', '.join(sorted(done))} from {args.output}")
+
+    def write() -> None:
+        rows.sort(key=lambda row: selected.index(row["key"]))  # resumed rows take their place in the table
+        if args.output:
+            _write_results(args.output, settings, load_at_start, rows, startup)
+
+    startup = earlier["startup"]
     for key in selected:
+        if key in done:
+            continue
         case = cases[key]()
         result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None,
                           args.compare_products and integer_products and case.target is not None,
                           args.compare_native and case.target is not None,
                           args.compare_threads and case.target is not None,
                           args.compare_recompute and key in memory_kinds)
-        rows.append({"case": case.name, "target": case.target, **result})
+        rows.append({"key": key, "case": case.name, "target": case.target, **result})
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
         ok = "-" if case.target is None else "yes" if result["ratio"] <= case.target else "NO"
@@ -700,12 +720,15 @@ def main() -> None:
             print(f"{'  same, C kernels on one thread each':<44}{'':>10}{'':>10}{result['one_thread_ratio']:>8.3f}")
         if "kept_inputs_ratio" in result:
             print(f"{'  same, activations keep their inputs':<44}{'':>10}{'':>10}{result['kept_inputs_ratio']:>8.3f}")
+        memory_target = case.memory_target
+        del case  # its models and optimizer states: the fresh processes below need the memory
+        gc.collect()
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             plain_peaks, quant_peaks = peak_memories_mib(memory_kinds[key], fused, args.memory_processes, options)
             plain_mib, quant_mib = statistics.median(plain_peaks), statistics.median(quant_peaks)
             print(f"{'  peak memory (MiB, fresh processes, median)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
-                  f"{quant_mib / plain_mib:>8.3f}{case.memory_target:>8.2f}  "
+                  f"{quant_mib / plain_mib:>8.3f}{memory_target:>8.2f}  "
                   f"({', '.join(f'{p:.0f}' for p in plain_peaks)} / {', '.join(f'{q:.0f}' for q in quant_peaks)})",
                   flush=True)
             rows[-1].update(plain_peak_mib=plain_mib, quant_peak_mib=quant_mib, memory_ratio=quant_mib / plain_mib,
@@ -731,8 +754,8 @@ def main() -> None:
                 print(f"{'  same, activations keep their inputs':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
                       f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed; kept for backward {kept:.0f} MiB)", flush=True)
                 rows[-1].update(memory_ratio_kept_inputs=peak / fixed[0], kept_inputs_saved_mib=kept)
-    startup = {}
-    if not args.no_startup:
+        write()
+    if not args.no_startup and not startup:
         kind = FIRST_STEP_KIND if minilm_path() is not None else "gpt2_small"
         startup = {"first_step_kind": kind, **first_steps(kind, fused), **import_seconds(args.repeats)}
         extras = ", ".join(f"{value:+.2f}" for value in startup["first_step_extras_s"])
@@ -749,18 +772,32 @@ def main() -> None:
     print("warm-up = first quantized step, including building the fused error kernel")
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.output:
-        import json
-
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump({"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME, "fused": fused,
-                       "repeats": args.repeats, "load_average": [load_at_start, os.getloadavg()[0]],
-                       "compare_kernels": args.compare_kernels, "integer_products": integer_products,
-                       "rows": rows, "startup": startup,
-                       "targets": {"first_step_extra_s": FIRST_STEP_TARGET_S, "import_extra_s": IMPORT_TARGET_S}},
-                      f, indent=1)
+        write()
         print(f"results: {args.output}")
+
+
+def _earlier_results(path: str, settings: dict) -> dict:
+    """The rows and startup figures of an earlier run written to ``path`` with the same ``settings`` (none when it
+    differs or there is no file)."""
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError):
+        return {"rows": [], "startup": {}}
+    if any(earlier.get(name) != value for name, value in settings.items()):
+        print(f"not resuming: {path} was written with other settings")
+        return {"rows": [], "startup": {}}
+    return {"rows": earlier.get("rows", []), "startup": earlier.get("startup", {})}
+
+
+def _write_results(path: str, settings: dict, load_at_start: float, rows: list, startup: dict) -> None:
+    """The run so far as JSON (for bench/report.py, and for --resume)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"command": "python " + " ".join(sys.argv), **settings,
+                   "load_average": [load_at_start, os.getloadavg()[0]], "rows": rows, "startup": startup,
+                   "targets": {"first_step_extra_s": FIRST_STEP_TARGET_S, "import_extra_s": IMPORT_TARGET_S}},
+                  f, indent=1)
 
 
 if __name__ == "__main__":
