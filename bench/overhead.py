@@ -722,7 +722,7 @@ def main() -> None:
             print(f"{'  same, activations keep their inputs':<44}{'':>10}{'':>10}{result['kept_inputs_ratio']:>8.3f}")
         memory_target = case.memory_target
         del case  # its models and optimizer states: the fresh processes below need the memory
-        gc.collect()
+        _release_freed_memory()
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             plain_peaks, quant_peaks = peak_memories_mib(memory_kinds[key], fused, args.memory_processes, options)
@@ -776,6 +776,19 @@ def main() -> None:
         print(f"results: {args.output}")
 
 
+def _release_freed_memory() -> None:
+    """Free what the last case left and hand glibc's free heap pages back to the system: the heap holds them
+    otherwise, and this process grew case after case until the kernel killed it while the memory processes of a
+    later case ran beside it."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _earlier_results(path: str, settings: dict) -> dict:
     """The rows and startup figures of an earlier run written to ``path`` with the same ``settings`` (none when it
     differs or there is no file)."""
@@ -784,7 +797,8 @@ def _earlier_results(path: str, settings: dict) -> dict:
             earlier = json.load(f)
     except (OSError, ValueError):
         return {"rows": [], "startup": {}}
-    if any(earlier.get(name) != value for name, value in settings.items()):
+    if any(earlier.get(name) != value for name, value in settings.items()) or any(
+            "key" not in row for row in earlier.get("rows", [])):  # (rows without keys: an older bench wrote it)
         print(f"not resuming: {path} was written with other settings")
         return {"rows": [], "startup": {}}
     return {"rows": earlier.get("rows", []), "startup": earlier.get("startup", {})}

@@ -314,6 +314,27 @@ def test_gradient_section_compares_the_attention_grids_group_by_group():
     assert ("goes from 0.0020 to 0.0010; the most changed group, embeddings, from 0.0100 to 0.0005.") in section
 
 
+def test_overhead_benchmark_resumes_the_cases_it_wrote(tmp_path):
+    """The JSON is written after every case; --resume keeps the cases of a run with the same settings, runs the
+    others and keeps the order of --only; a run with other settings starts afresh."""
+    output = tmp_path / "overhead.json"
+
+    def run(*cases, repeats="1", resume=True):
+        command = [sys.executable, os.path.join(ROOT, "bench", "overhead.py"), "--only", *cases, "--repeats", repeats,
+                   "--no-startup", "--output", str(output)] + (["--resume"] if resume else [])
+        out = subprocess.run(command, check=True, capture_output=True, text=True,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        return json.loads(output.read_text()), out.stdout
+
+    first, _ = run("conv", resume=False)
+    second, printed = run("linear-paper", "conv")
+    assert "resumed: conv" in printed and [row["key"] for row in second["rows"]] == ["linear-paper", "conv"]
+    assert second["rows"][1] == first["rows"][0]  # kept as written, not run again
+    third, printed = run("conv", repeats="2")
+    assert "not resuming" in printed and third["repeats"] == 2 and len(third["rows"]) == 1
+    assert third["rows"][0]["plain_ms"] != first["rows"][0]["plain_ms"]  # timed anew
+
+
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [sys.executable, os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1",
