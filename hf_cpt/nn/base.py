@@ -258,7 +258,6 @@ class QuantLayerMixin:
                 weight_quantized = (None if integer else restore_compact(*reused, weight.dtype), reused)
                 weight_rotation = rotation if training_products else None
             elif rotation is not None and training_products:
-                # W R is read by the range and the quantization below, then dropped: a reused buffer.
                 rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim, scratch="rotated_weight")
                 weight_rotation = rotation
                 weight_range = channel_ranges(rotated_weight, self.weight_channel_dim)
@@ -336,9 +335,7 @@ class QuantLayerMixin:
                training, keep, integer)
         entry = precision.shared_inputs.get(x, key)
         if entry is None:
-            if rotation is not None and integer:
-                # The products read the codes alone: x R is formed in a reused buffer for its range and codes, and
-                # the graph gets a stand-in that rotates the gradient back (no rotated copy kept by the entry).
+            if rotation is not None and integer:  # only x R's range and codes are read (docs/method.md §3)
                 source = rotation.apply(x.detach(), self.input_feature_dim, scratch="rotated_input")
                 rotated = rotation.stand_in(x, self.input_feature_dim)
             else:
@@ -348,8 +345,7 @@ class QuantLayerMixin:
             with torch.no_grad():
                 quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only
                              else quantized_operand(source.detach(), *x_range, bits, precision.compact_codes, keep))
-            entry = SharedInput(rotated, x_range, quantized)
-            precision.shared_inputs.put(x, key, entry)
+            precision.shared_inputs.put(x, key, entry := SharedInput(rotated, x_range, quantized))
         return (x if entry.rotated is None else entry.rotated), entry.x_range, entry.quantized
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
