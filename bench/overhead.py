@@ -797,9 +797,11 @@ def _earlier_results(path: str, settings: dict) -> dict:
             earlier = json.load(f)
     except (OSError, ValueError):
         return {"rows": [], "startup": {}}
-    if any(earlier.get(name) != value for name, value in settings.items()) or any(
-            "key" not in row for row in earlier.get("rows", [])):  # (rows without keys: an older bench wrote it)
+    if any(earlier.get(name) != value for name, value in settings.items()):
         print(f"not resuming: {path} was written with other settings")
+        return {"rows": [], "startup": {}}
+    if any("key" not in row for row in earlier.get("rows", [])):
+        print(f"not resuming: {path} was written by a bench that did not resume (its rows have no case keys)")
         return {"rows": [], "startup": {}}
     return {"rows": earlier.get("rows", []), "startup": earlier.get("startup", {})}
 

@@ -164,8 +164,7 @@ class Rotation:
         fixed: its backward is ``grad R^T`` and keeps nothing but the rotation). With ``scratch`` (a role of
         `hf_cpt.numerics.scratch`; no gradient through ``x``), a CPU result and its intermediates go into reused
         buffers: for a caller that reads the result and drops it before that role is taken again."""
-        if x.shape[dim] != self.features:
-            raise ValueError(f"rotation of {self.features} features applied to a tensor of shape {tuple(x.shape)}")
+        self._check_features(x, dim)
         if torch.is_grad_enabled() and x.requires_grad:
             if scratch is not None:
                 raise ValueError("a rotation into a reused buffer takes no gradient: pass x.detach()")
@@ -173,15 +172,17 @@ class Rotation:
         return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, scratch)
 
     def stand_in(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """What stands for ``x R`` in the autograd graph of a product that reads only codes made from ``x R``
-        elsewhere (`apply` with ``scratch``): a tensor of its shape and dtype with no values (one NaN element, zero
-        strides, so a read by mistake shows), whose backward rotates the gradient back as `apply`'s does. The
-        values of ``x R`` then live only as long as their quantization, in a reused buffer."""
-        if x.shape[dim] != self.features:
-            raise ValueError(f"rotation of {self.features} features applied to a tensor of shape {tuple(x.shape)}")
+        """What stands for ``x R`` in the graph of a product that reads only codes made from ``x R`` elsewhere
+        (`apply` with ``scratch``): its shape and dtype with no values (one NaN element, zero strides, so a read by
+        mistake shows), and `apply`'s backward. ``x R``'s values then live only in a reused buffer."""
+        self._check_features(x, dim)
         if torch.is_grad_enabled() and x.requires_grad:
             return _RotationStandIn.apply(x, dim, False, self.signs, self.kinds, *self.factors)
         return _values_never_formed(x)
+
+    def _check_features(self, x: torch.Tensor, dim: int) -> None:
+        if x.shape[dim] != self.features:
+            raise ValueError(f"rotation of {self.features} features applied to a tensor of shape {tuple(x.shape)}")
 
     def matrix(self) -> torch.Tensor:
         """The dense ``d x d`` matrix (for tests and inspection)."""
@@ -327,8 +328,13 @@ class _Rotate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, transpose, signs, kinds, *factors):
-        ctx.dim, ctx.transpose, ctx.signs, ctx.kinds, ctx.factors = dim, transpose, signs, kinds, factors
+        _Rotate.keep(ctx, dim, transpose, signs, kinds, factors)
         return _rotate(x, dim, transpose, signs, factors, kinds)
+
+    @staticmethod
+    def keep(ctx, dim, transpose, signs, kinds, factors) -> None:
+        """What the backward reads: the rotation and its axis, nothing of ``x``."""
+        ctx.dim, ctx.transpose, ctx.signs, ctx.kinds, ctx.factors = dim, transpose, signs, kinds, factors
 
     @staticmethod
     def backward(ctx, grad):
@@ -348,7 +354,7 @@ class _RotationStandIn(_Rotate):
 
     @staticmethod
     def forward(ctx, x, dim, transpose, signs, kinds, *factors):
-        ctx.dim, ctx.transpose, ctx.signs, ctx.kinds, ctx.factors = dim, transpose, signs, kinds, factors
+        _Rotate.keep(ctx, dim, transpose, signs, kinds, factors)
         return _values_never_formed(x)
 
 

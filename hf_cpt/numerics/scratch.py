@@ -2,8 +2,9 @@
 buffers").
 
 A layer's backward rebuilds its input and weight from their codes and quantizes its error, a forward that
-multiplies floats forms its fake-quantized operands, and a rotated layer's training forward rotates its weight before
-quantizing it: tensors that one product or one quantization reads and drops. Allocated anew in
+multiplies floats forms its fake-quantized operands, and a rotated layer's training forward rotates its weight (and,
+for a product on codes, its input) before quantizing it: tensors that one product or one quantization reads and
+drops. Allocated anew in
 every layer, each is a fresh block that the kernel writing it faults in page by page, and that glibc, once freed,
 leaves as a hole in the heap between the gradients kept around it. One buffer per role, reused by every layer, is
 resident already and leaves no hole. The forward's and the backward's operands share their role's buffer: a thread
@@ -13,9 +14,9 @@ A buffer serves one use at a time: whoever takes one reads it before the next ``
 returns it or keeps it. Per thread (autograd runs one backward per device thread); CPU only (an accelerator's
 caching allocator hands out reserved memory without faults). The buffers stay until `release` (the Trainer
 integration calls it when training ends): freeing them after every backward pass and mapping them anew made a
-CIFAR ResNet-20 step 6-10% slower (two runs). They hold the largest input, weight, rotated weight and error of the
-quantized layers (66 MiB for BERT-base at batch 16x128, 33 MiB for GPT-2 small at batch 2x128, 16 MiB for a CIFAR
-ResNet-20 at batch 128). This module knows nothing
+CIFAR ResNet-20 step 6-10% slower (two runs). They hold the largest input, weight, rotated weight, rotated input and
+error of the quantized layers (90 MiB for BERT-base at batch 16x128, 36 MiB for GPT-2 small at batch 2x128, 16 MiB
+for a CIFAR ResNet-20 at batch 128). This module knows nothing
 about quantization.
 """
 
