@@ -211,9 +211,10 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "batches the two sides are close); an activation fed by a product on codes keeps references to those "
                   "codes, not its float input (`recompute_activation_inputs`, ⊘); the rest is the model's own "
                   "(LayerNorm inputs, dropout masks, softmax outputs), and with `quantize_attention` the attention "
-                  "products keep codes too. "
+                  "products keep codes too, and their dropout a bool mask. "
                   "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
-                  "own backward: there the plain conv keeps nothing of its own and the codes are extra (ResNet-20)."]
+                  "own backward: there the conv keeps a reference to that tensor and quantizes it again in backward "
+                  "(docs/method.md §2, \"Inputs their producer keeps\"), so both sides keep the same (ResNet-20)."]
     if any("float_product_ratio" in row for row in overhead["rows"]):
         lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "
                   "GEMM on fake-quantized floats, as on a CPU without int8 dot products), timed in the same run, "

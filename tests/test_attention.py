@@ -359,3 +359,43 @@ def test_attention_errors_use_the_zero_centred_grid_by_default(error_range, grid
     output.transpose(1, 2).backward(upstream)
     for mine, theirs in zip(got, inputs):
         torch.testing.assert_close(mine, theirs.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_training_dropout_keeps_a_bool_mask_and_gives_the_gradients_of_its_probabilities(quantize):
+    """Dropout on the probabilities keeps a bool mask for its backward (F.dropout keeps a float one on CPU); its
+    output and gradients are those of the probabilities it returns, written out with the mask they show."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    precision = PrecisionState()
+    precision.set(8, None)
+    module = nn.Module().train()
+    module.cpt_attention = AttentionQuantizer(precision, quantize, "token", replaced_implementation="eager")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        output, weights = cpt_attention_forward(module, q, k, v, torch.zeros(2, 1, 6, 6), dropout=0.25)
+    grad = torch.randn(output.shape, generator=torch.Generator().manual_seed(4))
+    output.backward(grad)
+    assert [t.shape for t in saved if t.dtype == torch.bool] == [(2, 3, 6, 6)]
+    assert [t.shape for t in saved if t.is_floating_point() and t.shape == (2, 3, 6, 6)] == [(2, 3, 6, 6)]  # softmax
+    mask = weights != 0  # softmax probabilities are positive: zeros are dropped entries
+    assert 0.5 < mask.float().mean() < 0.95
+
+    bits = torch.tensor(8.0)
+
+    def quantize_operand(x, reduced_dim):
+        if not quantize:
+            return x
+        source = x.detach()
+        return quantize_ste(x, source.amin(reduced_dim, keepdim=True), source.amax(reduced_dim, keepdim=True), bits)
+
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    probabilities = torch.softmax(quantize_operand(q2, -1) @ quantize_operand(k2.transpose(2, 3), -2) * 8**-0.5, -1)
+    dropped = probabilities * mask / 0.75
+    torch.testing.assert_close(dropped.detach(), weights, rtol=1e-6, atol=0)
+    dropped = dropped + (weights - dropped).detach()  # the returned values (the scale rounds its own way)
+    expected = (quantize_operand(dropped, -1) @ quantize_operand(v2, -2)).transpose(1, 2)
+    expected.backward(grad)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+    for got, reference in zip((q.grad, k.grad, v.grad), (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-5)

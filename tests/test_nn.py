@@ -440,6 +440,53 @@ def test_training_keeps_only_what_the_needed_gradients_read(kind):
     assert shape in shapes and weight_shape not in shapes and layer[0].weight.grad is not None
 
 
+PRODUCERS = {"relu": torch.relu, "relu_": torch.relu_, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+
+
+@pytest.mark.parametrize("producer", sorted(PRODUCERS))
+@pytest.mark.parametrize("kind, integer", [("linear", False), ("linear", True), ("conv2d", "auto")])
+def test_an_input_its_producer_keeps_is_kept_once_and_gives_the_gradients_of_its_codes(producer, kind, integer):
+    """A layer fed a ReLU's output (kept by the ReLU for its own backward) keeps a reference to that tensor, not a
+    second copy as codes, and quantizes it again in backward: the gradients of the codes path, bit for bit (float
+    products and products on codes)."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(12, 24) if kind == "linear" else nn.Conv2d(3, 8, 3, padding=1))
+    quantize_model(layer, CPTConfig(include_modules=["0"], quant_scheme="paper", integer_matmul=integer))
+    set_precision(layer, 5, 8)
+    layer.train()
+    source = torch.randn((6, 12) if kind == "linear" else (2, 3, 8, 8), requires_grad=True)
+
+    def run(edit):
+        for tensor in (source, *layer.parameters()):
+            tensor.grad = None
+        x = edit(PRODUCERS[producer](source * 3.0))  # a non-leaf: the in-place ReLU applies
+        out = layer(x)
+        kept = out.grad_fn.saved_tensors
+        torch.manual_seed(1)  # the same stochastic rounding of the errors
+        out.square().sum().backward()
+        codes = [t for t in kept if t.dtype == torch.uint8 and t.shape == x.shape]
+        return x, kept, codes, [t.grad.clone() for t in (source, *layer.parameters())]
+
+    x, kept, codes, gradients = run(lambda t: t)
+    assert codes == [] and any(t.data_ptr() == x.data_ptr() and t.dtype == x.dtype for t in kept)
+    _, _, reference_codes, reference = run(lambda t: t.clone())  # a clone keeps nothing: the layer keeps codes
+    assert len(reference_codes) == 1
+    for got, expected in zip(gradients, reference):
+        assert torch.equal(got, expected)
+
+
+def test_an_input_its_producer_keeps_is_kept_as_codes_under_saved_tensor_hooks():
+    """Offloading or checkpointing hooks see what the layer saves: there the ReLU's tensor is not ``x``."""
+    layer = nn.Sequential(nn.Linear(12, 24))
+    quantize_model(layer, CPTConfig(include_modules=["0"]))
+    set_precision(layer, 8, 8)
+    layer.train()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(torch.relu(torch.randn(6, 12, requires_grad=True)))
+    assert [t.shape for t in saved if t.dtype == torch.uint8] == [(6, 12), (24, 12)]
+
+
 @pytest.mark.parametrize("products", ["both", "input"])
 @pytest.mark.parametrize("conv", [dict(stride=2, padding=1), dict(padding=2, dilation=2, groups=2)])
 def test_conv2d_backward_forms_both_gradients_in_one_call_where_they_share_an_error(products, conv, monkeypatch):

@@ -18,6 +18,24 @@ from .recompute import mark_recomputable
 
 NOT_SAVED = (None, None, None)
 
+# Autograd nodes whose backward keeps their own output (a ReLU keeps its result): a quantized layer fed that output
+# keeps a reference to it and quantizes it again in backward, instead of a second copy of it as codes.
+RESULT_KEEPING_NODES = frozenset({"ReluBackward0", "SigmoidBackward0", "TanhBackward0"})
+
+
+def kept_by_producer(x: torch.Tensor) -> bool:
+    """Whether the autograd node that produced ``x`` keeps ``x`` itself for its backward, so that a reference to it
+    costs no memory. Not while saved-tensor hooks run (offloading, checkpointing: the node's copy is not ``x``)."""
+    if torch.compiler.is_dynamo_compiling() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return False
+    node = x.grad_fn
+    if node is None or node.name() not in RESULT_KEEPING_NODES:
+        return False
+    saved = node._saved_result
+    return (saved.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            and saved.storage_offset() == x.storage_offset() and saved.shape == x.shape
+            and saved.stride() == x.stride())
+
 
 def keeps_input(layer, needs_input_grad: bool, needs_weight_grad: bool) -> bool:
     """Whether the backward reads the layer's input: the weight gradient does, the input gradient only where the
@@ -68,7 +86,9 @@ class QuantizedProducts(torch.autograd.Function):
     input for the weight gradient, the weight for the input gradient, as autograd itself does), each as the
     integer codes of its quantized values (uint8 with its scale and minimum, up to 8 bits), not a float
     copy, rebuilt bit for bit in backward. A weight the layer quantized itself (reused within an optimizer step)
-    comes as ``weight_quantized``: (its value, its codes).
+    comes as ``weight_quantized``: (its value, its codes). An input its producer keeps anyway (`kept_by_producer`)
+    is saved as that tensor and quantized again in backward: the same elementwise function of the same values,
+    range and bits, so the same operand bit for bit, and no copy.
     With ``integer`` (decided by `QuantLayerMixin.forward`: 8 bits or fewer, both operands quantized, a layer with
     `compute_on_codes`), the forward product runs on the operands' integer codes (`hf_cpt.numerics.integer_matmul`)
     and the fake-quantized floats are never formed; an operand given quantized then comes as (None, its codes).
@@ -86,6 +106,7 @@ class QuantizedProducts(torch.autograd.Function):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         keep_x = keeps_input(layer, needs_x, needs_weight)
         ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
+        ctx.x_bits = None  # set where the input is kept as its producer's output, not as codes
         ctx.grad_bits = grad_bits  # never modified (`PrecisionState.error_bits`): the bits of this forward
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.shapes = (x.shape, weight.shape)
@@ -94,11 +115,14 @@ class QuantizedProducts(torch.autograd.Function):
             x_codes = x_quantized[1] if x_quantized is not None else quantize_compact(x, x_min, x_max, bits)
             weight_codes = (weight_quantized[1] if weight_quantized is not None
                             else quantize_compact(operand, weight_min, weight_max, bits))
-            ctx.save_for_backward(*(x_codes if keep_x else NOT_SAVED), *(weight_codes if needs_x else NOT_SAVED))
+            x_saved = x_codes if keep_x else NOT_SAVED
+            if keep_x and x_quantized is None and kept_by_producer(x):
+                x_saved, ctx.x_bits = (x, x_min, x_max), bits.clone()  # the schedule edits ``bits`` in place
+            ctx.save_for_backward(*x_saved, *(weight_codes if needs_x else NOT_SAVED))
             autocast = torch.is_autocast_enabled(x.device.type)
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
             output = _not_a_view(layer.compute_on_codes(x_codes, weight_codes, bits, bias).to(dtype))
-            if (keep_x and needs_x and layer.cpt_precision.recompute_activation_inputs
+            if (keep_x and needs_x and ctx.x_bits is None and layer.cpt_precision.recompute_activation_inputs
                     and not torch.compiler.is_dynamo_compiling()):  # both codes kept: exact to recompute
                 mark_recomputable(output, layer, x_codes, weight_codes, bits, bias, dtype)
             return output
@@ -106,6 +130,8 @@ class QuantizedProducts(torch.autograd.Function):
         # formed in a reused buffer, the one its backward rebuilds it in (never in use at the same time).
         if x_quantized is None:
             x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x, scratch="input")
+            if keep_x and compact and x_min is not None and kept_by_producer(x):  # as in the integer branch
+                x_saved, ctx.x_bits = (x, x_min, x_max), bits.clone()  # the schedule edits ``bits`` in place
         else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all
             x_value, x_saved = x_quantized
         if weight_quantized is None:
@@ -130,7 +156,10 @@ class QuantizedProducts(torch.autograd.Function):
         compute_dtype = error.dtype
         # The quantized error and the rebuilt operands are read by the products below and dropped: reused buffers
         # (`hf_cpt.numerics.scratch`).
-        x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0], scratch="input").to(compute_dtype)
+        if ctx.x_bits is None:
+            x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0], scratch="input").to(compute_dtype)
+        else:  # the producer's output, quantized again as in forward
+            x = fake_quantize_compact(*saved[:3], ctx.x_bits, "input")[0].to(compute_dtype)
         weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1], scratch="weight").to(compute_dtype)
         grad_x, grad_weight = _gradients(layer, input_error, weight_error, x, weight, ctx.weight_rotation,
                                          ctx.needs_input_grad[0], ctx.needs_input_grad[3])
