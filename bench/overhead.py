@@ -335,21 +335,42 @@ def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict 
 
 
 def saved_activation_mib(model: nn.Module, batch: dict) -> float:
-    """MiB that one training forward of ``model`` keeps for its backward: the distinct storages autograd saves,
-    parameters excluded (what a layer stores as its activations, independent of the allocator)."""
+    """MiB that one training forward of ``model`` keeps for its backward: the distinct storages its autograd graph
+    holds (every node's saved tensors, custom functions' included), parameters excluded (what a layer stores as
+    its activations, independent of the allocator). Read from the graph after the forward, not through
+    saved-tensor hooks: under those a layer fed a ReLU's output keeps codes of its own (docs/method.md §2)."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(**batch)
+    output = model(**batch)
+    roots = [t for t in (output.values() if isinstance(output, dict) else [output])
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    kept: dict[int, int] = {}
+    nodes, seen = [t.grad_fn for t in roots], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for tensor in _saved_by(node):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                kept[storage.data_ptr()] = storage.nbytes()
+        nodes.extend(next_node for next_node, _ in node.next_functions)
     return sum(kept.values()) / 2**20
+
+
+def _saved_by(node) -> list[torch.Tensor]:
+    """The tensors an autograd node keeps for its backward: a built-in node's ``_saved_*`` attributes, a custom
+    function's ``saved_tensors``."""
+    values = []
+    names = ["saved_tensors"] if hasattr(node, "saved_tensors") else [n for n in dir(node) if n.startswith("_saved_")]
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # an undefined optional tensor
+            continue
+        values += value if isinstance(value, (tuple, list)) else [value]
+    return [value for value in values if isinstance(value, torch.Tensor)]
 
 
 def saved_activations(kind: str, fused: bool, options: dict | None = None) -> tuple[float, float]:

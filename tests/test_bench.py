@@ -429,6 +429,40 @@ def test_saved_activation_memory_counts_what_autograd_keeps_apart_from_parameter
     assert codes + floats <= kept <= codes + floats + scales + 4096
 
 
+def test_saved_activation_memory_counts_an_input_kept_by_its_producer_once():
+    """A convolution fed a ReLU's output keeps that tensor (which the ReLU keeps anyway), not codes of its own: the
+    figure, read from the graph, counts it once; under saved-tensor hooks the layer would keep codes."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import overhead
+
+    from hf_cpt import CPTConfig, quantize_model, set_precision
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(16, 16, 3, padding=1))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, quantized):
+            super().__init__()
+            self.net = model()
+            if quantized:
+                quantize_model(self.net, CPTConfig(quant_scheme="paper"))
+                set_precision(self.net, 8, 8)
+
+        def forward(self, x):
+            return {"loss": self.net(x).sum()}  # a sum keeps nothing
+
+    batch = {"x": torch.randn(8, 3, 16, 16)}
+    mib = 2**20
+    first_input = 8 * 3 * 16 * 16 * 4  # kept by the first conv (full precision) for its weight gradient
+    relu_output = 8 * 16 * 16 * 16 * 4  # float32, kept by the ReLU and by the second conv: the same storage
+    assert overhead.saved_activation_mib(Wrapped(False), batch) * mib == first_input + relu_output
+    quantized = overhead.saved_activation_mib(Wrapped(True), batch) * mib - relu_output
+    codes = 8 * 3 * 16 * 16 + 16 * 16 * 9  # uint8: the first input, the second weight (the first's: no input grad)
+    assert codes <= quantized <= codes + 4096  # ranges and scales; no codes of the ReLU's output
+
+
 def test_results_page_shows_the_runs_of_todays_defaults_under_the_plain_names(tmp_path):
     """The per-row runs of the backward ablation are the default now: the summary compares them, and the runs of
     the earlier per-tensor default keep a suffix and are compared with each other."""

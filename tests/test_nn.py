@@ -475,6 +475,19 @@ def test_an_input_its_producer_keeps_is_kept_once_and_gives_the_gradients_of_its
         assert torch.equal(got, expected)
 
 
+def test_an_input_whose_producer_freed_its_copy_is_kept_as_codes():
+    """A backward through the ReLU ran already (its saved output is freed): the forward runs and keeps its own codes
+    (a second backward through the ReLU fails in the ReLU, as without the layer)."""
+    layer = nn.Sequential(nn.Linear(12, 24))
+    quantize_model(layer, CPTConfig(include_modules=["0"]))
+    set_precision(layer, 8, 8)
+    layer.train()
+    x = torch.relu(torch.randn(6, 12, requires_grad=True) * 2.0)
+    x.sum().backward()
+    out = layer(x)
+    assert [t.shape for t in out.grad_fn.saved_tensors if t.dtype == torch.uint8] == [(6, 12), (24, 12)]
+
+
 def test_an_input_its_producer_keeps_is_kept_as_codes_under_saved_tensor_hooks():
     """Offloading or checkpointing hooks see what the layer saves: there the ReLU's tensor is not ``x``."""
     layer = nn.Sequential(nn.Linear(12, 24))

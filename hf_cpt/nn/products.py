@@ -26,12 +26,16 @@ RESULT_KEEPING_NODES = frozenset({"ReluBackward0", "SigmoidBackward0", "TanhBack
 def kept_by_producer(x: torch.Tensor) -> bool:
     """Whether the autograd node that produced ``x`` keeps ``x`` itself for its backward, so that a reference to it
     costs no memory. Not while saved-tensor hooks run (offloading, checkpointing: the node's copy is not ``x``)."""
-    if torch.compiler.is_dynamo_compiling() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if torch.compiler.is_dynamo_compiling() or hooks is None or hooks(False) is not None:
         return False
     node = x.grad_fn
     if node is None or node.name() not in RESULT_KEEPING_NODES:
         return False
-    saved = node._saved_result
+    try:
+        saved = node._saved_result
+    except RuntimeError:  # a backward through the producer ran already and freed it
+        return False
     return (saved.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
             and saved.storage_offset() == x.storage_offset() and saved.shape == x.shape
             and saved.stride() == x.stride())
