@@ -110,23 +110,23 @@ class QuantizedProducts(torch.autograd.Function):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         keep_x = keeps_input(layer, needs_x, needs_weight)
         ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
-        ctx.x_bits = None  # set where the input is kept as its producer's output, not as codes
         ctx.grad_bits = grad_bits  # never modified (`PrecisionState.error_bits`): the bits of this forward
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.shapes = (x.shape, weight.shape)
         operand = weight if rotated_weight is None else rotated_weight
+        # An input its producer keeps anyway is saved as that tensor, with its range and bits, instead of as codes.
+        producer_keeps = keep_x and compact and x_quantized is None and x_min is not None and kept_by_producer(x)
+        ctx.x_bits = bits.clone() if producer_keeps else None  # a copy: the schedule edits ``bits`` in place
         if integer:
             x_codes = x_quantized[1] if x_quantized is not None else quantize_compact(x, x_min, x_max, bits)
             weight_codes = (weight_quantized[1] if weight_quantized is not None
                             else quantize_compact(operand, weight_min, weight_max, bits))
-            x_saved = x_codes if keep_x else NOT_SAVED
-            if keep_x and x_quantized is None and kept_by_producer(x):
-                x_saved, ctx.x_bits = (x, x_min, x_max), bits.clone()  # the schedule edits ``bits`` in place
+            x_saved = (x, x_min, x_max) if producer_keeps else x_codes if keep_x else NOT_SAVED
             ctx.save_for_backward(*x_saved, *(weight_codes if needs_x else NOT_SAVED))
             autocast = torch.is_autocast_enabled(x.device.type)
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
             output = _not_a_view(layer.compute_on_codes(x_codes, weight_codes, bits, bias).to(dtype))
-            if (keep_x and needs_x and ctx.x_bits is None and layer.cpt_precision.recompute_activation_inputs
+            if (keep_x and needs_x and not producer_keeps and layer.cpt_precision.recompute_activation_inputs
                     and not torch.compiler.is_dynamo_compiling()):  # both codes kept: exact to recompute
                 mark_recomputable(output, layer, x_codes, weight_codes, bits, bias, dtype)
             return output
@@ -134,8 +134,8 @@ class QuantizedProducts(torch.autograd.Function):
         # formed in a reused buffer, the one its backward rebuilds it in (never in use at the same time).
         if x_quantized is None:
             x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x, scratch="input")
-            if keep_x and compact and x_min is not None and kept_by_producer(x):  # as in the integer branch
-                x_saved, ctx.x_bits = (x, x_min, x_max), bits.clone()  # the schedule edits ``bits`` in place
+            if producer_keeps:
+                x_saved = (x, x_min, x_max)
         else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all
             x_value, x_saved = x_quantized
         if weight_quantized is None:
@@ -162,7 +162,7 @@ class QuantizedProducts(torch.autograd.Function):
         # (`hf_cpt.numerics.scratch`).
         if ctx.x_bits is None:
             x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0], scratch="input").to(compute_dtype)
-        else:  # the producer's output, quantized again as in forward
+        else:  # the producer's output, quantized again as the forward did
             x = fake_quantize_compact(*saved[:3], ctx.x_bits, "input")[0].to(compute_dtype)
         weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1], scratch="weight").to(compute_dtype)
         grad_x, grad_weight = _gradients(layer, input_error, weight_error, x, weight, ctx.weight_rotation,
