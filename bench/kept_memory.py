@@ -60,31 +60,12 @@ def _group(node_name: str) -> str:
 
 
 def kept_by_group(model: torch.nn.Module, batch: dict) -> dict[str, float]:
-    """MiB that one training forward of ``model`` keeps for its backward, by group of `GROUPS` (parameters
-    excluded; each storage once)."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    model.train()
-    output = model(**batch)
-    roots = [t for t in (output.values() if isinstance(output, dict) else [output])
-             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    holders: dict[int, tuple[int, set[str]]] = {}  # storage -> (bytes, the groups of the nodes that hold it)
-    nodes, seen = [t.grad_fn for t in roots], set()
-    while nodes:
-        node = nodes.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for tensor in overhead._saved_by(node):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in parameters:
-                continue
-            size, groups = holders.setdefault(storage.data_ptr(), (storage.nbytes(), set()))
-            groups.add(_group(node.name()))
-        nodes.extend(next_node for next_node, _ in node.next_functions)
+    """MiB that one training forward of ``model`` keeps for its backward (`overhead.saved_storages`), by group of
+    `GROUPS` (each storage once, in the first group that holds it)."""
     order = [*GROUPS, "other"]
     kept: dict[str, float] = {}
-    for size, groups in holders.values():
-        group = min(groups, key=order.index)
+    for size, names in overhead.saved_storages(model, batch).values():
+        group = min((_group(name) for name in names), key=order.index)
         kept[group] = kept.get(group, 0.0) + size / 2**20
     return dict(sorted(kept.items(), key=lambda item: order.index(item[0])))
 

@@ -334,17 +334,17 @@ def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict 
     return peaks
 
 
-def saved_activation_mib(model: nn.Module, batch: dict) -> float:
-    """MiB that one training forward of ``model`` keeps for its backward: the distinct storages its autograd graph
-    holds (every node's saved tensors, custom functions' included), parameters excluded (what a layer stores as
-    its activations, independent of the allocator). Read from the graph after the forward, not through
-    saved-tensor hooks: under those a layer fed a ReLU's output keeps codes of its own (docs/method.md §2)."""
+def saved_storages(model: nn.Module, batch: dict) -> dict[int, tuple[int, set[str]]]:
+    """What one training forward of ``model`` keeps for its backward: each distinct storage its autograd graph holds
+    (every node's saved tensors, custom functions' included; parameters excluded) -> (its bytes, the names of the
+    nodes that hold it). Read from the graph after the forward, not through saved-tensor hooks: under those a layer
+    fed a ReLU's output keeps codes of its own (docs/method.md §2)."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     model.train()
     output = model(**batch)
     roots = [t for t in (output.values() if isinstance(output, dict) else [output])
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    kept: dict[int, int] = {}
+    kept: dict[int, tuple[int, set[str]]] = {}
     nodes, seen = [t.grad_fn for t in roots], set()
     while nodes:
         node = nodes.pop()
@@ -354,9 +354,15 @@ def saved_activation_mib(model: nn.Module, batch: dict) -> float:
         for tensor in _saved_by(node):
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in parameters:
-                kept[storage.data_ptr()] = storage.nbytes()
+                kept.setdefault(storage.data_ptr(), (storage.nbytes(), set()))[1].add(node.name())
         nodes.extend(next_node for next_node, _ in node.next_functions)
-    return sum(kept.values()) / 2**20
+    return kept
+
+
+def saved_activation_mib(model: nn.Module, batch: dict) -> float:
+    """MiB that one training forward of ``model`` keeps for its backward (`saved_storages`): what a layer stores as
+    its activations, independent of the allocator."""
+    return sum(size for size, _ in saved_storages(model, batch).values()) / 2**20
 
 
 def _saved_by(node) -> list[torch.Tensor]:

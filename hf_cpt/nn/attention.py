@@ -92,8 +92,8 @@ def _quantized_matmul(a: torch.Tensor, b: torch.Tensor, bits: torch.Tensor, stat
 
 def _dropout(weights: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Dropout on the probabilities. In CPU training through ``torch.native_dropout``, whose backward keeps a bool
-    mask: ``F.dropout`` keeps a float32 one there (12 MiB per BERT-base layer at batch 16x128), as it does not on
-    an accelerator."""
+    mask: ``F.dropout`` keeps a float32 one on CPU (12 MiB per BERT-base layer at batch 16x128), a bool one on an
+    accelerator already."""
     if training and p > 0 and weights.device.type == "cpu" and torch.is_grad_enabled():
         return torch.native_dropout(weights, p, True)[0]
     return nn.functional.dropout(weights, p=p, training=training)
