@@ -475,6 +475,34 @@ def test_an_input_its_producer_keeps_is_kept_once_and_gives_the_gradients_of_its
         assert torch.equal(got, expected)
 
 
+def test_a_timm_resnet_keeps_its_relu_outputs_once_and_trains_as_with_codes(monkeypatch):
+    """timm's ResNet-18 (in-place ReLUs): every conv but the stem and the one after the max-pool reads a ReLU's
+    output, and the step's gradients are those of the codes path, bit for bit."""
+    timm = pytest.importorskip("timm")
+    import hf_cpt.nn.products as products
+
+    torch.manual_seed(0)
+    base = timm.create_model("resnet18", num_classes=10)
+    models = [copy.deepcopy(base) for _ in range(2)]
+    for model in models:
+        quantize_model(model, CPTConfig())
+        set_precision(model, 6, 8)
+        model.train()
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+    decisions = []
+    keeps = products.kept_by_producer
+    monkeypatch.setattr(products, "kept_by_producer", lambda t: decisions.append(keeps(t)) or decisions[-1])
+    torch.manual_seed(1)
+    nn.functional.cross_entropy(models[0](x), y).backward()
+    assert len(decisions) == 20 and sum(decisions) == 18
+    monkeypatch.setattr(products, "kept_by_producer", lambda t: False)
+    torch.manual_seed(1)
+    nn.functional.cross_entropy(models[1](x), y).backward()
+    for got, expected in zip(models[0].parameters(), models[1].parameters()):
+        assert (got.grad is None) == (expected.grad is None)
+        assert got.grad is None or torch.equal(got.grad, expected.grad)
+
+
 def test_an_input_whose_producer_freed_its_copy_is_kept_as_codes():
     """A backward through the ReLU ran already (its saved output is freed): the forward runs and keeps its own codes
     (a second backward through the ReLU fails in the ReLU, as without the layer)."""
