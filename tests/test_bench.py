@@ -465,6 +465,166 @@ def test_saved_activation_memory_counts_an_input_kept_by_its_producer_once():
     assert RELU_CONVS_CODES <= quantized <= RELU_CONVS_CODES + 4096  # ranges and scales; no codes of the ReLU's
 
 
+def test_results_page_shows_the_runs_of_todays_defaults_under_the_plain_names(tmp_path):
+    """The per-row runs of the backward ablation are the default now: the summary compares them, and the runs of
+    the earlier per-tensor default keep a suffix and are compared with each other."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import results_page
+
+    def run(name, seed, metric, gbitops, **config):
+        entry = _entry(seed, metric, gbitops / 10, **config)
+        entry["cost"]["gbitops"] = gbitops
+        return {f"{name}/seed{seed}": {**entry, "run": name}}
+
+    cpt = dict(schedule="cpt")
+    pretrained = {"finetune": {**run("fp32", 0, 0.58, 30, schedule="fp32"), **run("static-8/8", 0, 0.53, 10),
+                               **run("cpt-4-8/8", 0, 0.52, 7, **cpt)}}
+    ablation = {"finetune": {**run("static-8/8-error-token", 0, 0.57, 10), **run("cpt-4-8/8-error-token", 0, 0.58, 8,
+                                                                                   **cpt)}}
+    for name, data in (("pretrained.json", pretrained), ("backward_ablation.json", ablation)):
+        (tmp_path / name).write_text(json.dumps(data))
+    task = next(t for t in results_page.TASKS if t.key == "entailment")
+    runs = results_page.by_run(results_page.task_data(str(tmp_path), task)[task.section], task.order)
+    assert [e["metric"] for e in runs["static-8/8"]] == [0.57] and [e["metric"] for e in runs["cpt-4-8/8"]] == [0.58]
+    assert [e["metric"] for e in runs["static-8/8-error-tensor"]] == [0.53]
+    rows = {row["run"]: row for row in results_page.comparisons(task, runs)}
+    assert rows["cpt-4-8/8"]["static"] == "static-8/8" and rows["cpt-4-8/8"]["saving"] == pytest.approx(0.2)
+    assert rows["cpt-4-8/8-error-tensor"]["static"] == "static-8/8-error-tensor"
+    summary = "\n".join(results_page.readme_summary(str(tmp_path)))
+    assert "| entailment (accuracy %) | 58.00 ± 0.00 | 57.00 ± 0.00 | cpt-4-8/8: 58.00 ± 0.00 | 0.800 |" in summary
+
+
+def test_anchor_rows_are_shown_as_anchors_and_the_published_file_runs_on_cpu(tmp_path):
+    """Rows of other implementations (torchao, the published CPT quantizer) have no target and are never 'missed';
+    the published file's CUDA-only line is made device-neutral when it is loaded."""
+    spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    overhead = {"command": "python bench/overhead.py", "torch": "x", "threads": 2, "quant_scheme": "auto",
+                "repeats": 1, "load_average": [0.0, 0.0],
+                "rows": [{"case": "anchor: published CPT, Conv2d 16->16 3x3", "target": None, "plain_ms": 10.0,
+                          "quant_ms": 30.0, "ratio": 3.0}]}
+    table = "\n".join(report.overhead_summary(overhead))
+    assert "| anchor: published CPT, Conv2d 16->16 3x3 | 10.0 | 30.0 | 3.000 | anchor | - |" in table
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import overhead as bench_overhead
+
+    stand_in = tmp_path / "quantize.py"
+    stand_in.write_text("import torch\n\n\ndef min_scale(scale):\n"
+                        "    return torch.tensor(1e-8).expand_as(scale).cuda()\n")
+    module = bench_overhead.published_quantizer(str(stand_in))
+    assert torch.equal(module.min_scale(torch.ones(3)), torch.full((3,), 1e-8))  # no CUDA needed
+
+
+def test_horizon_page_judges_each_schedule_at_each_length_and_lists_what_is_not_run(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import horizon_page
+
+    def runs(epochs, **metrics):  # run name -> (seed 0, seed 1) accuracy
+        section = {}
+        for name, values in metrics.items():
+            schedule = "fp32" if name == "fp32" else "static" if name.startswith("static") else "cpt"
+            for seed, value in enumerate(values):
+                section[f"{name}/seed{seed}"] = {**_entry(seed, value, 0.6 if schedule == "cpt" else 1.0,
+                                                          schedule=schedule), "run": name, "train_seconds": 1800}
+        return {f"epochs-{epochs}": section}
+
+    data = {"settings": {"batch_size": 128}, "data": {"train": 10000},
+            **runs(4, **{"fp32": (0.58, 0.58), "static-8/8": (0.58, 0.59), "cpt-3-8/8-n32": (0.55, 0.56),
+                         "cpt-3-8/8-n8": (0.55, 0.55), "ct-3-8/8-n8-delay": (0.57, 0.58)}),
+            **runs(16, **{"static-8/8": (0.70, 0.71), "cpt-3-8/8-n32": (0.71, 0.72)})}
+    page = "\n".join(horizon_page.section(data, str(tmp_path), "results"))
+    assert (tmp_path / "horizon.png").stat().st_size > 1000
+    assert "| static 8/8 | 58.50 ± 0.50 (2) | not run yet | 70.50 ± 0.50 (2) | 1.000 |" in page
+    assert "| FP32 | 58.00 ± 0.00 (2) | not run yet | not run yet | - |" in page
+    assert ("- CPT 3-8/8, 32 cycles (the CPT paper) against static 8/8, at 0.600 of its cost: 4 epochs -3.00 "
+            "(worse than, 2 seeds); 16 epochs +1.00 (matches, 2 seeds).") in page
+    assert "From 4 to 16 epochs the gap moves by +4.00 points (in favour of CPT); it matches or beats static at " \
+           "16 epochs." in page
+    assert "  Against FP32 training: 4 epochs -2.50." in page  # no FP32 run at 16 epochs: that length is left out
+    assert ("against the same 8 cycles without it (CPT 3-8/8, 8 cycles (the follow-up's default)): 4 epochs +2.50 "
+            "(better than).") in page
+    assert "Training time of these runs: 7.0 h" in page  # 14 runs of half an hour
+    rows = horizon_page.summary_rows(data)
+    assert [row[0] for row in rows] == ["vision, 4 epochs (accuracy %)", "vision, 16 epochs (accuracy %)"]
+    assert rows[1][2:] == ["70.50 ± 0.50 (2)", "cpt-3-8/8-n32: 71.50 ± 0.50 (2)", "0.600", "matches"]
+    assert rows[1][1] == "not run yet"
+    data["epochs-16"].pop("static-8/8/seed1")  # one seed has no spread: no verdict
+    assert horizon_page.summary_rows(data)[1][-1] == "one seed, not judged"
+
+
+def test_processes_sharing_a_scan_skip_each_others_cells_and_keep_each_others_entries(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import harness
+
+    path = str(tmp_path / "scan.json")
+    harness.save_results(path, {"settings": {"a": 1}, "runs": {"fp32/seed0": {"metric": 1.0}}})
+    assert not harness.claim(path, "runs", "fp32/seed0")  # finished on disk
+    # a live process (this test's parent) holds static/seed0; a dead one held cpt/seed0
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for key, pid in (("static/seed0", os.getppid()), ("cpt/seed0", int(dead.stdout))):
+        claim_path = harness._claim_file(path, "runs", key)
+        os.makedirs(os.path.dirname(claim_path), exist_ok=True)
+        open(claim_path, "w").write(str(pid))
+    assert not harness.claim(path, "runs", "static/seed0")
+    assert harness.claim(path, "runs", "cpt/seed0")
+    # this process's memory predates an entry another process wrote meanwhile: recording keeps both
+    mine = harness.load_results(path)
+    other = harness.load_results(path)
+    other["runs"]["static/seed0"] = {"metric": 2.0}
+    harness.save_results(path, other)
+    harness.record(path, mine, "runs", "cpt/seed0", {"metric": 3.0})
+    on_disk = harness.load_results(path)
+    assert {k: v["metric"] for k, v in on_disk["runs"].items()} == {"fp32/seed0": 1.0, "static/seed0": 2.0,
+                                                                     "cpt/seed0": 3.0}
+    assert on_disk["settings"] == {"a": 1} and "environment" in on_disk
+    assert mine == on_disk
+    assert not os.path.exists(harness._claim_file(path, "runs", "cpt/seed0"))
+
+
+def test_op_counts_count_kernels_not_views_allocations_or_host_reads():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import op_counts
+
+    x = torch.randn(4, 8)
+    with op_counts.OperationCounter() as counter:
+        y = x.view(8, 4).t()  # views: no kernel
+        torch.empty(3)  # an allocation: no kernel
+        z = (y @ x.t().contiguous()).add_(1.0)  # a copy, a product, an addition: three kernels
+        float(z.sum())  # a reduction (a kernel) and a host read (none)
+    assert counter.counts == {"clone": 1, "mm": 1, "add_": 1, "sum": 1}
+
+
+def test_op_counts_of_a_quantized_step_take_the_gpu_path_and_the_readme_table_renders_them():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import op_counts
+    import overhead
+    import report
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 128, (2, 16)), "labels": torch.tensor([0, 1])}
+    plain, quantized = overhead.model_steps(lambda: BertForSequenceClassification(tiny_bert_config()), batch, True)
+    plain_counts = op_counts.count_step(plain)
+    gpu_path = op_counts.count_step(overhead.with_float_products(overhead.with_torch_formulas(quantized)))
+    assert sum(gpu_path.values()) > sum(plain_counts.values())
+    assert "_int_mm" not in gpu_path and gpu_path["mm"] >= plain_counts["mm"]  # float products, not codes
+    plain_bf16 = op_counts.count_step(op_counts.under_bf16_autocast(plain))
+    assert plain_bf16 != plain_counts  # autocast casts the products' operands: other operations
+    row = {"case": "tiny BERT", "plain_ops": sum(plain_counts.values()), "quant_ops": sum(gpu_path.values()),
+           "plain_ops_bf16": sum(plain_bf16.values()), "quant_ops_bf16": 2 * sum(plain_bf16.values()),
+           "top_quant_ops": dict(gpu_path.most_common(10))}
+    lines = report.op_counts_summary({"command": "python bench/op_counts.py", "torch": "2.x", "rows": [row]})
+    name, count = gpu_path.most_common(1)[0]
+    assert lines[-1].startswith(f"| tiny BERT | {row['plain_ops']:,} | {row['quant_ops']:,} | "
+                                f"{row['quant_ops'] / row['plain_ops']:.2f} | {row['plain_ops_bf16']:,} | "
+                                f"{row['quant_ops_bf16']:,} | 2.00 | {name} {count}, ")
+    del row["plain_ops_bf16"], row["quant_ops_bf16"]  # a file from before the bf16 counts
+    lines = report.op_counts_summary({"command": "python bench/op_counts.py", "torch": "2.x", "rows": [row]})
+    assert " | - | - | - | " in lines[-1]
+
+
 def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
     """A ReLU's output, read by the convolution after it too, counts once, for the activation; the quantized convs
     keep codes of the first input only; the groups add up to the bench's total; the report renders a row per
