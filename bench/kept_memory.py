@@ -26,7 +26,7 @@ import overhead  # noqa: E402  (the bench's model builders and graph reader)
 # group -> the autograd nodes it gathers; a tensor held by several nodes goes to the first group here that holds it.
 GROUPS = {
     "activations (their input or output)": ("ReluBackward0", "GeluBackward0", "TanhBackward0", "SigmoidBackward0",
-                                            "SiluBackward0", "PowBackward0", "MulBackward1"),
+                                            "SiluBackward0", "PowBackward0"),
     "normalizations (their input)": ("NativeLayerNormBackward0", "NativeBatchNormBackward0"),
     "softmax outputs": ("SoftmaxBackward0", "SafeSoftmaxBackward0"),
     # On CPU F.dropout multiplies by a float32 mask, which the product keeps (on an accelerator: a bool mask); an
@@ -36,8 +36,9 @@ GROUPS = {
         "BmmBackward0", "ScaledDotProductFlashAttentionForCpuBackward0", "ScaledDotProductFlashAttentionBackward0",
         "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0"),
     "attention products, codes": ("QuantizedMatmulBackward",),
+    # An activation that recomputes its input from codes (`_ActivationOfRecomputedInputBackward`) holds the codes
+    # its layer holds: they count here.
     "quantized layers, codes (and inputs kept by their producer)": ("QuantizedProductsBackward",),
-    "activations recomputed from codes (codes)": ("_ActivationOfRecomputedInputBackward",),
     "full-precision layers, float inputs": ("AddmmBackward0", "MmBackward0", "ConvolutionBackward0",
                                             "LinearBackward0"),
     "loss (log-probabilities)": ("LogSoftmaxBackward0", "NllLossBackward0"),
