@@ -310,24 +310,49 @@ def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: st
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
-def peak_memory_mib(kind: str, quantized: bool, fused: bool, steps: int = 2, env: dict | None = None,
-                    options: dict | None = None) -> float:
-    """Peak resident memory of a fresh process that builds one side of a model case and trains ``steps``
-    (``env``: extra environment, e.g. `FIXED_MMAP_THRESHOLD`; ``options``: more CPTConfig fields)."""
-    body = (
-        f"[step() for _ in range({steps})]\n"
-        # VmHWM: this process's own peak (ru_maxrss would carry the forking parent's over exec)
-        "print(json.dumps([int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')][0] / 1024))"
-    )
-    return float(_run_case_in_fresh_process(kind, quantized, fused, body, env, options)[0])
+# A process's peak grows over its first steps: the optimizer's states arrive after the first, and glibc's heap keeps
+# growing for a few more where the freed blocks' holes do not fit the next step's requests. A training run lasts far
+# longer, so its peak is the level where that growth stops: steps run until VmHWM has not risen for
+# `SETTLE_STEPS` steps in a row (at least `MIN_MEMORY_STEPS`, at most `MAX_MEMORY_STEPS`).
+MIN_MEMORY_STEPS, SETTLE_STEPS, MAX_MEMORY_STEPS = 3, 2, 10
+
+
+def settled_peak(step: Step, read_peak: Callable[[], float], min_steps: int = MIN_MEMORY_STEPS,
+                 settle: int = SETTLE_STEPS, max_steps: int = MAX_MEMORY_STEPS) -> tuple[float, int]:
+    """(the peak ``read_peak`` gives once it has stopped rising, the steps run): ``step`` runs until the peak has
+    not risen for ``settle`` steps in a row, at least ``min_steps`` and at most ``max_steps`` times."""
+    peak, unchanged, steps = read_peak(), 0, 0
+    while steps < max_steps and (steps < min_steps or unchanged < settle):
+        step()
+        steps += 1
+        now = read_peak()
+        unchanged = unchanged + 1 if now <= peak else 0
+        peak = max(peak, now)
+    return peak, steps
+
+
+def vm_hwm_mib() -> float:
+    """This process's own peak resident memory (VmHWM; ru_maxrss would carry a forking parent's over exec)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+
+
+def peak_memory_mib(kind: str, quantized: bool, fused: bool, env: dict | None = None,
+                    options: dict | None = None) -> tuple[float, int]:
+    """(peak resident memory, steps run) of a fresh process that builds one side of a model case and trains it
+    until its peak settles (`settled_peak`; ``env``: extra environment, e.g. `FIXED_MMAP_THRESHOLD`;
+    ``options``: more CPTConfig fields)."""
+    body = "print(json.dumps(o.settled_peak(step, o.vm_hwm_mib)))"
+    peak, steps = _run_case_in_fresh_process(kind, quantized, fused, body, env, options)[0]
+    return float(peak), int(steps)
 
 
 def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict | None = None
-                      ) -> tuple[list[float], list[float]]:
-    """`peak_memory_mib` of the plain and the quantized side of ``kind`` under the default allocator, in
-    ``processes`` fresh processes each, interleaved: where glibc places each block varies from one process to the
+                      ) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """`peak_memory_mib` (peak, steps) of the plain and the quantized side of ``kind`` under the default allocator,
+    in ``processes`` fresh processes each, interleaved: where glibc places each block varies from one process to the
     next, and with it the heap's free holes that stay resident, so one process per side is a noisy figure."""
-    peaks: tuple[list[float], list[float]] = ([], [])
+    peaks: tuple[list[tuple[float, int]], list[tuple[float, int]]] = ([], [])
     for _ in range(processes):
         for quantized in (False, True):
             peaks[quantized].append(peak_memory_mib(kind, quantized, fused, options=options))
@@ -707,7 +732,8 @@ def main() -> None:
     print("-" * len(header))
     settings = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME,
                 "fused": fused, "repeats": args.repeats, "compare_kernels": args.compare_kernels,
-                "integer_products": integer_products}
+                "integer_products": integer_products,
+                "memory_steps": {"min": MIN_MEMORY_STEPS, "settle": SETTLE_STEPS, "max": MAX_MEMORY_STEPS}}
     earlier = _earlier_results(args.output, settings) if args.resume else {"rows": [], "startup": {}}
     rows = [row for row in earlier["rows"] if row.get("key") in selected]
     done = {row["key"] for row in rows}
@@ -752,21 +778,25 @@ def main() -> None:
         _release_freed_memory()
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
-            plain_peaks, quant_peaks = peak_memories_mib(memory_kinds[key], fused, args.memory_processes, options)
+            plain_runs, quant_runs = peak_memories_mib(memory_kinds[key], fused, args.memory_processes, options)
+            plain_peaks, quant_peaks = [p for p, _ in plain_runs], [q for q, _ in quant_runs]
             plain_mib, quant_mib = statistics.median(plain_peaks), statistics.median(quant_peaks)
             print(f"{'  peak memory (MiB, fresh processes, median)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
                   f"{quant_mib / plain_mib:>8.3f}{memory_target:>8.2f}  "
-                  f"({', '.join(f'{p:.0f}' for p in plain_peaks)} / {', '.join(f'{q:.0f}' for q in quant_peaks)})",
+                  f"({', '.join(f'{p:.0f}' for p in plain_peaks)} / {', '.join(f'{q:.0f}' for q in quant_peaks)}; "
+                  f"steps {', '.join(str(n) for _, n in plain_runs)} / {', '.join(str(n) for _, n in quant_runs)})",
                   flush=True)
             rows[-1].update(plain_peak_mib=plain_mib, quant_peak_mib=quant_mib, memory_ratio=quant_mib / plain_mib,
-                            plain_peaks_mib=plain_peaks, quant_peaks_mib=quant_peaks)
-            fixed = [peak_memory_mib(memory_kinds[key], q, fused, env=FIXED_MMAP_THRESHOLD, options=options)
+                            plain_peaks_mib=plain_peaks, quant_peaks_mib=quant_peaks,
+                            plain_memory_steps=[n for _, n in plain_runs],
+                            quant_memory_steps=[n for _, n in quant_runs])
+            fixed = [peak_memory_mib(memory_kinds[key], q, fused, env=FIXED_MMAP_THRESHOLD, options=options)[0]
                      for q in (False, True)]
             print(f"{'  same, glibc mmap threshold fixed':<44}{fixed[0]:>10.0f}{fixed[1]:>10.0f}"
                   f"{fixed[1] / fixed[0]:>8.3f}", flush=True)
             rows[-1].update(memory_ratio_fixed_mmap=fixed[1] / fixed[0])
             if fused:  # what the fused error kernel adds to the peak
-                eager = peak_memory_mib(memory_kinds[key], True, False, env=FIXED_MMAP_THRESHOLD, options=options)
+                eager = peak_memory_mib(memory_kinds[key], True, False, env=FIXED_MMAP_THRESHOLD, options=options)[0]
                 print(f"{'  same, eager error quantizer':<44}{fixed[0]:>10.0f}{eager:>10.0f}"
                       f"{eager / fixed[0]:>8.3f}", flush=True)
                 rows[-1].update(memory_ratio_eager_errors=eager / fixed[0])
@@ -776,7 +806,7 @@ def main() -> None:
             rows[-1].update(plain_saved_mib=saved[0], quant_saved_mib=saved[1])
             if args.compare_recompute:  # what recomputing activation inputs saves
                 kept_inputs = {**(options or {}), "recompute_activation_inputs": False}
-                peak = peak_memory_mib(memory_kinds[key], True, fused, env=FIXED_MMAP_THRESHOLD, options=kept_inputs)
+                peak = peak_memory_mib(memory_kinds[key], True, fused, env=FIXED_MMAP_THRESHOLD, options=kept_inputs)[0]
                 kept = saved_activations(memory_kinds[key], fused, kept_inputs)[1]
                 print(f"{'  same, activations keep their inputs':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
                       f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed; kept for backward {kept:.0f} MiB)", flush=True)

@@ -215,9 +215,16 @@ def overhead_summary(overhead: dict) -> list[str]:
                      f"{compiled} | {'anchor' if anchor else format(row['target'], '.2f')} | {memory} |")
     processes = {len(row["plain_peaks_mib"]) for row in overhead["rows"] if "plain_peaks_mib" in row}
     if processes:
+        steps = sorted({n for row in overhead["rows"] for n in row.get("plain_memory_steps", [])
+                        + row.get("quant_memory_steps", [])})
+        rule = overhead.get("memory_steps")
+        settled = ("" if not steps or not rule else
+                   f" Each process trains until its peak has not risen for {rule['settle']} steps in a row (at least "
+                   f"{rule['min']} steps, at most {rule['max']}; these ran {steps[0]} to {steps[-1]}): the heap grows "
+                   f"over a run's first steps, and a run's peak is where that growth stops.")
         lines += ["", f"Peak memory: the median VmHWM of {', '.join(map(str, sorted(processes)))} fresh processes per "
                   "side, interleaved (where glibc places each block, and so which freed holes of its heap stay "
-                  "resident, varies from one process to the next); ‡ and § one process each."]
+                  f"resident, varies from one process to the next); ‡ and § one process each.{settled}"]
     if any("memory_ratio_fixed_mmap" in row for row in overhead["rows"]):
         lines += ["", "‡ the same two processes with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=131072`): "
                   "freed large blocks go back to the system, so the peak follows the memory alive rather than the "

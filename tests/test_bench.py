@@ -393,12 +393,32 @@ def test_peak_memory_is_measured_in_interleaved_fresh_processes(monkeypatch):
 
     def peak(kind, quantized, fused, options=None):
         calls.append(quantized)
-        return 100.0 + len(calls)
+        return 100.0 + len(calls), 3
 
     monkeypatch.setattr(overhead, "peak_memory_mib", peak)
     plain, quant = overhead.peak_memories_mib("vit_small", True, processes=3)
     assert calls == [False, True] * 3  # one process per side in turn, so no side always follows the other's load
-    assert plain == [101.0, 103.0, 105.0] and quant == [102.0, 104.0, 106.0]
+    assert plain == [(101.0, 3), (103.0, 3), (105.0, 3)] and quant == [(102.0, 3), (104.0, 3), (106.0, 3)]
+
+
+def test_peak_memory_is_read_once_it_stops_rising():
+    """A process's peak rises over its first steps (the optimizer's states, then the heap's growth): the bench
+    trains until it has not risen for two steps in a row, at least three steps and at most ten."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import overhead
+
+    def run(peaks):
+        steps = []
+        peak, count = overhead.settled_peak(lambda: steps.append(1), lambda: peaks[len(steps)])
+        assert count == len(steps)
+        return peak, count
+
+    # built at 100; the states arrive, the heap grows twice more, then it holds for two steps
+    assert run([100, 150, 160, 160, 170, 170, 170, 999]) == (170, 6)
+    assert run([100, 150, 150, 150, 150]) == (150, 3)  # settled already: still three steps
+    assert run([100, 90, 90, 90, 90]) == (100, 3)  # the build's own peak counts
+    rising = list(range(100, 200))
+    assert run(rising) == (110, 10)  # never settles: ten steps, and the highest peak read
 
 
 def test_saved_activation_memory_counts_what_autograd_keeps_apart_from_parameters():
