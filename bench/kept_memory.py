@@ -25,7 +25,7 @@ import overhead  # noqa: E402  (the bench's model builders and graph reader)
 
 # group -> the autograd nodes it gathers; a tensor held by several nodes goes to the first group here that holds it.
 GROUPS = {
-    "activations (their input or output)": ("ReluBackward0", "GeluBackward0", "TanhBackward0", "SigmoidBackward0",
+    "activations (their input or output)": ("ReluBackward0", "_ReLUHandingOverBackward", "GeluBackward0", "TanhBackward0", "SigmoidBackward0",
                                             "SiluBackward0", "PowBackward0"),
     "normalizations (their input)": ("NativeLayerNormBackward0", "NativeBatchNormBackward0"),
     "softmax outputs": ("SoftmaxBackward0", "SafeSoftmaxBackward0"),
@@ -48,6 +48,7 @@ CASES = {  # key -> (the bench's model builder, CPTConfig fields beside the defa
     "bert-base-16-attention": ("bert_base_16", {"quantize_attention": True}),
     "gpt2": ("gpt2_small", {}),
     "vit-s": ("vit_small", {}),
+    "resnet18": ("resnet18", {}),
     "resnet20": ("resnet20", {}),
     "minilm": ("minilm", {}),
 }

@@ -64,7 +64,7 @@ class Case:
 
 QUANT_SCHEME = "auto"  # --quant-scheme
 CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16",
-         "bert-base-16-attention", "vit-s", "resnet20", "minilm", "linear-torchao", "linear-published",
+         "bert-base-16-attention", "vit-s", "resnet18", "resnet20", "minilm", "linear-torchao", "linear-published",
          "conv-published")
 CASE_OPTIONS = {"bert-base-16-attention": {"quantize_attention": True}}  # CPTConfig fields beside the defaults
 FIRST_STEP_KIND = "minilm"  # the fine-tuning run a new user starts (GPT-2 small without the bench extra)
@@ -276,6 +276,12 @@ def vit_small() -> tuple[Callable[[], nn.Module], dict]:
     return lambda: _TimmClassifier("vit_small_patch16_224"), batch
 
 
+def resnet18() -> tuple[Callable[[], nn.Module], dict]:
+    """timm's ResNet-18 at batch 8x224^2: a CNN whose ReLUs are modules (in place), as in timm and torchvision."""
+    batch = {"pixel_values": torch.randn(8, 3, 224, 224), "labels": torch.randint(0, 10, (8,))}
+    return lambda: _TimmClassifier("resnet18"), batch
+
+
 def resnet20() -> tuple[Callable[[], nn.Module], dict]:
     """The CPT paper's CIFAR model, a ResNet-20 (`cifar10.CifarResNet`), at batch 128: every conv quantized."""
     from cifar10 import CifarResNet
@@ -392,7 +398,10 @@ def saved_activation_mib(model: nn.Module, batch: dict) -> float:
 
 def _saved_by(node) -> list[torch.Tensor]:
     """The tensors an autograd node keeps for its backward: a built-in node's ``_saved_*`` attributes, a custom
-    function's ``saved_tensors``."""
+    function's ``saved_tensors``, and a converted ReLU's output or mask (`hf_cpt.nn.relu_masks.KeptOutput`)."""
+    kept = getattr(node, "cpt_kept_output", None)
+    if kept is not None:
+        return [kept.not_positive if kept.output is None else kept.output]
     values = []
     names = ["saved_tensors"] if hasattr(node, "saved_tensors") else [n for n in dir(node) if n.startswith("_saved_")]
     for name in names:
@@ -511,15 +520,15 @@ def with_torch_formulas(step: Step) -> Step:
 
 
 def with_kept_activation_inputs(step: Step) -> Step:
-    """``step`` with every activation keeping its float input (as ``recompute_activation_inputs=False``): no layer
-    output is tagged as recomputable."""
+    """``step`` with every activation keeping what autograd's keeps (as ``recompute_activation_inputs=False,
+    relu_masks=False``): no layer output is tagged as recomputable, no ReLU handed a mask."""
     def run():
-        original = products.mark_recomputable
-        products.mark_recomputable = lambda *args: None
+        originals = products.mark_recomputable, products.hand_over_input
+        products.mark_recomputable = products.hand_over_input = lambda *args: None
         try:
             step()
         finally:
-            products.mark_recomputable = original
+            products.mark_recomputable, products.hand_over_input = originals
 
     return run
 
@@ -548,7 +557,7 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
     quantized step with float products instead of products on integer codes, and with ``compare_native`` the
     quantized step with torch formulas instead of the other C kernels, with ``compare_threads`` the quantized step
     with the C kernels on one thread each, with ``compare_recompute`` the quantized step with activations keeping
-    their inputs, interleaved with the others."""
+    what autograd's keep, interleaved with the others."""
     start = time.perf_counter()
     case.quantized()  # first call: builds the fused error kernels
     warmup = time.perf_counter() - start
@@ -622,8 +631,8 @@ def main() -> None:
                         help="also time each quantized case with the torch formulas instead of the C kernels for "
                         "codes, ranges, products on codes and rotations (interleaved with the others)")
     parser.add_argument("--compare-recompute", action="store_true",
-                        help="also time the model steps, and measure their memory, with activations keeping their "
-                        "inputs (recompute_activation_inputs=False)")
+                        help="also time the model steps, and measure their memory, with activations keeping what "
+                        "autograd's keep (recompute_activation_inputs=False, relu_masks=False)")
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
                         "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
@@ -680,6 +689,8 @@ def main() -> None:
             iters=1, target=1.25, memory_target=0.9),
         "vit-s": lambda: Case("ViT-S/16 (timm) train step, batch 4x224^2", *model_steps(*vit_small(), fused),
                               iters=1, target=1.25),
+        "resnet18": lambda: Case("ResNet-18 (timm) train step, batch 8x224^2", *model_steps(*resnet18(), fused),
+                                 iters=1, target=1.25),
         "resnet20": lambda: Case("CIFAR ResNet-20 train step, batch 128x32^2", *model_steps(*resnet20(), fused),
                                  iters=2, target=1.25),
         "minilm": lambda: Case("pretrained MiniLM fine-tuning step, batch 32x128", *model_steps(*minilm(), fused),
@@ -703,7 +714,8 @@ def main() -> None:
     }
     published = published_quantizer(args.published_quantizer) if args.published_quantizer else None
     memory_kinds = {"gpt2": "gpt2_small", "bert-base": "bert_base", "bert-base-16": "bert_base_16",
-                    "bert-base-16-attention": "bert_base_16", "vit-s": "vit_small", "resnet20": "resnet20",
+                    "bert-base-16-attention": "bert_base_16", "vit-s": "vit_small", "resnet18": "resnet18",
+                    "resnet20": "resnet20",
                     "minilm": "minilm"}
     selected = args.only or list(cases)
     if published is None:
@@ -772,7 +784,7 @@ def main() -> None:
         if "one_thread_ratio" in result:
             print(f"{'  same, C kernels on one thread each':<44}{'':>10}{'':>10}{result['one_thread_ratio']:>8.3f}")
         if "kept_inputs_ratio" in result:
-            print(f"{'  same, activations keep their inputs':<44}{'':>10}{'':>10}{result['kept_inputs_ratio']:>8.3f}")
+            print(f"{'  same, activations keep their own':<44}{'':>10}{'':>10}{result['kept_inputs_ratio']:>8.3f}")
         memory_target = case.memory_target
         del case  # its models and optimizer states: the fresh processes below need the memory
         _release_freed_memory()
@@ -805,10 +817,10 @@ def main() -> None:
                   f"{saved[1] / saved[0]:>8.3f}", flush=True)
             rows[-1].update(plain_saved_mib=saved[0], quant_saved_mib=saved[1])
             if args.compare_recompute:  # what recomputing activation inputs saves
-                kept_inputs = {**(options or {}), "recompute_activation_inputs": False}
+                kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False}
                 peak = peak_memory_mib(memory_kinds[key], True, fused, env=FIXED_MMAP_THRESHOLD, options=kept_inputs)[0]
                 kept = saved_activations(memory_kinds[key], fused, kept_inputs)[1]
-                print(f"{'  same, activations keep their inputs':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
+                print(f"{'  same, activations keep their own':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
                       f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed; kept for backward {kept:.0f} MiB)", flush=True)
                 rows[-1].update(memory_ratio_kept_inputs=peak / fixed[0], kept_inputs_saved_mib=kept)
         write()

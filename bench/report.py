@@ -241,8 +241,10 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "(LayerNorm inputs, dropout masks, softmax outputs), and with `quantize_attention` the attention "
                   "products keep codes too, and their dropout a bool mask. "
                   "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
-                  "own backward: there the conv keeps a reference to that tensor and quantizes it again in backward "
-                  "(docs/method.md §2, \"Inputs their producer keeps\"), so both sides keep the same (ResNet-20)."]
+                  "own backward: a ReLU module hands that output over for a bool mask once the conv has kept its "
+                  "codes (`relu_masks`, ⊘; timm's ResNet-18), while after a functional `torch.relu` the conv keeps a "
+                  "reference to the ReLU's tensor and quantizes it again in backward (docs/method.md §2, \"Inputs "
+                  "their producer keeps\"), so both sides keep the same (ResNet-20)."]
     if any("float_product_ratio" in row for row in overhead["rows"]):
         lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "
                   "GEMM on fake-quantized floats, as on a CPU without int8 dot products), timed in the same run, "
@@ -258,11 +260,11 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "with the others: what running the kernels' slices on the workers that wait for torch's next "
                   "parallel region buys."]
     if any("kept_inputs_ratio" in row or "memory_ratio_kept_inputs" in row for row in overhead["rows"]):
-        lines += ["", "⊘ the same quantized step with every activation keeping its float input "
-                  "(`recompute_activation_inputs=False`) instead of recomputing it from the codes of the product "
-                  "before it in backward (docs/method.md §2): its time, timed in the same run, interleaved with the "
-                  "others; its peak memory as ‡ (one process) and what its forward keeps for backward, against the "
-                  "plain model's."]
+        lines += ["", "⊘ the same quantized step with every activation keeping what autograd's keeps "
+                  "(`recompute_activation_inputs=False, relu_masks=False`): its float input instead of recomputing "
+                  "it from the codes of the product before it in backward, a ReLU its float output instead of a mask "
+                  "(docs/method.md §2): its time, timed in the same run, interleaved with the others; its peak memory "
+                  "as ‡ (one process) and what its forward keeps for backward, against the plain model's."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]

@@ -20,7 +20,7 @@ from .nn.attention import attention_support, install_attention, uninstall_attent
 from .nn.base import QuantLayerMixin, input_features
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.precision import PrecisionState
-from .nn.recompute import convert_activation, restore_activation
+from .nn.recompute import ReLUKeepingMask, convert_activation, restore_activation
 from .numerics import native
 from .numerics.bits import check_bits
 from .numerics.rotation import can_rotate
@@ -41,6 +41,8 @@ class QuantizationReport:
     attention: str = "not counted"  # the attention products: quantized / counted in full precision / why not
     # activations that recompute their input from a product's codes in backward (`hf_cpt.nn.recompute`)
     recomputing: list[str] = field(default_factory=list)
+    # ReLUs that keep a mask in place of an output a quantized layer keeps as codes (`hf_cpt.nn.relu_masks`)
+    relu_masks: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
@@ -53,6 +55,9 @@ class QuantizationReport:
         if self.recomputing:
             lines.append(f"  activations that recompute their input where a product on codes feeds them: "
                          f"{len(self.recomputing)}")
+        if self.relu_masks:
+            lines.append(f"  ReLUs that keep a mask where a quantized layer keeps codes of their output: "
+                         f"{len(self.relu_masks)}")
         return "\n".join(lines)
 
 
@@ -186,8 +191,10 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             f"{type(model).__name__}:\n{report}\nCheck CPTConfig.target_modules / exclude_modules."
         )
     report.attention = _prepare_attention(model, config, precision)
-    if config.recompute_activation_inputs:
-        report.recomputing = [name for name, module in list(model.named_modules()) if convert_activation(module)]
+    for name, module in list(model.named_modules()):
+        if convert_activation(module, config.recompute_activation_inputs, config.relu_masks):
+            report.recomputing += [name] if config.recompute_activation_inputs else []
+            report.relu_masks += [name] if isinstance(module, ReLUKeepingMask) else []
     if any(p.device.type == "cpu" for p in model.parameters()):
         native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)

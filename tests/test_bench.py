@@ -452,7 +452,7 @@ def test_saved_activation_memory_counts_what_autograd_keeps_apart_from_parameter
 class _ReluConvs(torch.nn.Module):
     """Conv, ReLU, conv (the CPT paper's scheme when quantized): the second conv reads the ReLU's kept output."""
 
-    def __init__(self, quantized: bool):
+    def __init__(self, quantized: bool, relu_masks: bool = False):
         from hf_cpt import CPTConfig, quantize_model, set_precision
 
         super().__init__()
@@ -460,7 +460,7 @@ class _ReluConvs(torch.nn.Module):
         self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
                                        torch.nn.Conv2d(16, 16, 3, padding=1))
         if quantized:
-            quantize_model(self.net, CPTConfig(quant_scheme="paper"))
+            quantize_model(self.net, CPTConfig(quant_scheme="paper", relu_masks=relu_masks))
             set_precision(self.net, 8, 8)
 
     def forward(self, x):
@@ -483,6 +483,17 @@ def test_saved_activation_memory_counts_an_input_kept_by_its_producer_once():
     assert overhead.saved_activation_mib(_ReluConvs(False), RELU_CONVS_BATCH) * mib == FIRST_INPUT + RELU_OUTPUT
     quantized = overhead.saved_activation_mib(_ReluConvs(True), RELU_CONVS_BATCH) * mib - RELU_OUTPUT
     assert RELU_CONVS_CODES <= quantized <= RELU_CONVS_CODES + 4096  # ranges and scales; no codes of the ReLU's
+
+
+def test_saved_activation_memory_counts_a_relus_mask_and_the_codes_kept_in_place_of_its_output():
+    """With `relu_masks` the ReLU keeps a bool mask and the convolution its codes: a byte each per value of the
+    ReLU's output where both shared its four, read from the converted ReLU's node."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import overhead
+
+    kept = overhead.saved_activation_mib(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH) * 2**20
+    expected = RELU_CONVS_CODES + 2 * RELU_OUTPUT // 4  # the output's codes (uint8) and its mask (bool)
+    assert expected <= kept <= expected + 4096
 
 
 def test_results_page_shows_the_runs_of_todays_defaults_under_the_plain_names(tmp_path):

@@ -476,8 +476,8 @@ def test_an_input_its_producer_keeps_is_kept_once_and_gives_the_gradients_of_its
 
 
 def test_a_timm_resnet_keeps_its_relu_outputs_once_and_trains_as_with_codes(monkeypatch):
-    """timm's ResNet-18 (in-place ReLUs): every conv but the stem and the one after the max-pool reads a ReLU's
-    output, and the step's gradients are those of the codes path, bit for bit."""
+    """timm's ResNet-18 (in-place ReLUs) without `relu_masks`: every conv but the stem and the one after the max-pool
+    reads a ReLU's output, and the step's gradients are those of the codes path, bit for bit."""
     timm = pytest.importorskip("timm")
     import hf_cpt.nn.products as products
 
@@ -485,7 +485,7 @@ def test_a_timm_resnet_keeps_its_relu_outputs_once_and_trains_as_with_codes(monk
     base = timm.create_model("resnet18", num_classes=10)
     models = [copy.deepcopy(base) for _ in range(2)]
     for model in models:
-        quantize_model(model, CPTConfig())
+        quantize_model(model, CPTConfig(relu_masks=False))
         set_precision(model, 6, 8)
         model.train()
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
@@ -600,6 +600,29 @@ def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kin
     monkeypatch.setattr(errors, "take", fresh)
     monkeypatch.setattr(rotation, "take", fresh)
     assert all(torch.equal(a, b) for a, b in zip(reused, gradients()))
+    scratch.release()
+
+
+def test_the_error_buffer_is_handed_back_when_each_backward_ends(monkeypatch):
+    """Each quantized layer's backward queues the hand-back of the reused error buffer's pages, which run once the
+    whole backward pass is done (a CNN's largest error comes last; `scratch.hand_back_later`)."""
+    from hf_cpt.numerics import scratch
+
+    torch.manual_seed(0)
+    model, x = _two_layers("conv2d")
+    quantize_model(model, CPTConfig(include_modules=["0", "2"]))
+    set_precision(model, 6, 8)
+    events = []
+    later = scratch.hand_back_later
+
+    def recording(role):
+        events.append(("queued", role))
+        hand_back = later(role)
+        return lambda: events.append(("handed back", role)) or hand_back()
+
+    monkeypatch.setattr(scratch, "hand_back_later", recording)
+    model(x.clone().requires_grad_()).square().sum().backward()
+    assert events == [("queued", "error")] * 2 + [("handed back", "error")] * 2
     scratch.release()
 
 

@@ -62,3 +62,37 @@ def test_a_forked_child_writes_its_own_copy_of_the_pages():
         os._exit(0)
     os.waitpid(child, 0)
     assert buffer.tolist() == [2.0, 2.0, 2.0, 2.0]
+
+
+def _resident_kib(pointer: int) -> int:
+    """Resident KiB of the mapping that holds address ``pointer`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= pointer < high
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the buffer")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_role_handed_back_leaves_the_resident_set_and_serves_again_from_another_thread():
+    error = scratch.take("error", (1024, 1024), torch.float32)
+    kept = scratch.take("input", (1024, 1024), torch.float32)
+    error.fill_(1.0)
+    kept.fill_(1.0)
+    before = _resident_kib(error.data_ptr())  # the kernel may merge the two mappings into one area
+    assert before >= 4096
+    hand_back = scratch.hand_back_later("error")
+    thread = threading.Thread(target=hand_back)  # the engine may run a backward's end callbacks on another thread
+    thread.start()
+    thread.join()
+    assert before - _resident_kib(error.data_ptr()) >= 4096 and _resident_kib(kept.data_ptr()) >= 4096
+    assert kept.sum().item() == 1024 * 1024  # only that role's pages went
+    again = scratch.take("error", (1024, 1024), torch.float32)
+    assert again.data_ptr() == error.data_ptr()  # the same buffer, paged in again when written
+    again.fill_(3.0)
+    assert again.sum().item() == 3 * 1024 * 1024 and _resident_kib(again.data_ptr()) >= before

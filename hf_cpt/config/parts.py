@@ -196,12 +196,19 @@ class ActivationConfig:
         "(docs/method.md §2)."
     )
 
+    relu_masks: bool = setting(
+        True,
+        "A ReLU module whose output a quantized layer keeps as codes keeps a one-byte mask of where that output is "
+        "positive for its backward, not the float output it shared with the layer: the same gradients bit for bit, "
+        "two bytes a value less (a CNN's convolutions; docs/method.md §2)."
+    )
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
-        if not isinstance(self.recompute_activation_inputs, bool):
-            raise ConfigError(owner, "recompute_activation_inputs",
-                              f"must be True or False, got {self.recompute_activation_inputs!r}.")
+        for name in ("recompute_activation_inputs", "relu_masks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
         if self.integer_matmul not in (True, False, "auto"):
             raise ConfigError(owner, "integer_matmul", f"must be True, False or 'auto', got {self.integer_matmul!r}.")
         if not is_int(self.rotation_seed) or self.rotation_seed < 0:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import scratch
 from ..numerics.errors import quantize_error
 from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact
 from ..numerics.rotation import Rotation
 from .recompute import mark_recomputable
+from .relu_masks import hand_over_input
 
 NOT_SAVED = (None, None, None)
 
@@ -122,6 +124,8 @@ class QuantizedProducts(torch.autograd.Function):
             weight_codes = (weight_quantized[1] if weight_quantized is not None
                             else quantize_compact(operand, weight_min, weight_max, bits))
             x_saved = (x, x_min, x_max) if producer_keeps else x_codes if keep_x else NOT_SAVED
+            if layer.cpt_precision.relu_masks:
+                hand_over_input(x, x_saved[0])
             ctx.save_for_backward(*x_saved, *(weight_codes if needs_x else NOT_SAVED))
             autocast = torch.is_autocast_enabled(x.device.type)
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -144,6 +148,8 @@ class QuantizedProducts(torch.autograd.Function):
         else:  # quantized by the layer already (its codes kept for the other forwards of this optimizer step)
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
+        if layer.cpt_precision.relu_masks:
+            hand_over_input(x, x_saved[0])
         ctx.save_for_backward(*x_saved, *weight_saved)
         return layer.compute(x_value, weight_value)
 
@@ -155,6 +161,8 @@ class QuantizedProducts(torch.autograd.Function):
         input_error = weight_error = error
         if ctx.grad_bits is not None:
             quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error")
+            if error.device.type == "cpu" and not torch.compiler.is_compiling():  # traced code takes no buffer
+                _hand_back_errors_when_the_backward_ends()
             input_error = quantized if errors.quantizes_input_gradient else error
             weight_error = quantized if errors.quantizes_weight_gradient else error
         compute_dtype = error.dtype
@@ -175,6 +183,17 @@ class QuantizedProducts(torch.autograd.Function):
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
                 None, None)
+
+
+def _hand_back_errors_when_the_backward_ends() -> None:
+    """Hand the reused error buffer's pages back when the running backward pass ends (`scratch.hand_back_later`; one
+    call per layer: the first hands them back, the others find none). The buffer grows to the largest error, in a
+    CNN the first layers', which come last, when most activations are freed; kept resident, it would add that size
+    to the next forward's peak. The next backward faults its pages in again (docs/method.md §2, "Reused buffers")."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(scratch.hand_back_later("error"))
+    except RuntimeError:  # not inside an engine's backward pass
+        pass
 
 
 def _gradients(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import relu_masks
 # The attribute a layer's output carries when it can be recomputed from codes.
 RECOMPUTABLE = "_cpt_recomputable"
 
@@ -82,6 +83,7 @@ class RecomputedActivationMixin:
     recomputable output (`RecomputableOutput`); any other input runs the activation as it was."""
 
     float_class: type  # set on each converted class
+    masks_relu_output = False  # `ReLUKeepingMask`: keeps its output until a quantized layer hands it a mask
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.float_class.forward(self, x)
@@ -92,6 +94,8 @@ class RecomputedActivationMixin:
         recipe = getattr(x, RECOMPUTABLE, None) if isinstance(x, torch.Tensor) else None
         if (recipe is None or recipe.tensors is None or not torch.is_grad_enabled() or not recipe.matches(x)
                 or getattr(self, "inplace", False)):
+            if self.masks_relu_output and isinstance(x, torch.Tensor) and relu_masks.runs_here(x):
+                return relu_masks.relu_handing_over(x, self.inplace)
             return self.float_forward(x)
         return _ActivationOfRecomputedInput.apply(x, self, recipe, *recipe.tensors)
 
@@ -110,9 +114,9 @@ def _activation_classes() -> list[type]:
     return classes + [getattr(activations, name) for name in names if hasattr(activations, name)]
 
 
-def _recomputed_class(float_class: type) -> type:
-    cls = type(f"Recomputed{float_class.__name__}", (RecomputedActivationMixin, float_class),
-               {"float_class": float_class, "__module__": __name__, "__doc__": float_class.__doc__})
+def _recomputed_class(float_class: type, name: str | None = None, **attributes) -> type:
+    cls = type(name or f"Recomputed{float_class.__name__}", (RecomputedActivationMixin, float_class),
+               {"float_class": float_class, "__module__": __name__, "__doc__": float_class.__doc__, **attributes})
     globals()[cls.__name__] = cls  # importable by name: a pickled model finds its class
     return cls
 
@@ -121,12 +125,16 @@ def _recomputed_class(float_class: type) -> type:
 RECOMPUTED_ACTIVATION_CLASSES: dict[type, type] = {
     float_class: _recomputed_class(float_class) for float_class in dict.fromkeys(_activation_classes())
 }
+# A ReLU that also keeps a mask in place of an output a quantized layer keeps as codes (`relu_masks`).
+ReLUKeepingMask = _recomputed_class(nn.ReLU, "ReLUKeepingMask", masks_relu_output=True)
 
 
-def convert_activation(module: nn.Module) -> bool:
-    """Make ``module`` recompute its input where it can (in place); False when its class is not converted or it
-    holds parameters or buffers."""
-    recomputed = RECOMPUTED_ACTIVATION_CLASSES.get(type(module))
+def convert_activation(module: nn.Module, recompute: bool = True, relu_masks: bool = True) -> bool:
+    """Make ``module`` recompute its input where it can (``recompute``), or, a ReLU, keep a mask in place of its
+    output where it can (``relu_masks``, `hf_cpt.nn.relu_masks`), in place; False when its class is not converted
+    for either or it holds parameters or buffers."""
+    masks = relu_masks and type(module) is nn.ReLU
+    recomputed = ReLUKeepingMask if masks else RECOMPUTED_ACTIVATION_CLASSES.get(type(module)) if recompute else None
     if recomputed is None or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return False
     module.__class__ = recomputed

@@ -14,7 +14,8 @@ A buffer serves one use at a time: whoever takes one reads it before the next ``
 returns it or keeps it. Per thread (autograd runs one backward per device thread); CPU only (an accelerator's
 caching allocator hands out reserved memory without faults). The buffers stay until `release` (the Trainer
 integration calls it when training ends): freeing them after every backward pass and mapping them anew made a
-CIFAR ResNet-20 step 6-10% slower (two runs). They hold the largest input, weight, rotated weight, rotated input and
+CIFAR ResNet-20 step 6-10% slower (two runs); `hand_back_later` hands one role's pages back instead, keeping its
+mapping (the layers do so for the error, which only the backward takes). They hold the largest input, weight, rotated weight, rotated input and
 error of the quantized layers (90 MiB for BERT-base at batch 16x128, 36 MiB for GPT-2 small at batch 2x128, 16 MiB
 for a CIFAR ResNet-20 at batch 128). This module knows nothing
 about quantization.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -35,22 +37,41 @@ def take(role: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> 
     """An uninitialized contiguous CPU tensor of ``shape`` and ``dtype``: the calling thread's buffer for ``role``,
     grown (never shrunk) to fit."""
     buffers: dict = _local.__dict__.setdefault("buffers", {})
+    mappings: dict = _local.__dict__.setdefault("mappings", {})
     numel, key = math.prod(shape), (role, dtype)
     flat = buffers.get(key)
     if flat is None or flat.numel() < numel:
         buffers.pop(key, None)  # the smaller buffer goes before the larger one is made
+        mappings.pop(key, None)
         with torch.inference_mode(False):  # a normal tensor, even when first taken under inference mode
-            flat = buffers[key] = _mapped(numel, dtype)
+            buffers[key], mappings[key] = _mapped(numel, dtype)
+        flat = buffers[key]
     return flat[:numel].view(shape)
 
 
-def _mapped(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor in memory mapped for it alone, outside the allocator's heap: a long-lived block there would sit
-    between the short-lived ones and keep the heap from closing the holes they leave."""
+def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """(a tensor in memory mapped for it alone, its mapping): outside the allocator's heap, where a long-lived block
+    would sit between the short-lived ones and keep the heap from closing the holes they leave."""
     size = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
     # Private where the platform has the flag: a forked child (a DataLoader worker) must not share the pages.
     private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
-    return torch.frombuffer(mmap.mmap(-1, size, **private), dtype=dtype, count=numel)
+    mapping = mmap.mmap(-1, size, **private)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
+
+
+def hand_back_later(role: str) -> Callable[[], None]:
+    """A function that hands the pages of the calling thread's buffers for ``role`` back to the system, whichever
+    thread calls it: the buffers stay (the same memory, read as zeros until written again), their pages leave the
+    resident set until the next `take` writes them. For a role that is largest where memory is low (a CNN's
+    first-layer errors, last in the backward) and would otherwise stay resident through the next forward's peak."""
+    state = _local.__dict__
+
+    def hand_back() -> None:
+        for (kind, _), mapping in state.get("mappings", {}).items():
+            if kind == role and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                mapping.madvise(mmap.MADV_DONTNEED)
+
+    return hand_back
 
 
 def held_bytes() -> int:
@@ -61,3 +82,4 @@ def held_bytes() -> int:
 def release() -> None:
     """Free the calling thread's buffers (the next `take` makes them anew)."""
     _local.__dict__.pop("buffers", None)
+    _local.__dict__.pop("mappings", None)

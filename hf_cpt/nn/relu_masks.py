@@ -1,0 +1,96 @@
+"""A ReLU's output handed over to the quantized layer it feeds (docs/method.md §2, "ReLU masks").
+
+A ReLU keeps its float output for its backward, which reads only where that output is positive. A quantized layer
+fed that output keeps integer codes of it for its own backward, so once such a layer has read it, no backward needs
+the float: the converted ReLU (`hf_cpt.nn.recompute` converts the activation modules) then keeps a one-byte mask
+instead of the four-byte output, and the layer its codes: two bytes a value where both used to share the float's four.
+Until a quantized layer takes it over, the ReLU keeps its output as autograd would, so a ReLU that feeds only
+full-precision layers keeps what it always kept. The gradient is autograd's, bit for bit (``ReluBackward0`` passes
+the error where the output is not ``<= 0``).
+
+A ReLU under saved-tensor hooks (activation checkpointing, offloading) or in a compiled graph runs as it was: it keeps
+its output outside ``save_for_backward``, which such hooks would not see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KeptOutput:
+    """What a converted ReLU keeps for its backward: its output (a detached alias: no reference cycle through the
+    output's own graph node) until a quantized layer that keeps codes of it calls `hand_over`, then the mask of
+    where it is ``<= 0``."""
+
+    __slots__ = ("output", "version", "not_positive")
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self.output: torch.Tensor | None = output.detach()  # shares the output's version counter
+        self.version = output._version
+        self.not_positive: torch.Tensor | None = None
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the kept output, unchanged since the ReLU made it."""
+        kept = self.output
+        return (kept is not None and x._version == self.version
+                and kept.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+                and kept.storage_offset() == x.storage_offset() and kept.shape == x.shape
+                and kept.stride() == x.stride())
+
+    def hand_over(self) -> None:
+        """Keep the mask, drop the output (its reader keeps codes of it)."""
+        if self.output is not None:
+            self.not_positive = self.output <= 0
+            self.output = None
+
+    def mask(self) -> torch.Tensor:
+        """Where the output is ``<= 0``: the error stops there."""
+        if self.output is None:
+            return self.not_positive
+        if self.output._version != self.version:
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               "inplace operation: the output of a ReLU (hf_cpt.nn.relu_masks).")
+        return self.output <= 0
+
+
+class _ReLUHandingOver(torch.autograd.Function):
+    """``relu(x)`` (in place where ``inplace``) keeping a `KeptOutput`, on the node as ``cpt_kept_output``."""
+
+    @staticmethod
+    def forward(ctx, x, inplace):
+        if inplace:
+            ctx.mark_dirty(x)
+            return x.relu_()
+        return x.relu()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.masked_fill(ctx.cpt_kept_output.mask(), 0), None
+
+
+def relu_handing_over(x: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """``relu(x)`` whose kept output a quantized layer reading it may exchange for a mask (`hand_over_input`)."""
+    output = _ReLUHandingOver.apply(x, inplace)
+    output.grad_fn.cpt_kept_output = KeptOutput(output)  # after apply: an in-place call bumps the version on return
+    return output
+
+
+def runs_here(x: torch.Tensor) -> bool:
+    """Whether a ReLU of ``x`` may keep its output this way: training (grad enabled, ``x`` needs one), no
+    saved-tensor hooks, not traced."""
+    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return (x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_dynamo_compiling()
+            and hooks is not None and hooks(False) is None)
+
+
+def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None) -> None:
+    """Called by a quantized layer fed ``x`` with what its backward keeps in place of ``x`` (``saved``: codes, a
+    quantized copy, ``x`` itself, or None): unless that is ``x``, and ``x`` is a converted ReLU's unchanged output,
+    that ReLU keeps its mask from now on instead of ``x``."""
+    if torch.compiler.is_dynamo_compiling():  # a traced graph holds no converted ReLU's node
+        return
+    kept = getattr(x.grad_fn, "cpt_kept_output", None)
+    if kept is None or not kept.holds(x):
+        return
+    if saved is None or saved.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        kept.hand_over()

@@ -1,0 +1,166 @@
+"""ReLUs that keep a mask in place of an output a quantized layer keeps as codes (hf_cpt/nn/relu_masks.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
+from hf_cpt.nn.relu_masks import hand_over_input, relu_handing_over
+
+HANDING_OVER = "_ReLUHandingOverBackward"
+
+
+def _kept(node):
+    return node.cpt_kept_output
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("handed_over", [False, True])
+def test_the_gradient_is_relus_bit_for_bit(inplace, handed_over):
+    """Zeros of both signs, NaN and infinities included: the error passes where the output is not <= 0, as
+    ``ReluBackward0``."""
+    values = torch.tensor([-2.0, -0.0, 0.0, 1e-30, 3.0, float("nan"), float("inf"), -float("inf")])
+    source = torch.cat([values, torch.randn(56)]).requires_grad_()
+    error = torch.randn(64)
+    reference = torch.relu(source * 1.0)
+    (expected,) = torch.autograd.grad(reference, source, error)
+    x = source * 1.0  # a non-leaf: the in-place ReLU applies
+    output = relu_handing_over(x, inplace)
+    assert output.grad_fn.name() == HANDING_OVER and (output is x) == inplace
+    if handed_over:
+        hand_over_input(output, saved=None)
+        assert _kept(output.grad_fn).output is None and _kept(output.grad_fn).not_positive.dtype == torch.bool
+    (got,) = torch.autograd.grad(output, source, error)
+    torch.testing.assert_close(output, reference, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got, expected)
+
+
+def test_an_output_edited_in_place_fails_the_backward_as_with_autograds_relu():
+    for relu in (torch.relu, lambda t: relu_handing_over(t, False)):
+        output = relu(torch.randn(8, requires_grad=True) * 1.0)
+        output.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            output.sum().backward()
+
+
+def test_a_layer_keeping_the_tensor_itself_leaves_the_relu_its_output():
+    output = relu_handing_over(torch.randn(8, requires_grad=True) * 1.0, False)
+    hand_over_input(output, saved=output)  # the layer keeps x: the float stays, no mask beside it
+    assert _kept(output.grad_fn).output is not None
+    edited = output * 1.0
+    hand_over_input(edited, saved=None)  # not a converted ReLU's output: nothing to hand over
+    assert _kept(output.grad_fn).output is not None
+
+
+def _cnn(first_in_fp32: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),  # fed by a BatchNorm
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),  # the second ReLU's reader: quantized, or kept in FP32
+        nn.Flatten(), nn.Linear(8 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 4),  # a ReLU MLP on float products
+    )
+
+
+def _quantized(model: nn.Module, masks: bool, **options) -> nn.Module:
+    model = copy.deepcopy(model)
+    settings = {"quant_scheme": "paper", "integer_matmul": False, "include_modules": ["8"], **options}
+    report = quantize_model(model, CPTConfig(relu_masks=masks, **settings))
+    set_precision(model, 6, 8)
+    model.train()
+    model.cpt_report = report
+    return model
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[list, dict]:
+    """(the ReLU nodes of one training forward, the gradients of its backward)."""
+    model.zero_grad(set_to_none=True)
+    outputs, hooks = [], [m.register_forward_hook(lambda m, i, o: outputs.append(o)) for m in model
+                          if isinstance(m, nn.ReLU)]
+    torch.manual_seed(1)  # the same stochastic rounding of the errors
+    loss = model(x).square().sum()
+    for hook in hooks:
+        hook.remove()
+    nodes = [o.grad_fn for o in outputs]
+    loss.backward()
+    return nodes, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_a_cnn_keeps_masks_and_codes_and_trains_bit_for_bit(integer):
+    """Every ReLU feeding a quantized layer keeps a bool mask (the layer its codes): the gradients of the model whose
+    ReLUs keep their outputs, bit for bit. A ReLU fed by a product on codes recomputes its input instead."""
+    model, x = _cnn(), torch.randn(4, 3, 8, 8)
+    masked = _quantized(model, True, integer_matmul=integer)
+    assert masked.cpt_report.relu_masks == ["2", "5", "9"] and "ReLUs that keep a mask" in str(masked.cpt_report)
+    nodes, gradients = _step(masked, x)
+    last = "_ActivationOfRecomputedInputBackward" if integer else HANDING_OVER
+    assert [node.name() for node in nodes] == [HANDING_OVER, HANDING_OVER, last]
+    assert all(_kept(node).output is None and _kept(node).not_positive.dtype == torch.bool
+               for node in nodes if node.name() == HANDING_OVER)
+    plain = _quantized(model, False, integer_matmul=integer)
+    assert plain.cpt_report.relu_masks == []
+    plain_nodes, expected = _step(plain, x)
+    assert [node.name() for node in plain_nodes] == ["ReluBackward0"] * 2 + [last if integer else "ReluBackward0"]
+    assert gradients.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(gradients[name], expected[name]), name
+    dequantize_model(masked)
+    assert all(type(m) is nn.ReLU for m in masked if isinstance(m, nn.ReLU))
+
+
+def test_a_relu_read_by_a_full_precision_layer_keeps_its_output():
+    masked = _quantized(_cnn(), True, exclude_modules=["6"])
+    nodes, _ = _step(masked, torch.randn(4, 3, 8, 8))
+    assert [_kept(node).output is None for node in nodes] == [True, False, True]
+
+
+def test_under_saved_tensor_hooks_and_in_eval_the_relu_runs_as_before():
+    """Checkpointing and offloading hooks see what a node saves: the ReLU keeps its output there as autograd does."""
+    masked = _quantized(_cnn(), True)
+    x = torch.randn(4, 3, 8, 8)
+    outputs = []
+    hooks = [m.register_forward_hook(lambda m, i, o: outputs.append(o)) for m in masked if isinstance(m, nn.ReLU)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        masked(x)
+    with torch.no_grad():
+        masked(x)
+    for hook in hooks:
+        hook.remove()
+    assert [o.grad_fn.name() for o in outputs[:3]] == ["ReluBackward0"] * 3
+    assert all(o.grad_fn is None for o in outputs[3:])
+
+
+def test_a_timm_resnet_hands_over_every_relu_a_convolution_reads_and_trains_bit_for_bit():
+    """timm's ResNet-18 (in-place ReLU modules, each called once per block or twice): every ReLU output a quantized
+    convolution reads is kept as a mask, all but the stem's (read by the max-pool, which keeps it); the gradients
+    are those without masks, bit for bit."""
+    timm = pytest.importorskip("timm")
+
+    torch.manual_seed(0)
+    base = timm.create_model("resnet18", num_classes=10)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+    gradients = []
+    for masks in (True, False):
+        model = copy.deepcopy(base)
+        quantize_model(model, CPTConfig(relu_masks=masks))
+        set_precision(model, 6, 8)
+        model.train()
+        outputs = []
+        hooks = [m.register_forward_hook(lambda m, i, o: outputs.append(o)) for m in model.modules()
+                 if isinstance(m, nn.ReLU)]
+        torch.manual_seed(1)
+        loss = nn.functional.cross_entropy(model(x), y)
+        for hook in hooks:
+            hook.remove()
+        if masks:
+            assert len(outputs) == 17 and all(o.grad_fn.name() == HANDING_OVER for o in outputs)
+            assert [_kept(o.grad_fn).output is None for o in outputs] == [False] + [True] * 15 + [False]
+        loss.backward()
+        gradients.append([p.grad for p in model.parameters()])
+    for got, expected in zip(*gradients):
+        assert torch.equal(got, expected)
