@@ -1,3 +1,4 @@
+import mmap
 import os
 import threading
 
@@ -96,3 +97,20 @@ def test_a_role_handed_back_leaves_the_resident_set_and_serves_again_from_anothe
     assert again.data_ptr() == error.data_ptr()  # the same buffer, paged in again when written
     again.fill_(3.0)
     assert again.sum().item() == 3 * 1024 * 1024 and _resident_kib(again.data_ptr()) >= before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_hand_back_keeps_the_first_bytes_asked_for_rounded_up_to_a_page():
+    error = scratch.take("error", (1024, 1024), torch.float32)
+    error.fill_(1.0)
+    before = _resident_kib(error.data_ptr())
+    keep = 1024 * 1024 + 1  # one byte into the next page: that page stays too
+    scratch.hand_back_later("error", keep)()
+    page = mmap.PAGESIZE
+    kept_values = -(-keep // page) * page // 4
+    handed_back = (4 * 1024 * 1024 - kept_values * 4) // 1024
+    assert abs(before - _resident_kib(error.data_ptr()) - handed_back) <= 8  # KiB; the mapping's own pages aside
+    flat = error.flatten()
+    assert flat[:kept_values].eq(1.0).all() and flat[kept_values:].eq(0.0).all()  # the rest reads as zeros
+    scratch.hand_back_later("error", 8 * 1024 * 1024)()  # more than the buffer holds: nothing to hand back
+    assert flat[:kept_values].eq(1.0).all()

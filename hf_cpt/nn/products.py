@@ -9,6 +9,8 @@ are quantized by their own node.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..numerics import scratch
@@ -162,7 +164,7 @@ class QuantizedProducts(torch.autograd.Function):
         if ctx.grad_bits is not None:
             quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error")
             if error.device.type == "cpu" and not torch.compiler.is_compiling():  # traced code takes no buffer
-                _hand_back_errors_when_the_backward_ends()
+                _hand_back_errors_when_the_backward_ends(error)
             input_error = quantized if errors.quantizes_input_gradient else error
             weight_error = quantized if errors.quantizes_weight_gradient else error
         compute_dtype = error.dtype
@@ -185,15 +187,22 @@ class QuantizedProducts(torch.autograd.Function):
                 None, None)
 
 
-def _hand_back_errors_when_the_backward_ends() -> None:
-    """Hand the reused error buffer's pages back when the running backward pass ends (`scratch.hand_back_later`; one
-    call per layer: the first hands them back, the others find none). The buffer grows to the largest error, in a
-    CNN the first layers', which come last, when most activations are freed; kept resident, it would add that size
-    to the next forward's peak. The next backward faults its pages in again (docs/method.md §2, "Reused buffers")."""
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(scratch.hand_back_later("error"))
-    except RuntimeError:  # not inside an engine's backward pass
-        pass
+_passes = threading.local()  # the backward pass (graph task) that has queued its hand-back on this thread
+
+
+def _hand_back_errors_when_the_backward_ends(error: torch.Tensor) -> None:
+    """Once per backward pass (at its first quantized error, ``error``): hand the reused error buffer's pages back
+    when the pass ends, all but those that first error takes (`scratch.hand_back_later`). The buffer grows to the
+    largest error, in a CNN the first layers', which the backward reaches last, when most activations are freed
+    already; kept resident, it would add that size to the next forward's peak. The first error of the next pass
+    fills the pages kept, at the peak anyway; the rest are faulted in again later in that pass (docs/method.md §2,
+    "Reused buffers")."""
+    task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+    if task < 0 or getattr(_passes, "task", None) == task:  # outside an engine's pass, or queued already
+        return
+    torch.autograd.Variable._execution_engine.queue_callback(
+        scratch.hand_back_later("error", error.numel() * error.element_size()))
+    _passes.task = task
 
 
 def _gradients(

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import relu_masks
+
 # The attribute a layer's output carries when it can be recomputed from codes.
 RECOMPUTABLE = "_cpt_recomputable"
 

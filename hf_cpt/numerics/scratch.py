@@ -14,11 +14,11 @@ A buffer serves one use at a time: whoever takes one reads it before the next ``
 returns it or keeps it. Per thread (autograd runs one backward per device thread); CPU only (an accelerator's
 caching allocator hands out reserved memory without faults). The buffers stay until `release` (the Trainer
 integration calls it when training ends): freeing them after every backward pass and mapping them anew made a
-CIFAR ResNet-20 step 6-10% slower (two runs); `hand_back_later` hands one role's pages back instead, keeping its
-mapping (the layers do so for the error, which only the backward takes). They hold the largest input, weight, rotated weight, rotated input and
-error of the quantized layers (90 MiB for BERT-base at batch 16x128, 36 MiB for GPT-2 small at batch 2x128, 16 MiB
-for a CIFAR ResNet-20 at batch 128). This module knows nothing
-about quantization.
+CIFAR ResNet-20 step 6-10% slower (two runs); `hand_back_later` hands some of one role's pages back instead,
+keeping its mapping (the layers do so for the error, which only the backward takes). They hold the largest input,
+weight, rotated weight, rotated input and error of the quantized layers (90 MiB for BERT-base at batch 16x128,
+36 MiB for GPT-2 small at batch 2x128, 16 MiB for a CIFAR ResNet-20 at batch 128). This module knows nothing about
+quantization.
 """
 
 from __future__ import annotations
@@ -59,17 +59,19 @@ def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
     return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
 
 
-def hand_back_later(role: str) -> Callable[[], None]:
-    """A function that hands the pages of the calling thread's buffers for ``role`` back to the system, whichever
-    thread calls it: the buffers stay (the same memory, read as zeros until written again), their pages leave the
-    resident set until the next `take` writes them. For a role that is largest where memory is low (a CNN's
-    first-layer errors, last in the backward) and would otherwise stay resident through the next forward's peak."""
+def hand_back_later(role: str, keep_bytes: int = 0) -> Callable[[], None]:
+    """A function that hands the pages of the calling thread's buffers for ``role`` back to the system, all but the
+    first ``keep_bytes``, whichever thread calls it: the buffers stay (the same memory, read as zeros until written
+    again), those pages leave the resident set until a `take` writes them again. For a role that is largest where
+    memory is low (a CNN's first-layer errors, last in the backward) and would otherwise stay resident through the
+    next forward's peak."""
     state = _local.__dict__
+    start = -(-keep_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # page-aligned
 
     def hand_back() -> None:
-        for (kind, _), mapping in state.get("mappings", {}).items():
-            if kind == role and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-                mapping.madvise(mmap.MADV_DONTNEED)
+        for (kind, _), mapping in list(state.get("mappings", {}).items()):
+            if kind == role and start < len(mapping) and hasattr(mmap, "MADV_DONTNEED"):
+                mapping.madvise(mmap.MADV_DONTNEED, start, len(mapping) - start)
 
     return hand_back
 
