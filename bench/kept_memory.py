@@ -72,6 +72,17 @@ def kept_by_group(model: torch.nn.Module, batch: dict) -> dict[str, float]:
     return dict(sorted(kept.items(), key=lambda item: order.index(item[0])))
 
 
+def _without_cases(argv: list[str]) -> list[str]:
+    """``argv`` less the ``--cases`` option and its values."""
+    kept, skipping = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            skipping = arg == "--cases"
+        if not skipping:
+            kept.append(arg)
+    return kept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -82,7 +93,8 @@ def main() -> None:
             results = json.load(f)
     except (OSError, ValueError):
         results = {"rows": []}
-    results.update(command="python " + " ".join(sys.argv), torch=torch.__version__)
+    # The command that makes the whole table: a resumed run with --cases adds columns to the earlier ones.
+    results.update(command="python " + " ".join(_without_cases(sys.argv)), torch=torch.__version__)
     done = {row["key"] for row in results["rows"]}
     for key in args.cases:
         if key in done:
@@ -100,9 +112,14 @@ def main() -> None:
         results["rows"].append(row)
         print(f"{key}: plain {sum(row['plain'].values()):.0f} MiB, CPT 8/8 {sum(row['quant'].values()):.0f} MiB",
               flush=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=1)
+        _write(args.output, results)
+    _write(args.output, results)
+
+
+def _write(path: str, results: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

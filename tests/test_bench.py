@@ -680,3 +680,9 @@ def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
          "rows": [{"key": "convs", "plain": plain, "quant": quantized}]})
     assert lines[-1].startswith("| **total** | ") and lines[-1].count("/") == 1
     assert sum(line.startswith("| activations") for line in lines) == 1
+    # a ReLU module's mask counts for the activation too, and the codes kept in place of its output for the layer
+    masked = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH)
+    assert masked["activations (their input or output)"] == RELU_OUTPUT / 4 / mib
+    # the command recorded makes the whole table: a resumed run's --cases leaves it
+    argv = ["bench/kept_memory.py", "--cases", "gpt2", "vit-s", "--output", "x.json"]
+    assert kept_memory._without_cases(argv) == ["bench/kept_memory.py", "--output", "x.json"]
