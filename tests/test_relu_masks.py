@@ -39,6 +39,18 @@ def test_the_gradient_is_relus_bit_for_bit(inplace, handed_over):
     assert torch.equal(got, expected)
 
 
+def test_an_in_place_relu_of_a_view_runs_as_autograds():
+    source = torch.randn(4, 6, requires_grad=True)
+    gradients = []
+    for relu in (torch.relu_, lambda t: relu_handing_over(t, True)):
+        source.grad = None
+        x = source * 1.0
+        relu(x[:, :3])  # edits x through the view
+        (x * torch.arange(6.0)).sum().backward()
+        gradients.append(source.grad.clone())
+    assert torch.equal(*gradients)
+
+
 def test_an_output_edited_in_place_fails_the_backward_as_with_autograds_relu():
     for relu in (torch.relu, lambda t: relu_handing_over(t, False)):
         output = relu(torch.randn(8, requires_grad=True) * 1.0)

@@ -69,7 +69,10 @@ class _ReLUHandingOver(torch.autograd.Function):
 
 
 def relu_handing_over(x: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """``relu(x)`` whose kept output a quantized layer reading it may exchange for a mask (`hand_over_input`)."""
+    """``relu(x)`` whose kept output a quantized layer reading it may exchange for a mask (`hand_over_input`); an
+    in-place ReLU of a view runs as autograd's (autograd puts such an edit on the view's base, not on this node)."""
+    if inplace and x._is_view():
+        return x.relu_()
     output = _ReLUHandingOver.apply(x, inplace)
     output.grad_fn.cpt_kept_output = KeptOutput(output)  # after apply: an in-place call bumps the version on return
     return output
