@@ -68,7 +68,7 @@ def test_a_layer_keeping_the_tensor_itself_leaves_the_relu_its_output():
     assert _kept(output.grad_fn).output is not None
 
 
-def _cnn(first_in_fp32: bool = False) -> nn.Module:
+def _cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),  # fed by a BatchNorm
@@ -162,8 +162,8 @@ def test_a_timm_resnet_hands_over_every_relu_a_convolution_reads_and_trains_bit_
         quantize_model(model, CPTConfig(relu_masks=masks))
         set_precision(model, 6, 8)
         model.train()
-        outputs = []
-        hooks = [m.register_forward_hook(lambda m, i, o: outputs.append(o)) for m in model.modules()
+        outputs: list[torch.Tensor] = []
+        hooks = [m.register_forward_hook(lambda m, i, o, record=outputs.append: record(o)) for m in model.modules()
                  if isinstance(m, nn.ReLU)]
         torch.manual_seed(1)
         loss = nn.functional.cross_entropy(model(x), y)
