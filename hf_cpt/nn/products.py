@@ -19,6 +19,7 @@ from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize
 from ..numerics.rotation import Rotation
 from .recompute import mark_recomputable
 from .relu_masks import hand_over_input
+from .saved import same_view, saved_as_is
 
 NOT_SAVED = (None, None, None)
 
@@ -30,8 +31,7 @@ RESULT_KEEPING_NODES = frozenset({"ReluBackward0", "SigmoidBackward0", "TanhBack
 def kept_by_producer(x: torch.Tensor) -> bool:
     """Whether the autograd node that produced ``x`` keeps ``x`` itself for its backward, so that a reference to it
     costs no memory. Not while saved-tensor hooks run (offloading, checkpointing: the node's copy is not ``x``)."""
-    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if torch.compiler.is_dynamo_compiling() or hooks is None or hooks(False) is not None:
+    if not saved_as_is():
         return False
     node = x.grad_fn
     if node is None or node.name() not in RESULT_KEEPING_NODES:
@@ -40,9 +40,7 @@ def kept_by_producer(x: torch.Tensor) -> bool:
         saved = node._saved_result
     except RuntimeError:  # a backward through the producer ran already and freed it
         return False
-    return (saved.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-            and saved.storage_offset() == x.storage_offset() and saved.shape == x.shape
-            and saved.stride() == x.stride())
+    return same_view(saved, x)
 
 
 def keeps_input(layer, needs_input_grad: bool, needs_weight_grad: bool) -> bool:

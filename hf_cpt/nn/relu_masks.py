@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .saved import same_view, saved_as_is
+
 
 class KeptOutput:
     """What a converted ReLU keeps for its backward: its output (a detached alias: no reference cycle through the
@@ -31,11 +33,7 @@ class KeptOutput:
 
     def holds(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is the kept output, unchanged since the ReLU made it."""
-        kept = self.output
-        return (kept is not None and x._version == self.version
-                and kept.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-                and kept.storage_offset() == x.storage_offset() and kept.shape == x.shape
-                and kept.stride() == x.stride())
+        return self.output is not None and x._version == self.version and same_view(self.output, x)
 
     def hand_over(self) -> None:
         """Keep the mask, drop the output (its reader keeps codes of it)."""
@@ -43,14 +41,15 @@ class KeptOutput:
             self.not_positive = self.output <= 0
             self.output = None
 
-    def mask(self) -> torch.Tensor:
-        """Where the output is ``<= 0``: the error stops there."""
+    def gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """The input's gradient: ``grad`` where the output is not ``<= 0``, else zero (autograd's ReLU kernel on the
+        output while it is kept, one pass either way)."""
         if self.output is None:
-            return self.not_positive
+            return grad.masked_fill(self.not_positive, 0)
         if self.output._version != self.version:
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
                                "inplace operation: the output of a ReLU (hf_cpt.nn.relu_masks).")
-        return self.output <= 0
+        return torch.ops.aten.threshold_backward(grad, self.output, 0)
 
 
 class _ReLUHandingOver(torch.autograd.Function):
@@ -65,7 +64,7 @@ class _ReLUHandingOver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.masked_fill(ctx.cpt_kept_output.mask(), 0), None
+        return ctx.cpt_kept_output.gradient(grad), None
 
 
 def relu_handing_over(x: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -81,9 +80,7 @@ def relu_handing_over(x: torch.Tensor, inplace: bool) -> torch.Tensor:
 def runs_here(x: torch.Tensor) -> bool:
     """Whether a ReLU of ``x`` may keep its output this way: training (grad enabled, ``x`` needs one), no
     saved-tensor hooks, not traced."""
-    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return (x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_dynamo_compiling()
-            and hooks is not None and hooks(False) is None)
+    return x.requires_grad and torch.is_grad_enabled() and saved_as_is()
 
 
 def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None) -> None:
@@ -95,5 +92,5 @@ def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None) -> None:
     kept = getattr(x.grad_fn, "cpt_kept_output", None)
     if kept is None or not kept.holds(x):
         return
-    if saved is None or saved.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+    if saved is None or saved.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():  # not x, nor a view of it
         kept.hand_over()
