@@ -43,7 +43,7 @@ from torch import nn
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
-from hf_cpt.nn import products
+from hf_cpt.nn import dropout_masks, products
 from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.numerics import code_kernels, native, rotation
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
@@ -520,15 +520,17 @@ def with_torch_formulas(step: Step) -> Step:
 
 
 def with_kept_activation_inputs(step: Step) -> Step:
-    """``step`` with every activation keeping what autograd's keeps (as ``recompute_activation_inputs=False,
-    relu_masks=False``): no layer output is tagged as recomputable, no ReLU handed a mask."""
+    """``step`` with every activation and dropout keeping what autograd's keeps (as
+    ``recompute_activation_inputs=False, relu_masks=False, dropout_masks=False``): no layer output is tagged as
+    recomputable, no ReLU handed a mask, every dropout through ``F.dropout``."""
     def run():
-        originals = products.mark_recomputable, products.hand_over_input
+        originals = products.mark_recomputable, products.hand_over_input, dropout_masks.runs_here
         products.mark_recomputable = products.hand_over_input = lambda *args: None
+        dropout_masks.runs_here = lambda *args: False
         try:
             step()
         finally:
-            products.mark_recomputable, products.hand_over_input = originals
+            products.mark_recomputable, products.hand_over_input, dropout_masks.runs_here = originals
 
     return run
 
@@ -631,8 +633,9 @@ def main() -> None:
                         help="also time each quantized case with the torch formulas instead of the C kernels for "
                         "codes, ranges, products on codes and rotations (interleaved with the others)")
     parser.add_argument("--compare-recompute", action="store_true",
-                        help="also time the model steps, and measure their memory, with activations keeping what "
-                        "autograd's keep (recompute_activation_inputs=False, relu_masks=False)")
+                        help="also time the model steps, and measure their memory, with activations and dropouts "
+                        "keeping what autograd's keep (recompute_activation_inputs=False, relu_masks=False, "
+                        "dropout_masks=False)")
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
                         "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
@@ -784,7 +787,8 @@ def main() -> None:
         if "one_thread_ratio" in result:
             print(f"{'  same, C kernels on one thread each':<44}{'':>10}{'':>10}{result['one_thread_ratio']:>8.3f}")
         if "kept_inputs_ratio" in result:
-            print(f"{'  same, activations keep their own':<44}{'':>10}{'':>10}{result['kept_inputs_ratio']:>8.3f}")
+            print(f"{'  same, activations and dropouts keep their own':<44}{'':>10}{'':>10}"
+                  f"{result['kept_inputs_ratio']:>8.3f}")
         memory_target = case.memory_target
         del case  # its models and optimizer states: the fresh processes below need the memory
         _release_freed_memory()
@@ -817,10 +821,11 @@ def main() -> None:
                   f"{saved[1] / saved[0]:>8.3f}", flush=True)
             rows[-1].update(plain_saved_mib=saved[0], quant_saved_mib=saved[1])
             if args.compare_recompute:  # what recomputing activation inputs saves
-                kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False}
+                kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False,
+                               "dropout_masks": False}
                 peak = peak_memory_mib(memory_kinds[key], True, fused, env=FIXED_MMAP_THRESHOLD, options=kept_inputs)[0]
                 kept = saved_activations(memory_kinds[key], fused, kept_inputs)[1]
-                print(f"{'  same, activations keep their own':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
+                print(f"{'  same, activations and dropouts keep their own':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
                       f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed; kept for backward {kept:.0f} MiB)", flush=True)
                 rows[-1].update(memory_ratio_kept_inputs=peak / fixed[0], kept_inputs_saved_mib=kept)
         write()

@@ -237,9 +237,10 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "parameters excluded), which no allocator changes. A quantized layer keeps the uint8 codes of its "
                   "input and of its weight (a quarter of the weight's size, kept beside the weight, so at small "
                   "batches the two sides are close); an activation fed by a product on codes keeps references to those "
-                  "codes, not its float input (`recompute_activation_inputs`, ⊘); the rest is the model's own "
-                  "(LayerNorm inputs, dropout masks, softmax outputs), and with `quantize_attention` the attention "
-                  "products keep codes too, and their dropout a bool mask. "
+                  "codes, not its float input (`recompute_activation_inputs`, ⊘); dropout keeps a bool mask where "
+                  "PyTorch's keeps a float32 one on the CPU (`dropout_masks`, ⊘; no quantization, the same values bit "
+                  "for bit); the rest is the model's own (LayerNorm inputs, softmax outputs, the attention products' "
+                  "float operands), and with `quantize_attention` the attention products keep codes too. "
                   "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
                   "own backward: a ReLU module hands that output over for a bool mask once the conv has kept its "
                   "codes (`relu_masks`, ⊘; timm's ResNet-18), while after a functional `torch.relu` the conv keeps a "
@@ -260,10 +261,11 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "with the others: what running the kernels' slices on the workers that wait for torch's next "
                   "parallel region buys."]
     if any("kept_inputs_ratio" in row or "memory_ratio_kept_inputs" in row for row in overhead["rows"]):
-        lines += ["", "⊘ the same quantized step with every activation keeping what autograd's keeps "
-                  "(`recompute_activation_inputs=False, relu_masks=False`): its float input instead of recomputing "
-                  "it from the codes of the product before it in backward, a ReLU its float output instead of a mask "
-                  "(docs/method.md §2): its time, timed in the same run, interleaved with the others; its peak memory "
+        lines += ["", "⊘ the same quantized step with every activation and dropout keeping what "
+                  "autograd's keeps (`recompute_activation_inputs=False, relu_masks=False, dropout_masks=False`): its "
+                  "float input instead of recomputing it from the codes of the product before it in backward, a ReLU "
+                  "its float output instead of a mask, a CPU dropout a float32 mask (docs/method.md §2): its time, "
+                  "timed in the same run, interleaved with the others; its peak memory "
                   "as ‡ (one process) and what its forward keeps for backward, against the plain model's."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "

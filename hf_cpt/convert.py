@@ -18,6 +18,7 @@ from torch import nn
 from .config import CPTConfig
 from .nn.attention import attention_support, install_attention, uninstall_attention
 from .nn.base import QuantLayerMixin, input_features
+from .nn.dropout_masks import convert_dropout, restore_dropout
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.precision import PrecisionState
 from .nn.recompute import ReLUKeepingMask, convert_activation, restore_activation
@@ -43,6 +44,8 @@ class QuantizationReport:
     recomputing: list[str] = field(default_factory=list)
     # ReLUs that keep a mask in place of an output a quantized layer keeps as codes (`hf_cpt.nn.relu_masks`)
     relu_masks: list[str] = field(default_factory=list)
+    # nn.Dropout modules that keep a bool mask in CPU training (`hf_cpt.nn.dropout_masks`)
+    dropout_masks: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
@@ -58,6 +61,8 @@ class QuantizationReport:
         if self.relu_masks:
             lines.append(f"  ReLUs that keep a mask where a quantized layer keeps codes of their output: "
                          f"{len(self.relu_masks)}")
+        if self.dropout_masks:
+            lines.append(f"  dropouts that keep a bool mask in CPU training: {len(self.dropout_masks)}")
         return "\n".join(lines)
 
 
@@ -195,6 +200,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
         if convert_activation(module, config.recompute_activation_inputs, config.relu_masks):
             report.recomputing += [name] if config.recompute_activation_inputs else []
             report.relu_masks += [name] if isinstance(module, ReLUKeepingMask) else []
+        elif config.dropout_masks and convert_dropout(module):
+            report.dropout_masks.append(name)
     if any(p.device.type == "cpu" for p in model.parameters()):
         native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)
@@ -278,6 +285,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     uninstall_attention(model)
     for module in model.modules():
         restore_activation(module)
+        restore_dropout(module)
     return model
 
 

@@ -139,6 +139,17 @@ def test_gradient_accumulation_rotates_each_weight_once_per_step_and_trains_the_
 
     from .helpers import tiny_bert_config
 
+    kept = []  # how many layers' codes the cache holds: after each micro-batch, and during each optimizer step
+
+    class CacheProbe(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kwargs):
+            kept.append(("micro-batch", len(precision_of_probe[0].reused_weights._entries)))
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            kept.append(("optimizer", len(precision_of_probe[0].reused_weights._entries)))
+
+    precision_of_probe = []
+
     def train(reuse: bool):
         if not reuse:
             monkeypatch.setattr(QuantLayerMixin, "_weight_reuse_key", lambda self, bits, training: None)
@@ -149,13 +160,19 @@ def test_gradient_accumulation_rotates_each_weight_once_per_step_and_trains_the_
                                per_device_train_batch_size=4),
             train_dataset=token_classification_data(64),
             cpt_config=CPTConfig(bits_min=4, bits_max=8, num_cycles=2),
+            callbacks=[CacheProbe()] if reuse else None,
         )
+        precision_of_probe[:] = [trainer.model.bert.encoder.layer[0].attention.self.query.cpt_precision]
         trainer.train()
         monkeypatch.undo()
         callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, CPTCallback))
         return trainer.model, callback.meter
 
     reused_model, reused_meter = train(True)
+    # The micro-batches share the codes; the optimizer step runs with none of them kept (they would add a byte per
+    # weight to its peak).
+    quantized = sum(isinstance(m, QuantLayerMixin) for m in reused_model.modules())
+    assert kept == [("micro-batch", quantized), ("micro-batch", quantized), ("optimizer", 0)] * 4
     plain_model, plain_meter = train(False)
     for (name, a), b in zip(reused_model.state_dict().items(), plain_model.state_dict().values()):
         assert torch.equal(a, b), name  # reusing the codes changes no value

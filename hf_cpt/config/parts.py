@@ -203,10 +203,17 @@ class ActivationConfig:
         "two bytes a value less (a CNN's convolutions; docs/method.md §2)."
     )
 
+    dropout_masks: bool = setting(
+        True,
+        "In CPU training, dropout (nn.Dropout modules, and full-precision SDPA attention in float32) keeps a one-byte "
+        "mask for its backward instead of PyTorch's float32 one, as PyTorch's own dropout does on accelerators: the "
+        "same outputs, gradients and random numbers bit for bit, three bytes a value less (docs/method.md §2)."
+    )
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
-        for name in ("recompute_activation_inputs", "relu_masks"):
+        for name in ("recompute_activation_inputs", "relu_masks", "dropout_masks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
         if self.integer_matmul not in (True, False, "auto"):

@@ -142,6 +142,10 @@ class CPTCallback(TrainerCallback):
         self.precision.reused_weights.epoch += 1  # this step's micro-batches share one quantized copy of each weight
         self._set_bits(state.global_step)
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # The step's micro-batches are done: their weight codes go before the optimizer's temporaries arrive.
+        self.precision.reused_weights.epoch += 1
+
     def on_step_end(self, args, state, control, **kwargs):
         self.precision.reused_weights.epoch += 1  # the optimizer has changed the weights (an evaluation may follow)
         self.meter.end_step(self.bits, self.grad_bits)

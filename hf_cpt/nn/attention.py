@@ -16,8 +16,9 @@ additive mask) and switches the model to it; no module is rewritten. The functio
 * always counts the forward MACs of both products while training, so that the cost meter prices
   them (at the forward bits when quantized, else at 32 bits).
 
-Dropout on the probabilities and grouped key/value heads behave as in the eager implementation (on CPU the
-dropout keeps a bool mask for its backward, not a float one).
+Dropout on the probabilities and grouped key/value heads behave as in the eager implementation. In CPU training the
+dropout keeps a bool mask for its backward, not a float one, here and in full-precision SDPA
+(``CPTConfig.dropout_masks``, `hf_cpt.nn.dropout_masks`: the same values bit for bit).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 from torch import nn
 
 from ..numerics.fake_quant import quantize_ste, tensor_range, token_range
+from .dropout_masks import dropout as dropout_keeping_bool_mask
+from .dropout_masks import sdpa_keeping_bool_mask
 from .precision import PrecisionState
 from .products import QuantizedMatmul
 
@@ -90,12 +93,11 @@ def _quantized_matmul(a: torch.Tensor, b: torch.Tensor, bits: torch.Tensor, stat
     return torch.matmul(quantize_ste(a, *a_range, bits), quantize_ste(b, *b_range, bits))
 
 
-def _dropout(weights: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout on the probabilities. In CPU training through ``torch.native_dropout``, whose backward keeps a bool
-    mask: ``F.dropout`` keeps a float32 one on CPU (12 MiB per BERT-base layer at batch 16x128), a bool one on an
-    accelerator already."""
-    if training and p > 0 and weights.device.type == "cpu" and torch.is_grad_enabled():
-        return torch.native_dropout(weights, p, True)[0]
+def _dropout(weights: torch.Tensor, p: float, training: bool, precision: PrecisionState) -> torch.Tensor:
+    """Dropout on the probabilities; in CPU training with ``dropout_masks`` it keeps a bool mask
+    (`hf_cpt.nn.dropout_masks`)."""
+    if precision.dropout_masks:
+        return dropout_keeping_bool_mask(weights, p, training)
     return nn.functional.dropout(weights, p=p, training=training)
 
 
@@ -136,6 +138,10 @@ def cpt_attention_forward(
     if bits is None and state.replaced_implementation == "sdpa":  # full precision: the model's own kernel
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if precision.dropout_masks and training and dropout > 0 and query.device.type == "cpu":
+            with sdpa_keeping_bool_mask():  # SDPA's math path with a bool dropout mask, bit for bit
+                return sdpa_attention_forward(module, query, original_key, original_value, attention_mask,
+                                              scaling=scaling, dropout=dropout, **kwargs)
         return sdpa_attention_forward(module, query, original_key, original_value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     if bits is None:
@@ -148,7 +154,7 @@ def cpt_attention_forward(
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = _dropout(weights, dropout, module.training)
+    weights = _dropout(weights, dropout, module.training, precision)
     if bits is None:
         output = torch.matmul(weights, value)
     else:

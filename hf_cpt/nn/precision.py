@@ -29,6 +29,7 @@ class PrecisionState:
         integer_matmul: bool | str = "auto",
         recompute_activation_inputs: bool = True,
         relu_masks: bool = True,
+        dropout_masks: bool = True,
     ) -> None:
         self.bits = torch.zeros(())
         self.compact_codes = False
@@ -55,6 +56,8 @@ class PrecisionState:
         self.recomputed_macs = 0
         # A layer that keeps codes of a converted ReLU's output hands that ReLU a mask to keep (`hf_cpt.nn.relu_masks`).
         self.relu_masks = relu_masks
+        # CPU training dropout keeps a bool mask, not a float32 one (`hf_cpt.nn.dropout_masks`).
+        self.dropout_masks = dropout_masks
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
@@ -70,7 +73,8 @@ class PrecisionState:
         """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
         return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors,
                    getattr(settings, "integer_matmul", "auto"),  # a checkpoint's settings store neither
-                   getattr(settings, "recompute_activation_inputs", True), getattr(settings, "relu_masks", True))
+                   getattr(settings, "recompute_activation_inputs", True), getattr(settings, "relu_masks", True),
+                   getattr(settings, "dropout_masks", True))
 
     def on_device(self, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """``bits`` (one of the 0-d bit-width tensors, kept on the CPU) on ``device``, for the layers there.

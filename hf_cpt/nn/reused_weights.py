@@ -2,8 +2,9 @@
 
 A weight changes only at optimizer steps, so the micro-batches of one step (gradient accumulation) and the batches
 of one evaluation can compute with the codes the first forward rounded it to. `ReusedWeights` holds them, one entry
-per layer, for one epoch, which the Trainer integration advances at every step's start and end (a new epoch drops
-every entry); with no epoch (outside the Trainer) nothing is kept. This module knows nothing about quantization.
+per layer, for one epoch, which the Trainer integration advances at every step's start, before its optimizer step
+and at its end (a new epoch drops every entry); with no epoch (outside the Trainer) nothing is kept. This module
+knows nothing about quantization.
 """
 
 from __future__ import annotations
