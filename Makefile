@@ -24,6 +24,7 @@ bench: install
 	$(OFFLINE) $(PY) bench/overhead.py
 	$(OFFLINE) $(PY) bench/op_counts.py
 	$(OFFLINE) $(PY) bench/kept_memory.py
+	$(OFFLINE) $(PY) bench/peak_phases.py
 
 # Results on real data and a real pretrained model (../shared/data; each script about 40 minutes on
 # 2 cores; resumable: a finished run is skipped), then docs/RESULTS.md, docs/pretrained.md, README summary.

@@ -12,7 +12,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import overhead  # noqa: E402  (the bench's model builders and graph reader)
+from harness import load_results, save_results  # noqa: E402
 
 # group -> the autograd nodes it gathers; a tensor held by several nodes goes to the first group here that holds it.
 GROUPS = {
@@ -88,11 +88,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--output", default=os.path.join(HERE, "results", "kept_memory.json"))
     args = parser.parse_args()
-    try:
-        with open(args.output) as f:
-            results = json.load(f)
-    except (OSError, ValueError):
-        results = {"rows": []}
+    results = load_results(args.output)
+    results.setdefault("rows", [])
     # The command that makes the whole table: a resumed run with --cases adds columns to the earlier ones.
     results.update(command="python " + " ".join(_without_cases(sys.argv)), torch=torch.__version__)
     done = {row["key"] for row in results["rows"]}
@@ -112,14 +109,8 @@ def main() -> None:
         results["rows"].append(row)
         print(f"{key}: plain {sum(row['plain'].values()):.0f} MiB, CPT 8/8 {sum(row['quant'].values()):.0f} MiB",
               flush=True)
-        _write(args.output, results)
-    _write(args.output, results)
-
-
-def _write(path: str, results: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
+        save_results(args.output, results)
+    save_results(args.output, results)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,24 @@ def kept_memory_section(kept: dict) -> list[str]:
     return lines
 
 
+def peak_phases_section(phases: dict) -> list[str]:
+    """docs/benchmarks.md's table of where in a training step the peak memory falls, from `bench/peak_phases.py`'s
+    JSON: each phase's peak, the step's highest in bold."""
+    lines = [f"`{phases['command']}` (peak resident MiB of each phase of a training step, the highest over "
+             f"{phases['steps']} steps after a first one; a fresh process per side and allocator):", "",
+             "| case | allocator | side | forward | backward | optimizer step | CPT / plain, step peak |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for row in phases["rows"]:
+        for allocator, sides in row["peaks"].items():
+            ratio = max(sides["quant"].values()) / max(sides["plain"].values())
+            for side, label in (("plain", "plain"), ("quant", "CPT 8/8")):
+                top = max(sides[side].values())
+                cells = [f"**{mib:,.0f}**" if mib == top else f"{mib:,.0f}" for mib in sides[side].values()]
+                last = f"{ratio:.3f}" if side == "quant" else ""
+                lines.append(f"| {row['key']} | {allocator} | {label} | " + " | ".join(cells) + f" | {last} |")
+    return lines
+
+
 def overhead_summary(overhead: dict) -> list[str]:
     """The README's overhead table, from `bench/overhead.py`'s JSON."""
     integer = {True: "layers' training products on integer codes (this CPU has int8 dot products), ",
@@ -353,6 +371,9 @@ def main() -> None:
     kept = results_page.load(args.results, "kept_memory.json")
     if kept:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory", kept_memory_section(kept))
+    phases = results_page.load(args.results, "peak_phases.json")
+    if phases:
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "peak-phases", peak_phases_section(phases))
     counts = results_page.load(args.results, "op_counts.json")
     if counts:
         replace_block(args.readme, "op-counts", op_counts_summary(counts))

@@ -686,3 +686,37 @@ def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
     # the command recorded makes the whole table: a resumed run's --cases leaves it
     argv = ["bench/kept_memory.py", "--cases", "gpt2", "vit-s", "--output", "x.json"]
     assert kept_memory._without_cases(argv) == ["bench/kept_memory.py", "--output", "x.json"]
+
+
+class _KeepsABigTensor(torch.nn.Module):
+    """A forward that keeps 64 MiB for its backward (and makes as much again, freed at once); nothing in the
+    optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        big = torch.ones(16 * 2**20) + x  # kept by the product for the scale's gradient
+        return {"loss": (big * self.scale).sum()}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_peak_phases_reset_the_peak_between_phases_and_the_report_marks_the_steps_peak():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import peak_phases
+
+    peaks = peak_phases.phase_peaks(_KeepsABigTensor(), {"x": torch.zeros(())}, steps=2)
+    assert list(peaks) == list(peak_phases.PHASES)
+    # blocks this large are mapped and unmapped by glibc: the forward's 128 MiB and the backward's 64 MiB are gone
+    # from the optimizer step's peak, which a peak not reset between phases would carry
+    assert peaks["forward"] - peaks["optimizer step"] > 100
+    assert peaks["backward"] - peaks["optimizer step"] > 50
+
+    plain = {"forward": 100.0, "backward": 150.0, "optimizer step": 120.0}
+    quant = {"forward": 90.0, "backward": 110.0, "optimizer step": 135.0}
+    lines = _load_report().peak_phases_section(
+        {"command": "python bench/peak_phases.py", "steps": 5,
+         "rows": [{"key": "bert", "peaks": {"default glibc": {"plain": plain, "quant": quant}}}]})
+    assert lines[-2] == "| bert | default glibc | plain | 100 | **150** | 120 |  |"
+    assert lines[-1] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 |"
