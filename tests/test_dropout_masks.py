@@ -133,15 +133,19 @@ def test_sdpa_within_the_mode_is_sdpa_bit_for_bit_with_a_bool_mask(case):
 
 
 def test_sdpa_calls_the_mode_does_not_reproduce_run_as_they_were():
-    """bf16 (SDPA's math path computes it in float32), no dropout, eval: SDPA's own call."""
+    """bf16 (SDPA's math path computes it in float32), no dropout, a negative scale, 3-d inputs: SDPA's own call."""
     (q, k, v), _ = _sdpa_inputs({})
-    for dtype, dropout_p in ((torch.bfloat16, 0.2), (torch.float32, 0.0)):
-        qkv = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    for dtype, dropout_p, options in ((torch.bfloat16, 0.2, {}), (torch.float32, 0.0, {}),
+                                      (torch.float32, 0.2, {"scale": -0.3}), (torch.float32, 0.2, {"dims": 3})):
+        qkv = [t.to(dtype) for t in (q, k, v)]
+        if options.pop("dims", 4) == 3:
+            qkv = [t[0] for t in qkv]
+        qkv = [t.requires_grad_() for t in qkv]
         torch.manual_seed(0)
-        expected = F.scaled_dot_product_attention(*qkv, dropout_p=dropout_p)
+        expected = F.scaled_dot_product_attention(*qkv, dropout_p=dropout_p, **options)
         torch.manual_seed(0)
         with sdpa_keeping_bool_mask():
-            got = F.scaled_dot_product_attention(*qkv, dropout_p=dropout_p)
+            got = F.scaled_dot_product_attention(*qkv, dropout_p=dropout_p, **options)
         assert torch.equal(got, expected) and got.grad_fn.name() == expected.grad_fn.name()
 
 

@@ -82,7 +82,8 @@ def _math_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
             or any(t.is_nested or t.device.type != "cpu" for t in tensors)
             or key.dtype != torch.float32 or value.dtype != torch.float32
             or (attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32))
-            or (is_causal and attn_mask is not None) or query.dim() < 3):
+            or (is_causal and attn_mask is not None) or (scale is not None and not scale > 0)
+            or not query.dim() == key.dim() == value.dim() == 4):
         return None
     heads, kv_heads = (query.shape[-3], key.shape[-3])
     if kv_heads != heads and not (enable_gqa and heads % kv_heads == 0):
