@@ -64,10 +64,11 @@ class BasicBlock(nn.Module):
         self.shortcut = nn.Sequential()
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.relu = nn.ReLU(inplace=True)  # one module, called twice, as in the paper's code
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
 
 
 class CifarResNet(nn.Module):
@@ -81,6 +82,7 @@ class CifarResNet(nn.Module):
         n = (depth - 2) // 6
         self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
         layers, cin = [], 16
         for cout, stride in ((16, 1), (32, 2), (64, 2)):
             for i in range(n):
@@ -90,7 +92,7 @@ class CifarResNet(nn.Module):
         self.fc = nn.Linear(64, num_classes)
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        x = self.layers(torch.relu(self.bn1(self.conv1(pixel_values))))
+        x = self.layers(self.relu(self.bn1(self.conv1(pixel_values))))
         logits = self.fc(x.mean(dim=(2, 3)))
         out = {"logits": logits}
         if labels is not None:

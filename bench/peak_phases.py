@@ -5,7 +5,8 @@ under glibc's default allocator and with its mmap threshold fixed.
 each phase of each step, in a fresh process per side and allocator, so the README's two memory columns can be read:
 with the threshold fixed, large blocks go back to the system on free and the peak follows live memory; under the
 default, freed blocks stay resident in the heap, and the phase that adds fresh mappings on top of them peaks. Each
-phase's figure is its highest over the steps after the first (the optimizer's states arrive in the first). Resumable:
+phase's figure is its highest over the steps after the first (the optimizer's states arrive in the first); the
+quantized side also reports what its reused buffers hold (docs/method.md §2, "Reused buffers"). Resumable:
 a case already in the output file is skipped. ``python bench/report.py`` renders the JSON into docs/benchmarks.md.
 """
 
@@ -22,7 +23,8 @@ import overhead  # noqa: E402  (the bench's model builders and fresh-process run
 from harness import load_results, save_results  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer step")
-CASES = {"bert-base-16": "bert_base_16", "gpt2": "gpt2_small"}  # key -> the bench's model builder
+# key -> the bench's model builder
+CASES = {"bert-base-16": "bert_base_16", "gpt2": "gpt2_small", "resnet18": "resnet18", "resnet20": "resnet20"}
 ALLOCATORS = {"default glibc": None, "mmap threshold fixed": overhead.FIXED_MMAP_THRESHOLD}
 STEPS = 5
 
@@ -58,9 +60,13 @@ def phase_peaks(model, batch: dict, steps: int = STEPS) -> dict[str, float]:
     return peaks
 
 
-def measure(kind: str, quantized: bool, env: dict | None) -> dict[str, float]:
-    body = "import peak_phases; print(json.dumps(peak_phases.phase_peaks(model, batch)))"
-    return overhead._run_case_in_fresh_process(kind, quantized, True, body, env)[0]
+def measure(kind: str, quantized: bool, env: dict | None) -> tuple[dict[str, float], float]:
+    """(`phase_peaks` of one side of a case in a fresh process, the MiB its reused buffers hold at the end: the
+    quantized layers' `hf_cpt.numerics.scratch`, resident through every phase)."""
+    body = ("import peak_phases; from hf_cpt.numerics import scratch; "
+            "print(json.dumps([peak_phases.phase_peaks(model, batch), scratch.held_bytes() / 2**20]))")
+    peaks, reused = overhead._run_case_in_fresh_process(kind, quantized, True, body, env)[0]
+    return peaks, reused
 
 
 def main() -> None:
@@ -80,7 +86,11 @@ def main() -> None:
             continue
         row = {"key": key, "peaks": {}}
         for allocator, env in ALLOCATORS.items():
-            sides = {side: measure(CASES[key], side == "quant", env) for side in ("plain", "quant")}
+            sides = {}
+            for side in ("plain", "quant"):
+                sides[side], reused = measure(CASES[key], side == "quant", env)
+                if side == "quant":
+                    row["reused_buffers_mib"] = reused
             row["peaks"][allocator] = sides
             print(f"{key}, {allocator}: " + "; ".join(
                 f"{side} " + ", ".join(f"{phase} {mib:.0f}" for phase, mib in peaks.items())

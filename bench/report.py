@@ -182,17 +182,20 @@ def peak_phases_section(phases: dict) -> list[str]:
     """docs/benchmarks.md's table of where in a training step the peak memory falls, from `bench/peak_phases.py`'s
     JSON: each phase's peak, the step's highest in bold."""
     lines = [f"`{phases['command']}` (peak resident MiB of each phase of a training step, the highest over "
-             f"{phases['steps']} steps after a first one; a fresh process per side and allocator):", "",
-             "| case | allocator | side | forward | backward | optimizer step | CPT / plain, step peak |",
-             "|---|---|---|---:|---:|---:|---:|"]
+             f"{phases['steps']} steps after a first one; a fresh process per side and allocator; reused buffers: "
+             "the MiB the quantized layers' reused buffers hold, resident in every phase):", "",
+             "| case | allocator | side | forward | backward | optimizer step | CPT / plain, step peak "
+             "| reused buffers |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for row in phases["rows"]:
         for allocator, sides in row["peaks"].items():
             ratio = max(sides["quant"].values()) / max(sides["plain"].values())
             for side, label in (("plain", "plain"), ("quant", "CPT 8/8")):
                 top = max(sides[side].values())
                 cells = [f"**{mib:,.0f}**" if mib == top else f"{mib:,.0f}" for mib in sides[side].values()]
-                last = f"{ratio:.3f}" if side == "quant" else ""
-                lines.append(f"| {row['key']} | {allocator} | {label} | " + " | ".join(cells) + f" | {last} |")
+                last = [f"{ratio:.3f}", f"{row['reused_buffers_mib']:.0f}" if "reused_buffers_mib" in row else "-"]
+                cells += last if side == "quant" else ["", ""]
+                lines.append(f"| {row['key']} | {allocator} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -717,6 +717,7 @@ def test_peak_phases_reset_the_peak_between_phases_and_the_report_marks_the_step
     quant = {"forward": 90.0, "backward": 110.0, "optimizer step": 135.0}
     lines = _load_report().peak_phases_section(
         {"command": "python bench/peak_phases.py", "steps": 5,
-         "rows": [{"key": "bert", "peaks": {"default glibc": {"plain": plain, "quant": quant}}}]})
-    assert lines[-2] == "| bert | default glibc | plain | 100 | **150** | 120 |  |"
-    assert lines[-1] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 |"
+         "rows": [{"key": "bert", "peaks": {"default glibc": {"plain": plain, "quant": quant}},
+                   "reused_buffers_mib": 66.4}]})
+    assert lines[-2] == "| bert | default glibc | plain | 100 | **150** | 120 |  |  |"
+    assert lines[-1] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 | 66 |"

@@ -313,9 +313,9 @@ def test_calls_the_native_rotation_does_not_serve_keep_the_products():
 @pytest.mark.parametrize("features,dim", [(768, -1), (768, 0), (3072, 0), (96, -1), (576, 0)])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, transpose):
-    """``scratch``: the result lands in that role's buffer (its intermediates in a second one), bit for bit the values
-    of the rotation into fresh tensors, and a second call reuses the same memory; a tensor that needs its gradient is
-    refused (a reused buffer cannot carry autograd's history)."""
+    """``scratch``: the result lands in that role's buffer (its intermediates in a second one, ``between`` where
+    given), bit for bit the values of the rotation into fresh tensors, and a second call reuses the same memory; a
+    tensor that needs its gradient is refused (a reused buffer cannot carry autograd's history)."""
     from hf_cpt.numerics import scratch
 
     rotation = get_rotation(features)
@@ -329,6 +329,12 @@ def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, tran
         assert reused.data_ptr() == buffer.data_ptr()
         again = rotation.apply(x.flip(0), dim, transpose, scratch="rotated")
         assert again.data_ptr() == buffer.data_ptr() and torch.equal(again, rotation.apply(x.flip(0), dim, transpose))
+        stepped = ("rotated:step", torch.float32) in scratch._local.buffers  # factor by factor, not the C kernel
+        assert stepped == (dim == 0 or features == 96)  # (96 features: under the C kernel's size)
+        scratch.release()
+        between = rotation.apply(x, dim, transpose, scratch="rotated", between="idle")
+        assert torch.equal(between, rotation.apply(x, dim, transpose))
+        assert {role for role, _ in scratch._local.buffers} == {"rotated"} | ({"idle"} if stepped else set())
         with pytest.raises(ValueError, match="x.detach"):
             rotation.apply(x.requires_grad_(), dim, transpose, scratch="rotated")
     finally:

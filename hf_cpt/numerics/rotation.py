@@ -158,18 +158,20 @@ class Rotation:
             self.kinds,
         ))
 
-    def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False, scratch: str | None = None
-              ) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False, scratch: str | None = None,
+              between: str | None = None) -> torch.Tensor:
         """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable in ``x`` (the rotation is
         fixed: its backward is ``grad R^T`` and keeps nothing but the rotation). With ``scratch`` (a role of
         `hf_cpt.numerics.scratch`; no gradient through ``x``), a CPU result and its intermediates go into reused
-        buffers: for a caller that reads the result and drops it before that role is taken again."""
+        buffers: for a caller that reads the result and drops it before that role is taken again. The
+        intermediates go into the role ``between`` (a caller's buffer idle until the rotation returns; by default
+        one of their own, ``"<scratch>:step"``)."""
         self._check_features(x, dim)
         if torch.is_grad_enabled() and x.requires_grad:
             if scratch is not None:
                 raise ValueError("a rotation into a reused buffer takes no gradient: pass x.detach()")
             return _Rotate.apply(x, dim, transpose, self.signs, self.kinds, *self.factors)
-        return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, scratch)
+        return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, scratch, between)
 
     def stand_in(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """What stands for ``x R`` in the graph of a product that reads only codes made from ``x R`` elsewhere
@@ -232,7 +234,7 @@ def _build_axis_steps(
 
 def _rotate(
     x: torch.Tensor, dim: int, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...],
-    kinds: tuple[str, ...], scratch: str | None = None,
+    kinds: tuple[str, ...], scratch: str | None = None, between: str | None = None,
 ) -> torch.Tensor:
     """``x diag(s) (F_1 ⊗ F_2 ⊗ ...)`` along ``dim`` (its transpose with ``transpose=True``).
 
@@ -240,7 +242,7 @@ def _rotate(
     matrix product, along any ``dim``, so no step copies the tensor to move an axis (docs/method.md, "Rotation").
     Over the last axis of a float32 CPU tensor the C kernel runs instead (`_rotate_native`). With ``scratch`` (a
     role; CPU tensors outside a compiled graph), the result goes into that role's reused buffer and the
-    intermediates alternate with a second one.
+    intermediates alternate with a second one (``between``, else ``"<scratch>:step"``).
     """
     dim = dim % x.dim()
     trailing = math.prod(x.shape[dim + 1:])
@@ -253,8 +255,9 @@ def _rotate(
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
     steps = _axis_steps(factors, kinds, transpose, last_axis=trailing == 1)
     # Each step writes a new tensor: with scratch, into the two roles in turn so that the last one lands in scratch.
+    between = between or f"{scratch}:step"
     roles = [None] * (len(steps) + 1) if scratch is None else [
-        scratch if (len(steps) - i) % 2 == 0 else f"{scratch}:step" for i in range(len(steps) + 1)]
+        scratch if (len(steps) - i) % 2 == 0 else between for i in range(len(steps) + 1)]
     if not transpose:
         y = _out_of(roles[0], x.shape, torch.mul, x, signs)
         roles = roles[1:]

@@ -16,9 +16,8 @@ caching allocator hands out reserved memory without faults). The buffers stay un
 integration calls it when training ends): freeing them after every backward pass and mapping them anew made a
 CIFAR ResNet-20 step 6-10% slower (two runs); `hand_back_later` hands some of one role's pages back instead,
 keeping its mapping (the layers do so for the error, which only the backward takes). They hold the largest input,
-weight, rotated weight, rotated input and error of the quantized layers (90 MiB for BERT-base at batch 16x128,
-36 MiB for GPT-2 small at batch 2x128, 16 MiB for a CIFAR ResNet-20 at batch 128). This module knows nothing about
-quantization.
+weight, rotated weight and error of the quantized layers (what each bench model's hold: docs/benchmarks.md,
+peak-phases table). This module knows nothing about quantization.
 """
 
 from __future__ import annotations
