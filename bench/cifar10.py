@@ -54,8 +54,12 @@ DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-3-8/8", "static-6/6", "cpt-3-6/6"]
 # ----------------------------------------------------------------------------- model
 
 
+def _relu_function(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x)
+
+
 class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
+    def __init__(self, cin: int, cout: int, stride: int, functional_relu: bool = False) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(cout)
@@ -64,7 +68,8 @@ class BasicBlock(nn.Module):
         self.shortcut = nn.Sequential()
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-        self.relu = nn.ReLU(inplace=True)  # one module, called twice, as in the paper's code
+        # one module, called twice, as in the paper's code (or ``torch.relu``, as much other CIFAR code calls it)
+        self.relu = _relu_function if functional_relu else nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -72,21 +77,22 @@ class BasicBlock(nn.Module):
 
 
 class CifarResNet(nn.Module):
-    """The CIFAR ResNet of He et al. (depth 6n+2: 16/32/64 channels); returns ``{"loss", "logits"}``
-    so that the `transformers` Trainer drives it."""
+    """The CIFAR ResNet of He et al. (depth 6n+2: 16/32/64 channels) as the CPT paper's code builds it (its ReLUs
+    modules, in place; ``functional_relu``: calls to ``torch.relu``); returns ``{"loss", "logits"}`` so that the
+    `transformers` Trainer drives it."""
 
-    def __init__(self, depth: int = 20, num_classes: int = 10) -> None:
+    def __init__(self, depth: int = 20, num_classes: int = 10, functional_relu: bool = False) -> None:
         super().__init__()
         if (depth - 2) % 6:
             raise ValueError(f"CifarResNet depth must be 6n+2 (20, 32, 44, ...), got {depth}.")
         n = (depth - 2) // 6
         self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(16)
-        self.relu = nn.ReLU(inplace=True)
+        self.relu = _relu_function if functional_relu else nn.ReLU(inplace=True)
         layers, cin = [], 16
         for cout, stride in ((16, 1), (32, 2), (64, 2)):
             for i in range(n):
-                layers.append(BasicBlock(cin, cout, stride if i == 0 else 1))
+                layers.append(BasicBlock(cin, cout, stride if i == 0 else 1, functional_relu))
                 cin = cout
         self.layers = nn.Sequential(*layers)
         self.fc = nn.Linear(64, num_classes)

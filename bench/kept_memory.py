@@ -50,6 +50,7 @@ CASES = {  # key -> (the bench's model builder, CPTConfig fields beside the defa
     "vit-s": ("vit_small", {}),
     "resnet18": ("resnet18", {}),
     "resnet20": ("resnet20", {}),
+    "resnet20-functional": ("resnet20_functional", {}),
     "minilm": ("minilm", {}),
 }
 
@@ -62,7 +63,7 @@ def _group(node_name: str) -> str:
 
 
 def kept_by_group(model: torch.nn.Module, batch: dict) -> dict[str, float]:
-    """MiB that one training forward of ``model`` keeps for its backward (`overhead.saved_storages`), by group of
+    """MiB that a training forward of ``model`` keeps for its backward (`overhead.saved_storages`), by group of
     `GROUPS` (each storage once, in the first group that holds it)."""
     order = [*GROUPS, "other"]
     kept: dict[str, float] = {}

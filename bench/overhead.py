@@ -64,8 +64,8 @@ class Case:
 
 QUANT_SCHEME = "auto"  # --quant-scheme
 CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16",
-         "bert-base-16-attention", "vit-s", "resnet18", "resnet20", "minilm", "linear-torchao", "linear-published",
-         "conv-published")
+         "bert-base-16-attention", "vit-s", "resnet18", "resnet20", "resnet20-functional", "minilm", "linear-torchao",
+         "linear-published", "conv-published")
 CASE_OPTIONS = {"bert-base-16-attention": {"quantize_attention": True}}  # CPTConfig fields beside the defaults
 FIRST_STEP_KIND = "minilm"  # the fine-tuning run a new user starts (GPT-2 small without the bench extra)
 FIRST_STEP_TARGET_S = 2.0  # first CPT step at most this much slower than the second
@@ -290,6 +290,13 @@ def resnet20() -> tuple[Callable[[], nn.Module], dict]:
     return lambda: CifarResNet(20), batch
 
 
+def resnet20_functional() -> tuple[Callable[[], nn.Module], dict]:
+    """The same ResNet-20 calling ``torch.relu`` instead of ReLU modules, as much CIFAR code does."""
+    from cifar10 import CifarResNet
+
+    return lambda: CifarResNet(20, functional_relu=True), resnet20()[1]
+
+
 # glibc raises its mmap threshold each time a large block is freed, after which blocks of up to that size come from
 # the heap, where freed holes stay resident: peak RSS then depends on the order of allocations as much as on what
 # is alive. A fixed threshold returns every large block to the system on free, so the figure follows live memory.
@@ -366,12 +373,16 @@ def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict 
 
 
 def saved_storages(model: nn.Module, batch: dict) -> dict[int, tuple[int, set[str]]]:
-    """What one training forward of ``model`` keeps for its backward: each distinct storage its autograd graph holds
-    (every node's saved tensors, custom functions' included; parameters excluded) -> (its bytes, the names of the
-    nodes that hold it). Read from the graph after the forward, not through saved-tensor hooks: under those a layer
-    fed a ReLU's output keeps codes of its own (docs/method.md §2)."""
+    """What a training forward of ``model`` keeps for its backward, after a first step (forward and backward) as in
+    training (a ReLU called as a function keeps its mask from the second forward on): each distinct storage its
+    autograd graph holds (every node's saved tensors, custom functions' included; parameters excluded) -> (its
+    bytes, the names of the nodes that hold it). Read from the graph after the forward, not through saved-tensor
+    hooks: under those a layer fed a ReLU's output keeps codes of its own (docs/method.md §2)."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     model.train()
+    first = model(**batch)
+    (first["loss"] if isinstance(first, dict) else first).sum().backward()
+    model.zero_grad(set_to_none=True)
     output = model(**batch)
     roots = [t for t in (output.values() if isinstance(output, dict) else [output])
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -696,6 +707,8 @@ def main() -> None:
                                  iters=1, target=1.25),
         "resnet20": lambda: Case("CIFAR ResNet-20 train step, batch 128x32^2", *model_steps(*resnet20(), fused),
                                  iters=2, target=1.25),
+        "resnet20-functional": lambda: Case("CIFAR ResNet-20 calling torch.relu, batch 128x32^2",
+                                            *model_steps(*resnet20_functional(), fused), iters=2, target=1.25),
         "minilm": lambda: Case("pretrained MiniLM fine-tuning step, batch 32x128", *model_steps(*minilm(), fused),
                                iters=1, target=1.25),
         # Anchors: other implementations of quantized training: the same Linear and input as the rows above; a
@@ -718,8 +731,7 @@ def main() -> None:
     published = published_quantizer(args.published_quantizer) if args.published_quantizer else None
     memory_kinds = {"gpt2": "gpt2_small", "bert-base": "bert_base", "bert-base-16": "bert_base_16",
                     "bert-base-16-attention": "bert_base_16", "vit-s": "vit_small", "resnet18": "resnet18",
-                    "resnet20": "resnet20",
-                    "minilm": "minilm"}
+                    "resnet20": "resnet20", "resnet20-functional": "resnet20_functional", "minilm": "minilm"}
     selected = args.only or list(cases)
     if published is None:
         selected = [key for key in selected if not key.endswith("-published")]

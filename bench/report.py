@@ -263,10 +263,10 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "for bit); the rest is the model's own (LayerNorm inputs, softmax outputs, the attention products' "
                   "float operands), and with `quantize_attention` the attention products keep codes too. "
                   "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
-                  "own backward: a ReLU module hands that output over for a bool mask once the conv has kept its "
-                  "codes (`relu_masks`, ⊘; timm's ResNet-18), while after a functional `torch.relu` the conv keeps a "
-                  "reference to the ReLU's tensor and quantizes it again in backward (docs/method.md §2, \"Inputs "
-                  "their producer keeps\"), so both sides keep the same (ResNet-20)."]
+                  "own backward: the ReLU hands that output over for a bool mask once the conv has kept its codes "
+                  "(`relu_masks`, ⊘), a ReLU module at once (timm's ResNet-18, the paper's ResNet-20), a ReLU "
+                  "called as a function (`torch.relu`) from the model's second forward on (docs/method.md §2, "
+                  "\"ReLU masks\")."]
     if any("float_product_ratio" in row for row in overhead["rows"]):
         lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "
                   "GEMM on fake-quantized floats, as on a CPU without int8 dot products), timed in the same run, "

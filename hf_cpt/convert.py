@@ -22,6 +22,7 @@ from .nn.dropout_masks import convert_dropout, restore_dropout
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.precision import PrecisionState
 from .nn.recompute import ReLUKeepingMask, convert_activation, restore_activation
+from .nn.relu_masks import FunctionalReLUScope
 from .numerics import native
 from .numerics.bits import check_bits
 from .numerics.rotation import can_rotate
@@ -202,6 +203,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             report.relu_masks += [name] if isinstance(module, ReLUKeepingMask) else []
         elif config.dropout_masks and convert_dropout(module):
             report.dropout_masks.append(name)
+    if config.relu_masks:  # ReLUs called as functions (`hf_cpt.nn.relu_masks`): hooks once one feeds a layer
+        precision.functional_relu_scope = FunctionalReLUScope(precision, model)
     if any(p.device.type == "cpu" for p in model.parameters()):
         native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)
@@ -280,6 +283,9 @@ def _reason_to_keep(name: str, module: nn.Module, config: CPTConfig, heads: set[
 
 def dequantize_model(model: nn.Module) -> nn.Module:
     """Restore plain float layers, keeping the trained weights (in place; returns the model)."""
+    scope = find_precision_state(model).functional_relu_scope if is_quantized(model) else None
+    if scope is not None:
+        scope.remove()
     for _, layer in list(quant_layers(model)):
         restore_layer(layer)
     uninstall_attention(model)

@@ -449,15 +449,23 @@ def test_saved_activation_memory_counts_what_autograd_keeps_apart_from_parameter
     assert codes + floats <= kept <= codes + floats + scales + 4096
 
 
+class _CallsReLU(torch.nn.Module):
+    """No ReLU module: a call to ``torch.relu``."""
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
 class _ReluConvs(torch.nn.Module):
     """Conv, ReLU, conv (the CPT paper's scheme when quantized): the second conv reads the ReLU's kept output."""
 
-    def __init__(self, quantized: bool, relu_masks: bool = False):
+    def __init__(self, quantized: bool, relu_masks: bool = False, functional: bool = False):
         from hf_cpt import CPTConfig, quantize_model, set_precision
 
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1),
+                                       _CallsReLU() if functional else torch.nn.ReLU(),
                                        torch.nn.Conv2d(16, 16, 3, padding=1))
         if quantized:
             quantize_model(self.net, CPTConfig(quant_scheme="paper", relu_masks=relu_masks))
@@ -659,7 +667,7 @@ def test_op_counts_of_a_quantized_step_take_the_gpu_path_and_the_readme_table_re
 def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
     """A ReLU's output, read by the convolution after it too, counts once, for the activation; the quantized convs
     keep codes of the first input only; the groups add up to the bench's total; the report renders a row per
-    group and a total."""
+    group and a total; a ReLU module's mask, or a ReLU function's after a first step, counts for the activation."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import kept_memory
     import overhead
@@ -683,6 +691,9 @@ def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
     # a ReLU module's mask counts for the activation too, and the codes kept in place of its output for the layer
     masked = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH)
     assert masked["activations (their input or output)"] == RELU_OUTPUT / 4 / mib
+    # and so does a ReLU called as a function, on the forward after the first step (which the figure is)
+    functional = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True, functional=True), RELU_CONVS_BATCH)
+    assert functional == masked
     # the command recorded makes the whole table: a resumed run's --cases leaves it
     argv = ["bench/kept_memory.py", "--cases", "gpt2", "vit-s", "--output", "x.json"]
     assert kept_memory._without_cases(argv) == ["bench/kept_memory.py", "--output", "x.json"]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
+from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.nn.relu_masks import hand_over_input, relu_handing_over
 
 HANDING_OVER = "_ReLUHandingOverBackward"
@@ -32,7 +33,7 @@ def test_the_gradient_is_relus_bit_for_bit(inplace, handed_over):
     output = relu_handing_over(x, inplace)
     assert output.grad_fn.name() == HANDING_OVER and (output is x) == inplace
     if handed_over:
-        hand_over_input(output, saved=None)
+        hand_over_input(output, saved=None, state=PrecisionState())
         assert _kept(output.grad_fn).output is None and _kept(output.grad_fn).not_positive.dtype == torch.bool
     (got,) = torch.autograd.grad(output, source, error)
     torch.testing.assert_close(output, reference, rtol=0, atol=0, equal_nan=True)
@@ -60,12 +61,16 @@ def test_an_output_edited_in_place_fails_the_backward_as_with_autograds_relu():
 
 
 def test_a_layer_keeping_the_tensor_itself_leaves_the_relu_its_output():
+    state = PrecisionState()
     output = relu_handing_over(torch.randn(8, requires_grad=True) * 1.0, False)
-    hand_over_input(output, saved=output)  # the layer keeps x: the float stays, no mask beside it
+    hand_over_input(output, saved=output, state=state)  # the layer keeps x: the float stays, no mask beside it
     assert _kept(output.grad_fn).output is not None
     edited = output * 1.0
-    hand_over_input(edited, saved=None)  # not a converted ReLU's output: nothing to hand over
+    hand_over_input(edited, saved=None, state=state)  # not a converted ReLU's output: nothing to hand over
     assert _kept(output.grad_fn).output is not None
+    assert not state.functional_relus
+    hand_over_input(torch.relu(torch.randn(8, requires_grad=True)), saved=None, state=state)  # autograd's ReLU
+    assert state.functional_relus
 
 
 def _cnn() -> nn.Module:
@@ -176,3 +181,105 @@ def test_a_timm_resnet_hands_over_every_relu_a_convolution_reads_and_trains_bit_
         gradients.append([p.grad for p in model.parameters()])
     for got, expected in zip(*gradients):
         assert torch.equal(got, expected)
+
+
+def _method_relu(t: torch.Tensor) -> torch.Tensor:
+    return t.relu()
+
+
+def _relu_in_place(t: torch.Tensor) -> torch.Tensor:
+    return nn.functional.relu(t, inplace=True)
+
+
+class _FunctionalCNN(nn.Module):
+    """Convolutions after ReLUs called as functions, each way model code calls one; records their outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1) for i in range(6))
+        self.norms = nn.ModuleList(nn.BatchNorm2d(8) for _ in range(5))
+        self.relus = [torch.relu, nn.functional.relu, _method_relu, _relu_in_place, torch.relu_]
+        self.outputs: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.outputs = []
+        for conv, norm, relu in zip(self.convs, self.norms, self.relus):
+            x = relu(norm(conv(x)))
+            self.outputs.append(x)
+        return self.convs[-1](x)
+
+
+def _functional_steps(masks: bool, steps: int = 2) -> tuple[nn.Module, list[list[str]], list[list[torch.Tensor]]]:
+    """(the quantized `_FunctionalCNN`, each step's ReLU nodes, each step's gradients)."""
+    torch.manual_seed(0)
+    model = _FunctionalCNN()
+    quantize_model(model, CPTConfig(quant_scheme="paper", relu_masks=masks))
+    set_precision(model, 6, 8)
+    names, gradients = [], []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = model(torch.randn(2, 3, 8, 8)).square().sum()
+        names.append([o.grad_fn.name() for o in model.outputs])
+        assert all(_kept(o.grad_fn).output is None and _kept(o.grad_fn).not_positive.dtype == torch.bool
+                   for o in model.outputs if o.grad_fn.name() == HANDING_OVER)
+        loss.backward()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+    return model, names, gradients
+
+
+def test_relus_called_as_functions_keep_masks_once_a_quantized_layer_was_fed_one_bit_for_bit():
+    """``torch.relu``, ``F.relu``, ``x.relu()``, in place or not: the first forward finds autograd's ReLU feeding a
+    quantized convolution, and from the next forward on each such call keeps a mask (the convolution its codes);
+    the gradients of every step are those of the model without masks, bit for bit."""
+    model, names, gradients = _functional_steps(True)
+    assert names[0] == ["ReluBackward0"] * 5 and names[1] == [HANDING_OVER] * 5
+    assert model.convs[0].cpt_precision.functional_relus
+    plain, plain_names, expected = _functional_steps(False)
+    assert plain_names == [["ReluBackward0"] * 5] * 2 and not plain.convs[0].cpt_precision.functional_relus
+    for got, want in zip(gradients, expected):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_functional_relu_scope_runs_only_in_training_forwards_and_comes_off_with_the_conversion():
+    """Hooks only once a ReLU function fed a quantized layer (none for a model whose ReLUs are modules); no mode
+    outside a training forward with gradients (eval, no_grad), none left after a forward that raises; a model
+    copied before or pickled after keeps the behaviour; `dequantize_model` removes the hooks."""
+    import io
+
+    masked = _quantized(_cnn(), True)
+    _step(masked, torch.randn(4, 3, 8, 8))
+    assert not masked[0].cpt_precision.functional_relus and not masked._forward_pre_hooks  # modules only
+    torch.manual_seed(0)
+    fresh = _FunctionalCNN()
+    quantize_model(fresh, CPTConfig(quant_scheme="paper"))
+    set_precision(fresh, 6, 8)
+    assert not fresh._forward_pre_hooks
+    copied = copy.deepcopy(fresh)  # before any forward: the copy puts its hooks on itself
+    for _ in range(2):
+        copied(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert [o.grad_fn.name() for o in copied.outputs] == [HANDING_OVER] * 5 and not fresh._forward_pre_hooks
+
+    model, _, _ = _functional_steps(True, steps=1)
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    stack = torch.overrides._get_current_function_mode_stack
+    seen = []
+    recording = model.convs[2].register_forward_pre_hook(lambda m, a: seen.append(len(stack())))
+    model(torch.randn(2, 3, 8, 8))
+    model.eval()
+    model(torch.randn(2, 3, 8, 8))
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(2, 3, 8, 8))
+    assert seen == [1, 0, 0] and not stack()
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5, 8, 8))  # 5 channels where the first conv takes 3
+    assert not stack()
+    recording.remove()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    loaded(torch.randn(2, 3, 8, 8))
+    assert [o.grad_fn.name() for o in loaded.outputs] == [HANDING_OVER] * 5 and not stack()
+    dequantize_model(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks

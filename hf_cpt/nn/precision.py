@@ -56,6 +56,10 @@ class PrecisionState:
         self.recomputed_macs = 0
         # A layer that keeps codes of a converted ReLU's output hands that ReLU a mask to keep (`hf_cpt.nn.relu_masks`).
         self.relu_masks = relu_masks
+        # Set once a quantized layer is fed a ReLU called as a function: the model's training forwards then send such
+        # calls the same way (`hf_cpt.nn.relu_masks.FunctionalReLUScope`).
+        self.functional_relus = False
+        self.functional_relu_scope = None  # those hooks (`quantize_model` makes them)
         # CPU training dropout keeps a bool mask, not a float32 one (`hf_cpt.nn.dropout_masks`).
         self.dropout_masks = dropout_masks
         self.activation_momentum = activation_momentum

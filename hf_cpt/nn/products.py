@@ -125,7 +125,7 @@ class QuantizedProducts(torch.autograd.Function):
                             else quantize_compact(operand, weight_min, weight_max, bits))
             x_saved = (x, x_min, x_max) if producer_keeps else x_codes if keep_x else NOT_SAVED
             if layer.cpt_precision.relu_masks:
-                hand_over_input(x, x_saved[0])
+                hand_over_input(x, x_saved[0], layer.cpt_precision)
             ctx.save_for_backward(*x_saved, *(weight_codes if needs_x else NOT_SAVED))
             autocast = torch.is_autocast_enabled(x.device.type)
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -149,7 +149,7 @@ class QuantizedProducts(torch.autograd.Function):
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
         if layer.cpt_precision.relu_masks:
-            hand_over_input(x, x_saved[0])
+            hand_over_input(x, x_saved[0], layer.cpt_precision)
         ctx.save_for_backward(*x_saved, *weight_saved)
         return layer.compute(x_value, weight_value)
 

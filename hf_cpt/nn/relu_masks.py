@@ -10,11 +10,22 @@ the error where the output is not ``<= 0``).
 
 A ReLU under saved-tensor hooks (activation checkpointing, offloading) or in a compiled graph runs as it was: it keeps
 its output outside ``save_for_backward``, which such hooks would not see.
+
+A ReLU the model's code calls as a function (``torch.relu``, ``F.relu``, ``x.relu()``) is no module to convert. Once a
+quantized layer has been fed such a ReLU's output (`hand_over_input`), the model's training forwards run under
+`FunctionalReLUs`, which sends those calls through the same path (`FunctionalReLUScope`: hooks on the model
+`quantize_model` converted).
 """
 
 from __future__ import annotations
 
+import copy
+import threading
+import weakref
+
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from .saved import same_view, saved_as_is
 
@@ -83,14 +94,101 @@ def runs_here(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled() and saved_as_is()
 
 
-def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None) -> None:
+def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None, state) -> None:
     """Called by a quantized layer fed ``x`` with what its backward keeps in place of ``x`` (``saved``: codes, a
     quantized copy, ``x`` itself, or None): unless that is ``x``, and ``x`` is a converted ReLU's unchanged output,
-    that ReLU keeps its mask from now on instead of ``x``."""
+    that ReLU keeps its mask from now on instead of ``x``. When autograd's own ReLU made ``x`` (a ReLU called as a
+    function), the model's next training forwards send such calls here too (``state.functional_relus``,
+    `FunctionalReLUScope`)."""
     if torch.compiler.is_dynamo_compiling():  # a traced graph holds no converted ReLU's node
         return
     kept = getattr(x.grad_fn, "cpt_kept_output", None)
-    if kept is None or not kept.holds(x):
+    if kept is None:
+        if x.grad_fn is not None and not state.functional_relus and x.grad_fn.name() == "ReluBackward0":
+            state.functional_relus = True
+            if state.functional_relu_scope is not None:
+                state.functional_relu_scope.activate()
+        return
+    if not kept.holds(x):
         return
     if saved is None or saved.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():  # not x, nor a view of it
         kept.hand_over()
+
+
+# The functions model code calls for a ReLU -> whether the call edits its input in place (None: F.relu's own
+# ``inplace`` argument says).
+RELU_FUNCTIONS = {torch.relu: False, torch.relu_: True, torch.Tensor.relu: False, torch.Tensor.relu_: True,
+                  F.relu: None, F.relu_: True}
+
+
+class FunctionalReLUs(TorchFunctionMode):
+    """While active, a ReLU called as a function runs as `relu_handing_over` where it `runs_here`; every other call
+    runs as it was."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in RELU_FUNCTIONS:
+            x = args[0] if args else kwargs.get("input")
+            if type(x) is torch.Tensor and runs_here(x):
+                inplace = RELU_FUNCTIONS[func]
+                if inplace is None:  # F.relu(input, inplace=False)
+                    inplace = bool(args[1] if len(args) > 1 else kwargs.get("inplace", False))
+                return relu_handing_over(x, inplace)
+        return func(*args, **kwargs)
+
+
+class FunctionalReLUScope:
+    """A forward pre-hook and an always-called forward hook on the model `quantize_model` converted, which run its
+    training forwards (gradients on, not traced) under `FunctionalReLUs`. Put on the model by `activate`, once a
+    quantized layer has been fed autograd's own ReLU (`hand_over_input`): a model whose ReLUs are modules, or that
+    has none, gets no hooks (nothing for its forwards to run, nothing for torch.compile to trace)."""
+
+    def __init__(self, state, model: torch.nn.Module | None) -> None:
+        self.state = state
+        self._model = None if model is None else weakref.ref(model)
+        self._local = threading.local()
+        self.handles: tuple = ()
+
+    def activate(self) -> None:
+        """Put the hooks on the model, once (a model copied before this gets no hooks from its copy: its ReLU
+        functions keep their outputs, as without masks)."""
+        model = None if self._model is None else self._model()
+        if model is not None and not self.handles:
+            self.handles = (model.register_forward_pre_hook(self.enter),
+                            model.register_forward_hook(self.exit, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = ()
+
+    def enter(self, module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
+        mode = FunctionalReLUs() if module.training and torch.is_grad_enabled() else None
+        if mode is not None:
+            mode.__enter__()
+        self._local.__dict__.setdefault("modes", []).append(mode)
+
+    def exit(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
+        modes = self._local.__dict__.get("modes")
+        mode = modes.pop() if modes else None  # none: the forward that put the hooks on ends
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def __getstate__(self) -> dict:  # pickled: the state and hooks, not the model (a weak reference)
+        return {"state": self.state, "handles": self.handles}
+
+    def __setstate__(self, saved: dict) -> None:
+        self.__init__(saved["state"], None)
+        self.handles = saved["handles"]
+
+    def __deepcopy__(self, memo: dict) -> FunctionalReLUScope:
+        """A copy bound to the model's copy when the whole model is being copied (it is in ``memo`` by then)."""
+        model = None if self._model is None else memo.get(id(self._model()))
+        copied = type(self)(copy.deepcopy(self.state, memo), model)
+        memo[id(self)] = copied
+        copied.handles = copy.deepcopy(self.handles, memo)
+        return copied
