@@ -29,7 +29,7 @@ from ..numerics.fake_quant import (
 from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PrecisionState
-from .products import QuantizedProducts, keeps_input, quantized_operand
+from .products import INPUT_ROTATION_BUFFERS, WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input, quantized_operand
 from .shared_input import SharedInput
 
 
@@ -44,14 +44,6 @@ def input_features(layer: nn.Module) -> int:
 
 # Buffers of a layer frozen to a checkpoint's codes (`QuantLayerMixin.freeze_weight`); never in state_dict.
 FROZEN_CODES, FROZEN_SCALE, FROZEN_ZERO_POINT = "cpt_frozen_codes", "cpt_frozen_scale", "cpt_frozen_zero_point"
-
-# The reused buffers (`hf_cpt.numerics.scratch`) a training forward rotates into, chosen so that no rotation needs
-# a buffer of its own (docs/method.md §2, "Reused buffers"): ``x R``, read only for its range and codes in a
-# forward on codes, goes into the one its backward rebuilds the input in, idle in such a forward; ``W R`` into its
-# own (a float forward fills the weight's from it), with the intermediates of a rotation done factor by factor (a
-# Conv1D's weight, along its first axis) in the weight's, idle until ``W R`` is made.
-INPUT_ROTATION_INTO = "input"
-WEIGHT_ROTATION_INTO, WEIGHT_ROTATION_STEPS_IN = "rotated_weight", "weight"
 
 # "none": weights only (embeddings, an output head tied to them): inputs and errors stay full precision.
 ACTIVATION_GRANULARITIES = ("tensor", "token", "none")
@@ -266,8 +258,7 @@ class QuantLayerMixin:
                 weight_quantized = (None if integer else restore_compact(*reused, weight.dtype), reused)
                 weight_rotation = rotation if training_products else None
             elif rotation is not None and training_products:
-                rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim, scratch=WEIGHT_ROTATION_INTO,
-                                                between=WEIGHT_ROTATION_STEPS_IN)
+                rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim, **WEIGHT_ROTATION_BUFFERS)
                 weight_rotation = rotation
                 weight_range = channel_ranges(rotated_weight, self.weight_channel_dim)
             else:
@@ -345,7 +336,7 @@ class QuantLayerMixin:
         entry = precision.shared_inputs.get(x, key)
         if entry is None:
             if rotation is not None and integer:  # only x R's range and codes are read (docs/method.md §3)
-                source = rotation.apply(x.detach(), self.input_feature_dim, scratch=INPUT_ROTATION_INTO)
+                source = rotation.apply(x.detach(), self.input_feature_dim, **INPUT_ROTATION_BUFFERS)
                 rotated = rotation.stand_in(x, self.input_feature_dim)
             else:
                 rotated = None if rotation is None else rotation.apply(x, self.input_feature_dim)

@@ -23,6 +23,14 @@ from .saved import same_view, saved_as_is
 
 NOT_SAVED = (None, None, None)
 
+# The reused buffers a layer's training forward rotates into (`Rotation.apply`), chosen so that no rotation takes a
+# buffer of its own (docs/method.md §2, "Reused buffers"): ``x R``, read only for its range and codes in a forward on
+# codes, into the one its backward rebuilds the input in, idle in such a forward; ``W R`` into its own (a float
+# forward fills the weight's from it), the steps of a rotation done factor by factor (a Conv1D's weight, along its
+# first axis) in the weight's, idle until ``W R`` is made.
+INPUT_ROTATION_BUFFERS = {"scratch": "input"}
+WEIGHT_ROTATION_BUFFERS = {"scratch": "rotated_weight", "between": "weight"}
+
 # Autograd nodes whose backward keeps their own output (a ReLU keeps its result): a quantized layer fed that output
 # keeps a reference to it and quantizes it again in backward, instead of a second copy of it as codes.
 RESULT_KEEPING_NODES = frozenset({"ReluBackward0", "SigmoidBackward0", "TanhBackward0"})

@@ -22,12 +22,16 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .saved import same_view, saved_as_is
+
+if TYPE_CHECKING:
+    from .precision import PrecisionState
 
 
 class KeptOutput:
@@ -94,7 +98,7 @@ def runs_here(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled() and saved_as_is()
 
 
-def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None, state) -> None:
+def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None, state: PrecisionState) -> None:
     """Called by a quantized layer fed ``x`` with what its backward keeps in place of ``x`` (``saved``: codes, a
     quantized copy, ``x`` itself, or None): unless that is ``x``, and ``x`` is a converted ReLU's unchanged output,
     that ReLU keeps its mask from now on instead of ``x``. When autograd's own ReLU made ``x`` (a ReLU called as a
@@ -143,7 +147,7 @@ class FunctionalReLUScope:
     quantized layer has been fed autograd's own ReLU (`hand_over_input`): a model whose ReLUs are modules, or that
     has none, gets no hooks (nothing for its forwards to run, nothing for torch.compile to trace)."""
 
-    def __init__(self, state, model: torch.nn.Module | None) -> None:
+    def __init__(self, state: PrecisionState, model: torch.nn.Module | None) -> None:
         self.state = state
         self._model = None if model is None else weakref.ref(model)
         self._local = threading.local()

@@ -152,20 +152,16 @@ class Rotation:
         if self.signs.device == device and self.signs.dtype == dtype:
             return self
         return derived(self.signs, ("rotation", device, dtype), lambda: Rotation(
-            self.features,
-            self.signs.to(device=device, dtype=dtype, copy=True),
-            tuple(f.to(device=device, dtype=dtype, copy=True) for f in self.factors),
-            self.kinds,
-        ))
+            self.features, self.signs.to(device=device, dtype=dtype, copy=True),
+            tuple(f.to(device=device, dtype=dtype, copy=True) for f in self.factors), self.kinds))
 
     def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False, scratch: str | None = None,
               between: str | None = None) -> torch.Tensor:
         """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable in ``x`` (the rotation is
         fixed: its backward is ``grad R^T`` and keeps nothing but the rotation). With ``scratch`` (a role of
         `hf_cpt.numerics.scratch`; no gradient through ``x``), a CPU result and its intermediates go into reused
-        buffers: for a caller that reads the result and drops it before that role is taken again. The
-        intermediates go into the role ``between`` (a caller's buffer idle until the rotation returns; by default
-        one of their own, ``"<scratch>:step"``)."""
+        buffers: for a caller that reads the result and drops it before that role is taken again (the intermediates
+        in role ``between``, one idle until the rotation returns, else in ``"<scratch>:step"``)."""
         self._check_features(x, dim)
         if torch.is_grad_enabled() and x.requires_grad:
             if scratch is not None:
@@ -255,9 +251,8 @@ def _rotate(
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
     steps = _axis_steps(factors, kinds, transpose, last_axis=trailing == 1)
     # Each step writes a new tensor: with scratch, into the two roles in turn so that the last one lands in scratch.
-    between = between or f"{scratch}:step"
     roles = [None] * (len(steps) + 1) if scratch is None else [
-        scratch if (len(steps) - i) % 2 == 0 else between for i in range(len(steps) + 1)]
+        scratch if (len(steps) - i) % 2 == 0 else between or f"{scratch}:step" for i in range(len(steps) + 1)]
     if not transpose:
         y = _out_of(roles[0], x.shape, torch.mul, x, signs)
         roles = roles[1:]
