@@ -61,8 +61,8 @@ def phase_peaks(model, batch: dict, steps: int = STEPS) -> dict[str, float]:
 
 
 def measure(kind: str, quantized: bool, env: dict | None) -> tuple[dict[str, float], float]:
-    """(`phase_peaks` of one side of a case in a fresh process, the MiB its reused buffers hold at the end: the
-    quantized layers' `hf_cpt.numerics.scratch`, resident through every phase)."""
+    """(`phase_peaks` of one side of a case in a fresh process, the MiB its reused buffers map at the end: the
+    quantized layers' `hf_cpt.numerics.scratch`)."""
     body = ("import peak_phases; from hf_cpt.numerics import scratch; "
             "print(json.dumps([peak_phases.phase_peaks(model, batch), scratch.held_bytes() / 2**20]))")
     peaks, reused = overhead._run_case_in_fresh_process(kind, quantized, True, body, env)[0]
