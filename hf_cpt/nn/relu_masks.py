@@ -147,15 +147,14 @@ class FunctionalReLUScope:
     quantized layer has been fed autograd's own ReLU (`hand_over_input`): a model whose ReLUs are modules, or that
     has none, gets no hooks (nothing for its forwards to run, nothing for torch.compile to trace)."""
 
-    def __init__(self, state: PrecisionState, model: torch.nn.Module | None) -> None:
-        self.state = state
+    def __init__(self, model: torch.nn.Module | None) -> None:
         self._model = None if model is None else weakref.ref(model)
         self._local = threading.local()
         self.handles: tuple = ()
 
     def activate(self) -> None:
-        """Put the hooks on the model, once (a model copied before this gets no hooks from its copy: its ReLU
-        functions keep their outputs, as without masks)."""
+        """Put the hooks on the model, once (a model pickled before this gets none: its ReLU functions keep their
+        outputs, as without masks; a deep copy of the whole model puts them on itself)."""
         model = None if self._model is None else self._model()
         if model is not None and not self.handles:
             self.handles = (model.register_forward_pre_hook(self.enter),
@@ -182,17 +181,17 @@ class FunctionalReLUScope:
         if mode is not None:
             mode.__exit__(None, None, None)
 
-    def __getstate__(self) -> dict:  # pickled: the state and hooks, not the model (a weak reference)
-        return {"state": self.state, "handles": self.handles}
+    def __getstate__(self) -> dict:  # pickled: the hooks, not the model (a weak reference)
+        return {"handles": self.handles}
 
     def __setstate__(self, saved: dict) -> None:
-        self.__init__(saved["state"], None)
+        self.__init__(None)
         self.handles = saved["handles"]
 
     def __deepcopy__(self, memo: dict) -> FunctionalReLUScope:
         """A copy bound to the model's copy when the whole model is being copied (it is in ``memo`` by then)."""
         model = None if self._model is None else memo.get(id(self._model()))
-        copied = type(self)(copy.deepcopy(self.state, memo), model)
+        copied = type(self)(model)
         memo[id(self)] = copied
         copied.handles = copy.deepcopy(self.handles, memo)
         return copied
