@@ -19,14 +19,16 @@ def _kept(node):
     return node.cpt_kept_output
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("handed_over", [False, True])
-def test_the_gradient_is_relus_bit_for_bit(inplace, handed_over):
-    """Zeros of both signs, NaN and infinities included: the error passes where the output is not <= 0, as
-    ``ReluBackward0``."""
-    values = torch.tensor([-2.0, -0.0, 0.0, 1e-30, 3.0, float("nan"), float("inf"), -float("inf")])
-    source = torch.cat([values, torch.randn(56)]).requires_grad_()
-    error = torch.randn(64)
+def test_the_gradient_is_relus_bit_for_bit(inplace, handed_over, dtype):
+    """Zeros of both signs, NaN and infinities in the output and in the error: the error passes where the output is
+    not <= 0 and is +0.0 elsewhere, as ``ReluBackward0`` makes it, bit for bit."""
+    special = [-2.0, -0.0, 0.0, 1e-30, 3.0, float("nan"), float("inf"), -float("inf")]
+    source = torch.cat([torch.tensor(special), torch.randn(56)]).to(dtype).requires_grad_()
+    error = torch.cat([torch.randn(56), torch.tensor(special)]).to(dtype)
+    error[:8] = torch.tensor([-1.0, 2.0, -0.0, float("nan"), -3.0, -0.0, float("inf"), 5.0])  # meets each output
     reference = torch.relu(source * 1.0)
     (expected,) = torch.autograd.grad(reference, source, error)
     x = source * 1.0  # a non-leaf: the in-place ReLU applies
@@ -34,10 +36,11 @@ def test_the_gradient_is_relus_bit_for_bit(inplace, handed_over):
     assert output.grad_fn.name() == HANDING_OVER and (output is x) == inplace
     if handed_over:
         hand_over_input(output, saved=None, state=PrecisionState())
-        assert _kept(output.grad_fn).output is None and _kept(output.grad_fn).not_positive.dtype == torch.bool
+        assert _kept(output.grad_fn).output is None and _kept(output.grad_fn).passes.dtype == torch.int8
     (got,) = torch.autograd.grad(output, source, error)
     torch.testing.assert_close(output, reference, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(got, expected)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    assert got.dtype == dtype and torch.equal(got.view(bits), expected.view(bits))
 
 
 def test_an_in_place_relu_of_a_view_runs_as_autograds():
@@ -117,7 +120,7 @@ def test_a_cnn_keeps_masks_and_codes_and_trains_bit_for_bit(integer):
     nodes, gradients = _step(masked, x)
     last = "_ActivationOfRecomputedInputBackward" if integer else HANDING_OVER
     assert [node.name() for node in nodes] == [HANDING_OVER, HANDING_OVER, last]
-    assert all(_kept(node).output is None and _kept(node).not_positive.dtype == torch.bool
+    assert all(_kept(node).output is None and _kept(node).passes.dtype == torch.int8
                for node in nodes if node.name() == HANDING_OVER)
     plain = _quantized(model, False, integer_matmul=integer)
     assert plain.cpt_report.relu_masks == []
@@ -221,7 +224,7 @@ def _functional_steps(masks: bool, steps: int = 2) -> tuple[nn.Module, list[list
         torch.manual_seed(1)
         loss = model(torch.randn(2, 3, 8, 8)).square().sum()
         names.append([o.grad_fn.name() for o in model.outputs])
-        assert all(_kept(o.grad_fn).output is None and _kept(o.grad_fn).not_positive.dtype == torch.bool
+        assert all(_kept(o.grad_fn).output is None and _kept(o.grad_fn).passes.dtype == torch.int8
                    for o in model.outputs if o.grad_fn.name() == HANDING_OVER)
         loss.backward()
         gradients.append([p.grad.clone() for p in model.parameters()])
