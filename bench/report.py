@@ -183,8 +183,9 @@ def peak_phases_section(phases: dict) -> list[str]:
     JSON: each phase's peak, the step's highest in bold."""
     lines = [f"`{phases['command']}` (peak resident MiB of each phase of a training step, the highest over "
              f"{phases['steps']} steps after a first one; a fresh process per side and allocator; reused buffers: "
-             "the MiB the quantized layers' reused buffers map, resident in every phase but the error's, whose "
-             "pages beyond the pass's first error go back after each backward):", "",
+             "the MiB the quantized layers' reused buffers map, whose pages go back once a backward pass's last "
+             "quantized layer is done, so that they are resident in the forward and the quantized layers' "
+             "backward only):", "",
              "| case | allocator | side | forward | backward | optimizer step | CPT / plain, step peak "
              "| reused buffers |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
