@@ -5,7 +5,8 @@ fed that output keeps integer codes of it for its own backward, so once such a l
 the float: the converted ReLU (`hf_cpt.nn.recompute` converts the activation modules) then keeps a one-byte mask
 instead of the four-byte output, and the layer its codes: two bytes a value where both used to share the float's four.
 The mask is ``0`` where the output is ``<= 0`` and ``-1`` (all bits set) elsewhere, so the backward is one bitwise AND
-of the error's bits with it, as fast as autograd's kernel (``masked_fill`` with a bool mask took three times as long).
+of the error's bits with it (`hf_cpt.numerics.mask_kernels`), as fast as autograd's kernel (``masked_fill`` with a
+bool mask took three times as long).
 Until a quantized layer takes it over, the ReLU keeps its output as autograd would, so a ReLU that feeds only
 full-precision layers keeps what it always kept. The gradient is autograd's, bit for bit (``ReluBackward0`` passes
 the error where the output is not ``<= 0``).
@@ -30,13 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..numerics.mask_kernels import mask_zeroing, masked
 from .saved import same_view, saved_as_is
 
 if TYPE_CHECKING:
     from .precision import PrecisionState
-
-
-_SAME_SIZE_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class KeptOutput:
@@ -58,7 +57,7 @@ class KeptOutput:
     def hand_over(self) -> None:
         """Keep the mask, drop the output (its reader keeps codes of it)."""
         if self.output is not None:
-            self.passes = torch.le(self.output, 0).view(torch.int8).sub_(1)
+            self.passes = mask_zeroing(self.output <= 0)
             self.output = None
 
     def gradient(self, grad: torch.Tensor) -> torch.Tensor:
@@ -66,8 +65,7 @@ class KeptOutput:
         the output while it is kept; on the mask, the error's bits ANDed with it: the same bits, one pass either
         way)."""
         if self.output is None:
-            bits = grad.view(_SAME_SIZE_INTEGER[grad.dtype.itemsize])  # int8 -1 widens to all bits set
-            return torch.bitwise_and(bits, self.passes).view(grad.dtype)
+            return masked(grad, self.passes)
         if self.output._version != self.version:
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
                                "inplace operation: the output of a ReLU (hf_cpt.nn.relu_masks).")

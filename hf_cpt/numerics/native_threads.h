@@ -7,8 +7,8 @@
  * slices start at once on every core. Without it, POSIX threads are started per call (a start costs tens of
  * microseconds, and inside a step each new thread waits for a core that a spinning OpenMP worker holds).
  *
- * Included by error_kernels.c, code_kernels.c and rotation_kernels.c; native.py keys each built library on this
- * file too, so a change here rebuilds them all.
+ * Included by error_kernels.c, code_kernels.c, rotation_kernels.c and mask_kernels.c; native.py keys each built
+ * library on this file too, so a change here rebuilds them all.
  */
 #ifndef HF_CPT_NATIVE_THREADS_H
 #define HF_CPT_NATIVE_THREADS_H
