@@ -183,9 +183,8 @@ def peak_phases_section(phases: dict) -> list[str]:
     JSON: each phase's peak, the step's highest in bold."""
     lines = [f"`{phases['command']}` (peak resident MiB of each phase of a training step, the highest over "
              f"{phases['steps']} steps after a first one; a fresh process per side and allocator; reused buffers: "
-             "the MiB the quantized layers' reused buffers map, whose pages go back once a backward pass's last "
-             "quantized layer is done, so that they are resident in the forward and the quantized layers' "
-             "backward only):", "",
+             "the MiB the quantized layers' reused buffers map, resident in every phase but the error's, whose "
+             "pages beyond the pass's first error go back after each backward):", "",
              "| case | allocator | side | forward | backward | optimizer step | CPT / plain, step peak "
              "| reused buffers |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
@@ -265,7 +264,7 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "for bit); the rest is the model's own (LayerNorm inputs, softmax outputs, the attention products' "
                   "float operands), and with `quantize_attention` the attention products keep codes too. "
                   "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
-                  "own backward: the ReLU hands that output over for a bool mask once the conv has kept its codes "
+                  "own backward: the ReLU hands that output over for a one-byte mask once the conv has kept its codes "
                   "(`relu_masks`, ⊘), a ReLU module at once (timm's ResNet-18, the paper's ResNet-20), a ReLU "
                   "called as a function (`torch.relu`) from the model's second forward on (docs/method.md §2, "
                   "\"ReLU masks\")."]

@@ -608,6 +608,32 @@ def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kin
     scratch.release()
 
 
+def test_the_error_buffer_is_handed_back_when_each_backward_ends(monkeypatch):
+    """The first quantized error of a backward pass queues the hand-back of the reused error buffer's pages beyond
+    its own size, which runs once the whole pass is done (a CNN's largest error comes last;
+    `scratch.hand_back_later`): once per pass."""
+    from hf_cpt.numerics import scratch
+
+    torch.manual_seed(0)
+    model, x = _two_layers("conv2d")
+    quantize_model(model, CPTConfig(include_modules=["0", "2"]))
+    set_precision(model, 6, 8)
+    events = []
+    later = scratch.hand_back_later
+
+    def recording(role, keep_bytes):
+        events.append(("queued", role, keep_bytes))
+        hand_back = later(role, keep_bytes)
+        return lambda: events.append(("handed back", role)) or hand_back()
+
+    monkeypatch.setattr(scratch, "hand_back_later", recording)
+    for _ in range(2):
+        model(x.clone().requires_grad_()).square().sum().backward()
+    last_error = 4 * 16 * 32 * 32 * 4  # the second conv's output, float32: the pass's first error
+    assert events == [("queued", "error", last_error), ("handed back", "error")] * 2
+    scratch.release()
+
+
 class _Siblings(nn.Module):
     """Three projections of one input (an attention's query, key and value) and a layer reading another input."""
 

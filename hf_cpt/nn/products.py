@@ -9,12 +9,14 @@ are quantized by their own node.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
+from ..numerics import scratch
 from ..numerics.errors import quantize_error
 from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact
 from ..numerics.rotation import Rotation
-from . import buffer_pages
 from .recompute import mark_recomputable
 from .relu_masks import hand_over_input
 from .saved import same_view, saved_as_is
@@ -164,12 +166,11 @@ class QuantizedProducts(torch.autograd.Function):
         saved = ctx.saved_tensors
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
         layer, errors = ctx.layer, ctx.errors
-        on_buffers = error.device.type == "cpu" and not torch.compiler.is_compiling()  # traced code takes none
-        if on_buffers:
-            buffer_pages.backward_starts()
         input_error = weight_error = error
         if ctx.grad_bits is not None:
             quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error")
+            if error.device.type == "cpu" and not torch.compiler.is_compiling():  # traced code takes no buffer
+                _hand_back_errors_when_the_backward_ends(error)
             input_error = quantized if errors.quantizes_input_gradient else error
             weight_error = quantized if errors.quantizes_weight_gradient else error
         compute_dtype = error.dtype
@@ -188,10 +189,26 @@ class QuantizedProducts(torch.autograd.Function):
         if bias_dtype is not None and ctx.needs_input_grad[6]:
             feature_dim = layer.output_feature_dim % weight_error.dim()
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
-        if on_buffers:
-            buffer_pages.backward_ended(layer)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
                 None, None)
+
+
+_passes = threading.local()  # the backward pass (graph task) that has queued its hand-back on this thread
+
+
+def _hand_back_errors_when_the_backward_ends(error: torch.Tensor) -> None:
+    """Once per backward pass (at its first quantized error, ``error``): hand the reused error buffer's pages back
+    when the pass ends, all but those that first error takes (`scratch.hand_back_later`). The buffer grows to the
+    largest error, in a CNN the first layers', which the backward reaches last, when most activations are freed
+    already; kept resident, it would add that size to the next forward's peak. The first error of the next pass
+    fills the pages kept, at the peak anyway; the rest are faulted in again later in that pass (docs/method.md §2,
+    "Reused buffers")."""
+    task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+    if task < 0 or getattr(_passes, "task", None) == task:  # outside an engine's pass, or queued already
+        return
+    torch.autograd.Variable._execution_engine.queue_callback(
+        scratch.hand_back_later("error", error.numel() * error.element_size()))
+    _passes.task = task
 
 
 def _gradients(

@@ -14,10 +14,10 @@ A buffer serves one use at a time: whoever takes one reads it before the next ``
 returns it or keeps it. Per thread (autograd runs one backward per device thread); CPU only (an accelerator's
 caching allocator hands out reserved memory without faults). The buffers stay until `release` (the Trainer
 integration calls it when training ends): freeing them after every backward pass and mapping them anew made a
-CIFAR ResNet-20 step 6-10% slower (two runs); `hand_back_later` hands their pages back instead, keeping the
-mappings (`hf_cpt.nn.buffer_pages` does so once the quantized layers' part of a backward pass is done). They hold the
-largest input, weight, rotated weight and error of the quantized layers (what each bench model's hold:
-docs/benchmarks.md, peak-phases table). This module knows nothing about quantization.
+CIFAR ResNet-20 step 6-10% slower (two runs); `hand_back_later` hands some of one role's pages back instead,
+keeping its mapping (the layers do so for the error, which only the backward takes). They hold the largest input,
+weight, rotated weight and error of the quantized layers (what each bench model's hold: docs/benchmarks.md,
+peak-phases table). This module knows nothing about quantization.
 """
 
 from __future__ import annotations
@@ -58,18 +58,18 @@ def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
     return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
 
 
-def hand_back_later(role: str | None = None, keep_bytes: int = 0) -> Callable[[], None]:
-    """A function that hands the pages of the calling thread's buffers for ``role`` (None: every role) back to the
-    system, all but the first ``keep_bytes``, whichever thread calls it: the buffers stay (the same memory, read as
-    zeros until written again), those pages leave the resident set until a `take` writes them again. For buffers
-    idle through a phase where memory peaks (an LM's embedding gradients and the optimizer step, after the last
-    quantized backward of a pass)."""
+def hand_back_later(role: str, keep_bytes: int = 0) -> Callable[[], None]:
+    """A function that hands the pages of the calling thread's buffers for ``role`` back to the system, all but the
+    first ``keep_bytes``, whichever thread calls it: the buffers stay (the same memory, read as zeros until written
+    again), those pages leave the resident set until a `take` writes them again. For a role that is largest where
+    memory is low (a CNN's first-layer errors, last in the backward) and would otherwise stay resident through the
+    next forward's peak."""
     state = _local.__dict__
     start = -(-keep_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # page-aligned
 
     def hand_back() -> None:
         for (kind, _), mapping in list(state.get("mappings", {}).items()):
-            if role in (None, kind) and start < len(mapping) and hasattr(mmap, "MADV_DONTNEED"):
+            if kind == role and start < len(mapping) and hasattr(mmap, "MADV_DONTNEED"):
                 mapping.madvise(mmap.MADV_DONTNEED, start, len(mapping) - start)
 
     return hand_back
