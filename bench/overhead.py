@@ -764,13 +764,14 @@ def main() -> None:
     earlier = _earlier_results(args.output, settings) if args.resume else {"rows": [], "startup": {}}
     rows = [row for row in earlier["rows"] if row.get("key") in selected]
     done = {row["key"] for row in rows}
+    earlier_runs = _runs_of(earlier, done)
     if done:
         print(f"resumed: {', '.join(sorted(done))} from {args.output}")
 
     def write() -> None:
         rows.sort(key=lambda row: selected.index(row["key"]))  # resumed rows take their place in the table
         if args.output:
-            _write_results(args.output, settings, load_at_start, rows, startup)
+            _write_results(args.output, settings, load_at_start, rows, startup, earlier_runs)
 
     startup = earlier["startup"]
     for key in selected:
@@ -876,8 +877,8 @@ def _release_freed_memory() -> None:
 
 
 def _earlier_results(path: str, settings: dict) -> dict:
-    """The rows and startup figures of an earlier run written to ``path`` with the same ``settings`` (none when it
-    differs or there is no file)."""
+    """The JSON of an earlier run written to ``path`` with the same ``settings`` (its rows, startup figures, load
+    averages and the runs it resumed; no rows when it differs or there is no file)."""
     try:
         with open(path) as f:
             earlier = json.load(f)
@@ -889,15 +890,26 @@ def _earlier_results(path: str, settings: dict) -> dict:
     if any("key" not in row for row in earlier.get("rows", [])):
         print(f"not resuming: {path} was written by a bench that did not resume (its rows have no case keys)")
         return {"rows": [], "startup": {}}
-    return {"rows": earlier.get("rows", []), "startup": earlier.get("startup", {})}
+    return {"rows": [], "startup": {}, **earlier}
 
 
-def _write_results(path: str, settings: dict, load_at_start: float, rows: list, startup: dict) -> None:
+def _runs_of(earlier: dict, resumed: set[str]) -> list[dict]:
+    """The earlier runs that measured the ``resumed`` cases: their cases and load averages (for bench/report.py to
+    say which rows come from which run), the run that wrote ``earlier`` first."""
+    runs = [dict(run, cases=sorted(set(run["cases"]) & resumed)) for run in earlier.get("earlier_runs", [])]
+    runs = [run for run in runs if run["cases"]]
+    own = resumed - {case for run in runs for case in run["cases"]}
+    return ([{"cases": sorted(own), "load_average": earlier["load_average"]}] if own else []) + runs
+
+
+def _write_results(path: str, settings: dict, load_at_start: float, rows: list, startup: dict,
+                   earlier_runs: list[dict] | None = None) -> None:
     """The run so far as JSON (for bench/report.py, and for --resume)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"command": "python " + " ".join(sys.argv), **settings,
-                   "load_average": [load_at_start, os.getloadavg()[0]], "rows": rows, "startup": startup,
+                   "load_average": [load_at_start, os.getloadavg()[0]], "earlier_runs": earlier_runs or [],
+                   "rows": rows, "startup": startup,
                    "targets": {"first_step_extra_s": FIRST_STEP_TARGET_S, "import_extra_s": IMPORT_TARGET_S}},
                   f, indent=1)
 

@@ -200,13 +200,24 @@ def peak_phases_section(phases: dict) -> list[str]:
     return lines
 
 
+def _earlier_runs_text(overhead: dict) -> str:
+    """Which rows a resumed run took from earlier runs of the command (`--resume`), with their load averages."""
+    runs = overhead.get("earlier_runs", [])
+    if not runs:
+        return ""
+    parts = ["the rows of {} come from an earlier run of the same command (load average {:.1f} at its start, {:.1f} at "
+             "its end)".format(", ".join(f"`{case}`" for case in run["cases"]), *run["load_average"]) for run in runs]
+    return "; " + "; ".join(parts) + ", which this run resumed, measuring the rest"
+
+
 def overhead_summary(overhead: dict) -> list[str]:
     """The README's overhead table, from `bench/overhead.py`'s JSON."""
     integer = {True: "layers' training products on integer codes (this CPU has int8 dot products), ",
                False: "float products (no int8 dot products on this CPU), "}.get(overhead.get("integer_products"), "")
     lines = [f"`{overhead['command']}` (torch {overhead['torch']}, {overhead['threads']} threads, {integer}"
              f"`quant_scheme={overhead['quant_scheme']!r}`, medians of {overhead['repeats']} interleaved repeats; "
-             "load average {:.1f} at the start, {:.1f} at the end, on 2 cores):".format(*overhead["load_average"]), "",
+             "load average {:.1f} at the start, {:.1f} at the end, on 2 cores{}):".format(
+                 *overhead["load_average"], _earlier_runs_text(overhead)), "",
              "| case | plain ms | CPT 8/8 ms | time ratio | target | peak memory ratio (target) |",
              "|---|---:|---:|---:|---:|---:|"]
     for row in overhead["rows"]:

@@ -316,7 +316,8 @@ def test_gradient_section_compares_the_attention_grids_group_by_group():
 
 def test_overhead_benchmark_resumes_the_cases_it_wrote(tmp_path):
     """The JSON is written after every case; --resume keeps the cases of a run with the same settings, runs the
-    others and keeps the order of --only; a run with other settings starts afresh."""
+    others and keeps the order of --only, and says which run measured each kept row (for the README's table); a run
+    with other settings starts afresh."""
     output = tmp_path / "overhead.json"
 
     def run(*cases, repeats="1", resume=True):
@@ -330,6 +331,16 @@ def test_overhead_benchmark_resumes_the_cases_it_wrote(tmp_path):
     second, printed = run("linear-paper", "conv")
     assert "resumed: conv" in printed and [row["key"] for row in second["rows"]] == ["linear-paper", "conv"]
     assert second["rows"][1] == first["rows"][0]  # kept as written, not run again
+    assert second["earlier_runs"] == [{"cases": ["conv"], "load_average": first["load_average"]}]
+    again, _ = run("linear-paper", "conv")  # all resumed: each row keeps the run that measured it
+    assert again["earlier_runs"] == [{"cases": ["linear-paper"], "load_average": second["load_average"]},
+                                     {"cases": ["conv"], "load_average": first["load_average"]}]
+    spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    said = report._earlier_runs_text(again)
+    assert said.count("come from an earlier run of the same command") == 2 and "`linear-paper`" in said
+    assert report._earlier_runs_text(first) == ""
     third, printed = run("conv", repeats="2")
     assert "not resuming" in printed and third["repeats"] == 2 and len(third["rows"]) == 1
     assert third["rows"][0]["plain_ms"] != first["rows"][0]["plain_ms"]  # timed anew
