@@ -39,18 +39,13 @@ NATIVE_MIN_NUMEL = 1 << 14
 
 @functools.cache
 def _library():
-    library = native.load("code_kernels")
-    if library is None:
-        return None
     pointers, sizes = [ctypes.c_void_p] * 5, [ctypes.c_int64] * 4
-    library.hf_cpt_quantize_codes.argtypes = pointers + sizes + [ctypes.c_float, ctypes.c_int]
-    library.hf_cpt_restore_codes.argtypes = [ctypes.c_void_p] * 4 + sizes + [ctypes.c_int]
-    library.hf_cpt_code_product.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    library.hf_cpt_ranges.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
-    for entry in (library.hf_cpt_quantize_codes, library.hf_cpt_restore_codes, library.hf_cpt_code_product,
-                  library.hf_cpt_ranges):
-        entry.restype = ctypes.c_int
-    return library
+    return native.bind("code_kernels", {
+        "hf_cpt_quantize_codes": (pointers + sizes + [ctypes.c_float, ctypes.c_int], ctypes.c_int),
+        "hf_cpt_restore_codes": ([ctypes.c_void_p] * 4 + sizes + [ctypes.c_int], ctypes.c_int),
+        "hf_cpt_code_product": ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int], ctypes.c_int),
+        "hf_cpt_ranges": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2, ctypes.c_int),
+    })
 
 
 def _layout(shape: torch.Size, range_shape: torch.Size) -> tuple[int, int, int, int] | None:

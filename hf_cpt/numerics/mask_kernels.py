@@ -16,23 +16,19 @@ import functools
 
 import torch
 
-from . import native
+from . import code_kernels, native
 
 # Bit patterns of each element width: the mask byte widens to them (int8 -1 to all bits set).
 SAME_WIDTH_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-# Below this many elements torch's formula is as fast (the call itself costs a few microseconds).
-NATIVE_MIN_NUMEL = 1 << 14
+# Below this many elements torch's formula is as fast (the call itself costs a few microseconds), as for codes.
+NATIVE_MIN_NUMEL = code_kernels.NATIVE_MIN_NUMEL
 
 
 @functools.cache
 def _library():
-    library = native.load("mask_kernels")
-    if library is None:
-        return None
-    library.hf_cpt_masked.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    library.hf_cpt_masked.restype = ctypes.c_int
-    return library
+    return native.bind("mask_kernels", {
+        "hf_cpt_masked": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int], ctypes.c_int)})
 
 
 def mask_zeroing(zeroed: torch.Tensor) -> torch.Tensor:

@@ -190,6 +190,17 @@ def _wait_for_pending() -> None:
             logger.info("hf_cpt: the background build of the native kernels stopped (%s)", error)
 
 
+def bind(name: str, entries: dict[str, tuple[list, type | None]]) -> ctypes.CDLL | None:
+    """`load`, with the argument and result types of each entry point declared (``{entry: (argtypes, restype)}``),
+    or None."""
+    library = load(name)
+    if library is not None:
+        for entry, (argtypes, restype) in entries.items():
+            function = getattr(library, entry)
+            function.argtypes, function.restype = argtypes, restype
+    return library
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The shared library built from ``hf_cpt/numerics/<name>.c`` (built on first use, with the package's other

@@ -283,11 +283,8 @@ NATIVE_MIN_NUMEL = 1 << 15
 
 @functools.cache
 def _native_library():
-    library = native.load("rotation_kernels")
-    if library is not None:
-        library.hf_cpt_rotate.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-        library.hf_cpt_rotate.restype = ctypes.c_int
-    return library
+    return native.bind("rotation_kernels", {
+        "hf_cpt_rotate": ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2, ctypes.c_int)})
 
 
 def _rotate_native(
