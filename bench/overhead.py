@@ -360,15 +360,17 @@ def peak_memory_mib(kind: str, quantized: bool, fused: bool, env: dict | None = 
     return float(peak), int(steps)
 
 
-def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict | None = None
-                      ) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict | None = None,
+                      other_options: dict | None = None) -> tuple[list[tuple[float, int]], ...]:
     """`peak_memory_mib` (peak, steps) of the plain and the quantized side of ``kind`` under the default allocator,
     in ``processes`` fresh processes each, interleaved: where glibc places each block varies from one process to the
-    next, and with it the heap's free holes that stay resident, so one process per side is a noisy figure."""
-    peaks: tuple[list[tuple[float, int]], list[tuple[float, int]]] = ([], [])
+    next, and with it the heap's free holes that stay resident, so one process per side is a noisy figure. With
+    ``other_options``, a third list: the quantized side with those options instead, interleaved with the others."""
+    arms = [(False, options), (True, options)] + ([(True, other_options)] if other_options is not None else [])
+    peaks: tuple[list[tuple[float, int]], ...] = tuple([] for _ in arms)
     for _ in range(processes):
-        for quantized in (False, True):
-            peaks[quantized].append(peak_memory_mib(kind, quantized, fused, options=options))
+        for runs, (quantized, arm_options) in zip(peaks, arms):
+            runs.append(peak_memory_mib(kind, quantized, fused, options=arm_options))
     return peaks
 
 
@@ -807,7 +809,12 @@ def main() -> None:
         _release_freed_memory()
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
-            plain_runs, quant_runs = peak_memories_mib(memory_kinds[key], fused, args.memory_processes, options)
+            # the ⊘ arm: every activation and dropout keeping what autograd's keeps
+            kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False,
+                           "dropout_masks": False}
+            other = kept_inputs if args.compare_recompute else None
+            plain_runs, quant_runs, *kept_runs = peak_memories_mib(memory_kinds[key], fused, args.memory_processes,
+                                                                   options, other)
             plain_peaks, quant_peaks = [p for p, _ in plain_runs], [q for q, _ in quant_runs]
             plain_mib, quant_mib = statistics.median(plain_peaks), statistics.median(quant_peaks)
             print(f"{'  peak memory (MiB, fresh processes, median)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
@@ -834,8 +841,12 @@ def main() -> None:
                   f"{saved[1] / saved[0]:>8.3f}", flush=True)
             rows[-1].update(plain_saved_mib=saved[0], quant_saved_mib=saved[1])
             if args.compare_recompute:  # what recomputing activation inputs saves
-                kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False,
-                               "dropout_masks": False}
+                kept_peaks = [p for p, _ in kept_runs[0]]
+                kept_mib = statistics.median(kept_peaks)
+                print(f"{'  same, activations and dropouts keep their own':<44}{plain_mib:>10.0f}{kept_mib:>10.0f}"
+                      f"{kept_mib / plain_mib:>8.3f}  (default glibc, fresh processes interleaved with the above: "
+                      f"{', '.join(f'{p:.0f}' for p in kept_peaks)})", flush=True)
+                rows[-1].update(memory_ratio_kept_inputs_default=kept_mib / plain_mib, kept_inputs_peaks_mib=kept_peaks)
                 peak = peak_memory_mib(memory_kinds[key], True, fused, env=FIXED_MMAP_THRESHOLD, options=kept_inputs)[0]
                 kept = saved_activations(memory_kinds[key], fused, kept_inputs)[1]
                 print(f"{'  same, activations and dropouts keep their own':<44}{fixed[0]:>10.0f}{peak:>10.0f}"

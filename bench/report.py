@@ -235,7 +235,9 @@ def overhead_summary(overhead: dict) -> list[str]:
                 memory += (f"; kept for backward {row['quant_saved_mib'] / row['plain_saved_mib']:.3f} "
                            f"({row['plain_saved_mib']:,.0f} -> {row['quant_saved_mib']:,.0f} MiB) ◊")
             if "memory_ratio_kept_inputs" in row:
-                memory += (f"; {row['memory_ratio_kept_inputs']:.3f} ‡ and kept for backward "
+                default = (f"{row['memory_ratio_kept_inputs_default']:.3f}, "
+                           if "memory_ratio_kept_inputs_default" in row else "")
+                memory += (f"; {default}{row['memory_ratio_kept_inputs']:.3f} ‡ and kept for backward "
                            f"{row['kept_inputs_saved_mib'] / row['plain_saved_mib']:.3f} ⊘")
         anchor = row["target"] is None  # another implementation's overhead on the same layer
         ok = "" if anchor or row["ratio"] <= row["target"] else " (missed)"
@@ -298,8 +300,10 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "autograd's keeps (`recompute_activation_inputs=False, relu_masks=False, dropout_masks=False`): its "
                   "float input instead of recomputing it from the codes of the product before it in backward, a ReLU "
                   "its float output instead of a mask, a CPU dropout a float32 mask (docs/method.md §2): its time, "
-                  "timed in the same run, interleaved with the others; its peak memory "
-                  "as ‡ (one process) and what its forward keeps for backward, against the plain model's."]
+                  "timed in the same run, interleaved with the others; its peak memory under glibc's default (the "
+                  "median of as many fresh processes as each side's, interleaved with theirs; rows measured before "
+                  "this figure was added lack it) and as ‡ (one process), and what its forward keeps for backward, "
+                  "against the plain model's."]
     if any("compiled_kernel_ratio" in row for row in overhead["rows"]):
         lines += ["", "¶ the same quantized step with the `torch.compile` error kernel instead of the C one (the "
                   "values are the same bit for bit), timed in the same run, interleaved with the other two."]

@@ -367,6 +367,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     spec.loader.exec_module(report)
     # The renderer judges each figure against its own target: a memory ratio above its case's target, a first
     # step within its target and an import above it (figures chosen here to exercise each branch).
+    row.update(memory_ratio_kept_inputs=0.97, kept_inputs_saved_mib=36.0, memory_ratio_kept_inputs_default=0.99)
     row.update(plain_peak_mib=100.0, quant_peak_mib=95.0, memory_ratio=0.95, memory_target=0.9,
                memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234,
                plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4, torch_formula_ratio=1.1,
@@ -379,6 +380,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
                            "import_hf_cpt_s": 3.0}
     table = "\n".join(report.overhead_summary(overhead))
     assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §; kept for backward 0.750 (40 -> 30 MiB) ◊" in table
+    assert "; 0.990, 0.970 ‡ and kept for backward 0.900 ⊘" in table  # the ⊘ step: default glibc, then threshold fixed
     assert "◊ what one training forward keeps for its backward" in table
     assert "Peak memory: the median VmHWM of 3 fresh processes per side, interleaved" in table
     assert "MALLOC_MMAP_THRESHOLD_=131072" in table and "§ as ‡, with the eager error quantizer" in table
@@ -410,6 +412,11 @@ def test_peak_memory_is_measured_in_interleaved_fresh_processes(monkeypatch):
     plain, quant = overhead.peak_memories_mib("vit_small", True, processes=3)
     assert calls == [False, True] * 3  # one process per side in turn, so no side always follows the other's load
     assert plain == [(101.0, 3), (103.0, 3), (105.0, 3)] and quant == [(102.0, 3), (104.0, 3), (106.0, 3)]
+    calls.clear()  # a third arm (the ⊘ step under the default allocator) joins the same rotation
+    monkeypatch.setattr(overhead, "peak_memory_mib",
+                        lambda kind, quantized, fused, options=None: calls.append((quantized, options)) or (1.0, 3))
+    runs = overhead.peak_memories_mib("vit_small", True, processes=2, other_options={"relu_masks": False})
+    assert calls == [(False, None), (True, None), (True, {"relu_masks": False})] * 2 and len(runs) == 3
 
 
 def test_peak_memory_is_read_once_it_stops_rising():
