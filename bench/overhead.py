@@ -414,7 +414,7 @@ def _saved_by(node) -> list[torch.Tensor]:
     function's ``saved_tensors``, and a converted ReLU's output or mask (`hf_cpt.nn.relu_masks.KeptOutput`)."""
     kept = getattr(node, "cpt_kept_output", None)
     if kept is not None:
-        return [kept.passes if kept.output is None else kept.output]
+        return [kept.zeroed if kept.output is None else kept.output]
     values = []
     names = ["saved_tensors"] if hasattr(node, "saved_tensors") else [n for n in dir(node) if n.startswith("_saved_")]
     for name in names:

@@ -1,4 +1,4 @@
-"""An error passed through a one-byte mask (hf_cpt/numerics/mask_kernels.py, mask_kernels.c): the bits of a ReLU's
+"""An error zeroed where a bool mask is set (hf_cpt/numerics/mask_kernels.py, mask_kernels.c): the bits of a ReLU's
 backward, natively and by torch's formula, and the formula wherever the kernel does not serve."""
 
 import pytest
@@ -10,19 +10,19 @@ SPECIAL = [-2.0, -0.0, 0.0, 1e-30, 3.0, float("nan"), float("inf"), -float("inf"
 
 
 def _case(dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(an error, the int8 mask of a ReLU output, autograd's ReLU gradient for them): NaN, infinities and signed
-    zeros in both the output and the error."""
+    """(an error, the bool mask ``output <= 0`` of a ReLU output, autograd's ReLU gradient for them): NaN, infinities
+    and signed zeros in both the output and the error."""
     torch.manual_seed(0)
     output = torch.cat([torch.tensor(SPECIAL), torch.randn(numel - 8)]).relu().to(dtype)
     output[:8] = torch.tensor(SPECIAL).to(dtype)  # ReLU outputs are never negative, but the kernel must not care
     error = torch.cat([torch.tensor([-1.0, 2.0, -0.0, float("nan"), -3.0, -0.0, float("inf"), 5.0]),
                        torch.randn(numel - 8)]).to(dtype)
     expected = torch.ops.aten.threshold_backward(error, output, 0)
-    return error, mask_kernels.mask_zeroing(output <= 0), expected
+    return error, output <= 0, expected
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(mask_kernels.SAME_WIDTH_INTEGER[t.element_size()])
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -43,13 +43,13 @@ def test_the_kernel_serves_large_contiguous_errors_and_its_result_does_not_depen
     if mask_kernels._library() is None:
         pytest.skip("no C compiler on this machine")
     error, mask, expected = _case(torch.float32, 3 << 22)  # above the kernel's per-thread share
-    formula = torch.bitwise_and
-    monkeypatch.setattr(torch, "bitwise_and", lambda *a, **k: pytest.fail("the formula ran"))
+    formula = torch.Tensor.masked_fill
+    monkeypatch.setattr(torch.Tensor, "masked_fill", lambda *a, **k: pytest.fail("the formula ran"))
     for count in (1, 2, 3):
         monkeypatch.setenv(native.THREADS_VARIABLE, str(count))
         assert torch.equal(_bits(mask_kernels.masked(error, mask)), _bits(expected))
     calls = []
-    monkeypatch.setattr(torch, "bitwise_and", lambda *a: calls.append(a) or formula(*a))
+    monkeypatch.setattr(torch.Tensor, "masked_fill", lambda *a: calls.append(a) or formula(*a))
     small, small_mask, small_expected = _case(torch.float32, 1000)
     assert torch.equal(_bits(mask_kernels.masked(small, small_mask)), _bits(small_expected))
     strided = error.view(2, -1).t()

@@ -36,7 +36,7 @@ def test_the_gradient_is_relus_bit_for_bit(inplace, handed_over, dtype):
     assert output.grad_fn.name() == HANDING_OVER and (output is x) == inplace
     if handed_over:
         hand_over_input(output, saved=None, state=PrecisionState())
-        assert _kept(output.grad_fn).output is None and _kept(output.grad_fn).passes.dtype == torch.int8
+        assert _kept(output.grad_fn).output is None and _kept(output.grad_fn).zeroed.dtype == torch.bool
     (got,) = torch.autograd.grad(output, source, error)
     torch.testing.assert_close(output, reference, rtol=0, atol=0, equal_nan=True)
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
@@ -120,7 +120,7 @@ def test_a_cnn_keeps_masks_and_codes_and_trains_bit_for_bit(integer):
     nodes, gradients = _step(masked, x)
     last = "_ActivationOfRecomputedInputBackward" if integer else HANDING_OVER
     assert [node.name() for node in nodes] == [HANDING_OVER, HANDING_OVER, last]
-    assert all(_kept(node).output is None and _kept(node).passes.dtype == torch.int8
+    assert all(_kept(node).output is None and _kept(node).zeroed.dtype == torch.bool
                for node in nodes if node.name() == HANDING_OVER)
     plain = _quantized(model, False, integer_matmul=integer)
     assert plain.cpt_report.relu_masks == []
@@ -224,7 +224,7 @@ def _functional_steps(masks: bool, steps: int = 2) -> tuple[nn.Module, list[list
         torch.manual_seed(1)
         loss = model(torch.randn(2, 3, 8, 8)).square().sum()
         names.append([o.grad_fn.name() for o in model.outputs])
-        assert all(_kept(o.grad_fn).output is None and _kept(o.grad_fn).passes.dtype == torch.int8
+        assert all(_kept(o.grad_fn).output is None and _kept(o.grad_fn).zeroed.dtype == torch.bool
                    for o in model.outputs if o.grad_fn.name() == HANDING_OVER)
         loss.backward()
         gradients.append([p.grad.clone() for p in model.parameters()])

@@ -4,9 +4,8 @@ A ReLU keeps its float output for its backward, which reads only where that outp
 fed that output keeps integer codes of it for its own backward, so once such a layer has read it, no backward needs
 the float: the converted ReLU (`hf_cpt.nn.recompute` converts the activation modules) then keeps a one-byte mask
 instead of the four-byte output, and the layer its codes: two bytes a value where both used to share the float's four.
-The mask is ``0`` where the output is ``<= 0`` and ``-1`` (all bits set) elsewhere, so the backward is one bitwise AND
-of the error's bits with it (`hf_cpt.numerics.mask_kernels`), as fast as autograd's kernel (``masked_fill`` with a
-bool mask took three times as long).
+The mask is ``output <= 0`` as a bool tensor, and the backward zeroes the error there in one pass
+(`hf_cpt.numerics.mask_kernels`), as fast as autograd's kernel (``masked_fill`` took three times as long).
 Until a quantized layer takes it over, the ReLU keeps its output as autograd would, so a ReLU that feeds only
 full-precision layers keeps what it always kept. The gradient is autograd's, bit for bit (``ReluBackward0`` passes
 the error where the output is not ``<= 0``).
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..numerics.mask_kernels import mask_zeroing, masked
+from ..numerics.mask_kernels import masked
 from .saved import same_view, saved_as_is
 
 if TYPE_CHECKING:
@@ -40,15 +39,15 @@ if TYPE_CHECKING:
 
 class KeptOutput:
     """What a converted ReLU keeps for its backward: its output (a detached alias: no reference cycle through the
-    output's own graph node) until a quantized layer that keeps codes of it calls `hand_over`, then an int8 mask: ``0``
-    where it is ``<= 0``, else ``-1`` (all bits set: NaN included, as autograd's kernel passes the error there)."""
+    output's own graph node) until a quantized layer that keeps codes of it calls `hand_over`, then the bool mask of
+    where it is ``<= 0`` (not at NaN, where autograd's kernel passes the error)."""
 
-    __slots__ = ("output", "version", "passes")
+    __slots__ = ("output", "version", "zeroed")
 
     def __init__(self, output: torch.Tensor) -> None:
         self.output: torch.Tensor | None = output.detach()  # shares the output's version counter
         self.version = output._version
-        self.passes: torch.Tensor | None = None
+        self.zeroed: torch.Tensor | None = None
 
     def holds(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is the kept output, unchanged since the ReLU made it."""
@@ -57,15 +56,14 @@ class KeptOutput:
     def hand_over(self) -> None:
         """Keep the mask, drop the output (its reader keeps codes of it)."""
         if self.output is not None:
-            self.passes = mask_zeroing(self.output <= 0)
+            self.zeroed = self.output <= 0
             self.output = None
 
     def gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The input's gradient: ``grad`` where the output is not ``<= 0``, else ``+0.0`` (autograd's ReLU kernel on
-        the output while it is kept; on the mask, the error's bits ANDed with it: the same bits, one pass either
-        way)."""
+        the output while it is kept, `masked` on the mask: the same bits, one pass either way)."""
         if self.output is None:
-            return masked(grad, self.passes)
+            return masked(grad, self.zeroed)
         if self.output._version != self.version:
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
                                "inplace operation: the output of a ReLU (hf_cpt.nn.relu_masks).")
