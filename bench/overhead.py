@@ -45,6 +45,7 @@ from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.nn import dropout_masks, products
 from hf_cpt.nn.precision import PrecisionState
+from hf_cpt.nn.relu_masks import kept_output_of
 from hf_cpt.numerics import code_kernels, native, rotation
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported
@@ -412,7 +413,7 @@ def saved_activation_mib(model: nn.Module, batch: dict) -> float:
 def _saved_by(node) -> list[torch.Tensor]:
     """The tensors an autograd node keeps for its backward: a built-in node's ``_saved_*`` attributes, a custom
     function's ``saved_tensors``, and a converted ReLU's output or mask (`hf_cpt.nn.relu_masks.KeptOutput`)."""
-    kept = getattr(node, "cpt_kept_output", None)
+    kept = kept_output_of(node)
     if kept is not None:
         return [kept.zeroed if kept.output is None else kept.output]
     values = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -10,13 +11,13 @@ from torch import nn
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
 from hf_cpt.nn.precision import PrecisionState
-from hf_cpt.nn.relu_masks import hand_over_input, relu_handing_over
+from hf_cpt.nn.relu_masks import hand_over_input, kept_output_of, relu_handing_over
 
 HANDING_OVER = "_ReLUHandingOverBackward"
 
 
 def _kept(node):
-    return node.cpt_kept_output
+    return kept_output_of(node)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -96,8 +97,9 @@ def _quantized(model: nn.Module, masks: bool, **options) -> nn.Module:
     return model
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> tuple[list, dict]:
-    """(the ReLU nodes of one training forward, the gradients of its backward)."""
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[list, dict, list]:
+    """(the ReLU nodes of one training forward, the gradients of its backward, what each converted ReLU kept before
+    the backward: (its output, its mask))."""
     model.zero_grad(set_to_none=True)
     outputs, hooks = [], [m.register_forward_hook(lambda m, i, o: outputs.append(o)) for m in model
                           if isinstance(m, nn.ReLU)]
@@ -106,8 +108,9 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[list, dict]:
     for hook in hooks:
         hook.remove()
     nodes = [o.grad_fn for o in outputs]
+    kept = [(k.output, k.zeroed) for k in map(kept_output_of, nodes) if k is not None]
     loss.backward()
-    return nodes, {name: p.grad.clone() for name, p in model.named_parameters()}
+    return nodes, {name: p.grad.clone() for name, p in model.named_parameters()}, kept
 
 
 @pytest.mark.parametrize("integer", [False, True])
@@ -117,14 +120,14 @@ def test_a_cnn_keeps_masks_and_codes_and_trains_bit_for_bit(integer):
     model, x = _cnn(), torch.randn(4, 3, 8, 8)
     masked = _quantized(model, True, integer_matmul=integer)
     assert masked.cpt_report.relu_masks == ["2", "5", "9"] and "ReLUs that keep a mask" in str(masked.cpt_report)
-    nodes, gradients = _step(masked, x)
+    nodes, gradients, kept = _step(masked, x)
     last = "_ActivationOfRecomputedInputBackward" if integer else HANDING_OVER
     assert [node.name() for node in nodes] == [HANDING_OVER, HANDING_OVER, last]
-    assert all(_kept(node).output is None and _kept(node).zeroed.dtype == torch.bool
-               for node in nodes if node.name() == HANDING_OVER)
+    assert len(kept) == (2 if integer else 3)
+    assert all(output is None and zeroed.dtype == torch.bool for output, zeroed in kept)
     plain = _quantized(model, False, integer_matmul=integer)
     assert plain.cpt_report.relu_masks == []
-    plain_nodes, expected = _step(plain, x)
+    plain_nodes, expected, _ = _step(plain, x)
     assert [node.name() for node in plain_nodes] == ["ReluBackward0"] * 2 + [last if integer else "ReluBackward0"]
     assert gradients.keys() == expected.keys()
     for name in expected:
@@ -135,8 +138,36 @@ def test_a_cnn_keeps_masks_and_codes_and_trains_bit_for_bit(integer):
 
 def test_a_relu_read_by_a_full_precision_layer_keeps_its_output():
     masked = _quantized(_cnn(), True, exclude_modules=["6"])
-    nodes, _ = _step(masked, torch.randn(4, 3, 8, 8))
-    assert [_kept(node).output is None for node in nodes] == [True, False, True]
+    _, _, kept = _step(masked, torch.randn(4, 3, 8, 8))
+    assert [output is None for output, _ in kept] == [True, False, True]
+
+
+def test_the_mask_goes_with_the_backward_that_read_it_while_the_loss_lives_on():
+    """A loop that keeps its loss until the next forward keeps the graph, but autograd frees what its nodes saved once
+    the backward has run: the masks go too. With ``retain_graph`` they stay, and a second backward gives the same
+    gradients; a backward after the graph is freed fails as autograd's own."""
+    masked = _quantized(_cnn(), True)
+    outputs = []
+    hooks = [m.register_forward_hook(lambda m, i, o: outputs.append(o)) for m in masked if isinstance(m, nn.ReLU)]
+    loss = masked(torch.randn(4, 3, 8, 8)).square().sum()
+    for hook in hooks:
+        hook.remove()
+    nodes = [o.grad_fn for o in outputs]
+    masks = [kept_output_of(node).zeroed for node in nodes]
+    assert all(mask is not None for mask in masks)
+    freed = [weakref.ref(mask) for mask in masks]
+    del masks
+    torch.manual_seed(1)
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in masked.parameters()]
+    assert all(kept_output_of(node) is not None for node in nodes)
+    masked.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    loss.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, masked.parameters()))
+    assert all(kept_output_of(node) is None for node in nodes) and all(ref() is None for ref in freed)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
 
 
 def test_under_saved_tensor_hooks_and_in_eval_the_relu_runs_as_before():

@@ -10,8 +10,9 @@ Until a quantized layer takes it over, the ReLU keeps its output as autograd wou
 full-precision layers keeps what it always kept. The gradient is autograd's, bit for bit (``ReluBackward0`` passes
 the error where the output is not ``<= 0``).
 
-A ReLU under saved-tensor hooks (activation checkpointing, offloading) or in a compiled graph runs as it was: it keeps
-its output outside ``save_for_backward``, which such hooks would not see.
+A ReLU under saved-tensor hooks (activation checkpointing, offloading) or in a compiled graph runs as it was: it
+packs what it keeps with a saved-tensor hook of its own, in place of theirs, so autograd frees it with the node's
+saved tensors once the backward has run.
 
 A ReLU the model's code calls as a function (``torch.relu``, ``F.relu``, ``x.relu()``) is no module to convert. Once a
 quantized layer has been fed such a ReLU's output (`hand_over_input`), the model's training forwards run under
@@ -40,9 +41,12 @@ if TYPE_CHECKING:
 class KeptOutput:
     """What a converted ReLU keeps for its backward: its output (a detached alias: no reference cycle through the
     output's own graph node) until a quantized layer that keeps codes of it calls `hand_over`, then the bool mask of
-    where it is ``<= 0`` (not at NaN, where autograd's kernel passes the error)."""
+    where it is ``<= 0`` (not at NaN, where autograd's kernel passes the error). The node's saved tensor holds it (an
+    autograd saved-tensor hook packs it), so autograd frees it with the node's saved tensors once the backward has
+    run: a training loop that keeps its loss until the next forward keeps no mask through it. The node refers to it
+    weakly (`kept_output_of`)."""
 
-    __slots__ = ("output", "version", "zeroed")
+    __slots__ = ("output", "version", "zeroed", "__weakref__")
 
     def __init__(self, output: torch.Tensor) -> None:
         self.output: torch.Tensor | None = output.detach()  # shares the output's version counter
@@ -59,39 +63,69 @@ class KeptOutput:
             self.zeroed = self.output <= 0
             self.output = None
 
-    def gradient(self, grad: torch.Tensor) -> torch.Tensor:
-        """The input's gradient: ``grad`` where the output is not ``<= 0``, else ``+0.0`` (autograd's ReLU kernel on
-        the output while it is kept, `masked` on the mask: the same bits, one pass either way)."""
+    def for_backward(self) -> torch.Tensor:
+        """What the backward reads: the bool mask once handed over, else the output (checked unchanged)."""
         if self.output is None:
-            return masked(grad, self.zeroed)
+            return self.zeroed
         if self.output._version != self.version:
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
                                "inplace operation: the output of a ReLU (hf_cpt.nn.relu_masks).")
-        return torch.ops.aten.threshold_backward(grad, self.output, 0)
+        return self.output
+
+
+def gradient(grad: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The input's gradient from what a `KeptOutput` gives the backward: ``grad`` where the output is not ``<= 0``,
+    else ``+0.0`` (autograd's ReLU kernel on the output, `masked` on the bool mask: the same bits, one pass either
+    way)."""
+    if kept.dtype == torch.bool:
+        return masked(grad, kept)
+    return torch.ops.aten.threshold_backward(grad, kept, 0)
+
+
+def kept_output_of(node) -> KeptOutput | None:
+    """The `KeptOutput` of a converted ReLU's autograd node, while its backward may still read it; None for any
+    other node."""
+    ref = getattr(node, "cpt_kept_output", None)
+    return None if ref is None else ref()
 
 
 class _ReLUHandingOver(torch.autograd.Function):
-    """``relu(x)`` (in place where ``inplace``) keeping a `KeptOutput`, on the node as ``cpt_kept_output``."""
+    """``relu(x)`` (in place where ``inplace``) saving its output, which `relu_handing_over` packs as a `KeptOutput`."""
 
     @staticmethod
     def forward(ctx, x, inplace):
         if inplace:
             ctx.mark_dirty(x)
-            return x.relu_()
-        return x.relu()
+            output = x.relu_()
+        else:
+            output = x.relu()
+        ctx.save_for_backward(output)
+        return output
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.cpt_kept_output.gradient(grad), None
+        (kept,) = ctx.saved_tensors
+        return gradient(grad, kept), None
 
 
 def relu_handing_over(x: torch.Tensor, inplace: bool) -> torch.Tensor:
     """``relu(x)`` whose kept output a quantized layer reading it may exchange for a mask (`hand_over_input`); an
     in-place ReLU of a view runs as autograd's (autograd puts such an edit on the view's base, not on this node)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # disabled by a transform: keep as autograd does
+        return x.relu_() if inplace else x.relu()
     if inplace and x._is_view():
         return x.relu_()
-    output = _ReLUHandingOver.apply(x, inplace)
-    output.grad_fn.cpt_kept_output = KeptOutput(output)  # after apply: an in-place call bumps the version on return
+    packed: list[KeptOutput] = []
+
+    def pack(output: torch.Tensor) -> KeptOutput:
+        packed.append(KeptOutput(output))
+        return packed[-1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, KeptOutput.for_backward):
+        output = _ReLUHandingOver.apply(x, inplace)
+    (kept,) = packed
+    kept.version = output._version  # after apply: an in-place call bumps the version on return
+    output.grad_fn.cpt_kept_output = weakref.ref(kept)
     return output
 
 
@@ -109,7 +143,7 @@ def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None, state: Precisio
     `FunctionalReLUScope`)."""
     if torch.compiler.is_dynamo_compiling():  # a traced graph holds no converted ReLU's node
         return
-    kept = getattr(x.grad_fn, "cpt_kept_output", None)
+    kept = kept_output_of(x.grad_fn)
     if kept is None:
         if x.grad_fn is not None and not state.functional_relus and x.grad_fn.name() == "ReluBackward0":
             state.functional_relus = True
