@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on a tiny slice, so that they cannot rot."""
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -30,6 +31,11 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
                "--eval_size", "64", "--max_steps", "2", "--seeds", "0", "--runs", "static-8/8", "cpt-4-8/8",
                "--work_dir", str(tmp_path / "work")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the gradient fidelity of the error grids, on the same model: a script of its own, run beside this one
+    gradients = tmp_path / "gradients.json"
+    gradient_command = [sys.executable, os.path.join(ROOT, "bench", "gradient_fidelity.py"), "--model_path",
+                        str(model_dir), "--data_dir", shared_data_dir, "--output", str(gradients), "--draws", "2"]
+    beside = subprocess.Popen(gradient_command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.load(open(output))
@@ -49,12 +55,9 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     as_minilm = {**results, "fidelity": {"all-MiniLM-L6-v2 (pretrained)": results["fidelity"]["model (local)"]}}
     assert any(line.startswith("| output fidelity at 4 bits") for line in report.readme_summary(as_minilm))
 
-    # the gradient fidelity of the error grids, on the same model, and its section of the backward page
-    gradients = tmp_path / "gradients.json"
-    command = [sys.executable, os.path.join(ROOT, "bench", "gradient_fidelity.py"), "--model_path", str(model_dir),
-               "--data_dir", shared_data_dir, "--output", str(gradients), "--draws", "2"]
-    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    # the gradient fidelity's results, and its section of the backward page
+    _, stderr = beside.communicate(timeout=600)
+    assert beside.returncode == 0, stderr[-3000:]
     fidelity = json.load(open(gradients))
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import backward_page
@@ -70,7 +73,7 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     assert "| layers + attention, attention errors min/max | " in section
     assert "- layers + attention, attention errors zero-centred (default) against layers + attention, attention " \
            "errors min/max: the distance to FP32" in section
-    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    again = subprocess.run(gradient_command, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0 and "layers, min/max" not in again.stdout  # resumable: nothing ran twice
 
 
@@ -96,7 +99,28 @@ def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
     common = ["--data_dir", shared_data_dir, "--max_steps", "2", "--cycles", "2"]
     vision_args = [*common, "--output", str(results / "vision.json"), "--train_size", "40", "--test_size", "20",
                    "--seeds", "0", "1", "--runs", "static-8/8", "cpt-3-8/8", "--work_dir", str(work / "v")]
-    first = _run_script("cifar10.py", vision_args)
+    horizon_args = ["--data_dir", shared_data_dir, "--max_steps", "10", "--epochs", "1", "2", "--output",
+                    str(results / "horizon.json"), "--train_size", "40", "--test_size", "20", "--seeds", "0",
+                    "--runs", "static-8/8", "ct-3-8/8-n8-delay", "--work_dir", str(work / "h")]
+    # Four independent chains (a script, then its resumed run), two at a time: each runs on one thread.
+    chains = {
+        "vision": [("cifar10.py", vision_args), ("cifar10.py", vision_args)],
+        "sweep": [("schedule_sweep.py", [*common, "--output", str(results / "schedule_sweep.json"), "--train_size",
+                                         "40", "--test_size", "20", "--runs", "static-8/8", "RR", "CT",
+                                         "--work_dir", str(work / "s")])],
+        "lm": [("language_model.py", [*common, "--output", str(results / "language_model.json"), "--train_blocks",
+                                      "8", "--test_blocks", "8", "--seeds", "0", "--runs", "static-8/8", "cpt-4-8/8",
+                                      "--work_dir", str(work / "lm")]),
+               ("language_model.py", [*common, "--output", str(results / "language_model_full.json"),
+                                      "--train_blocks", "8", "--test_blocks", "8", "--seeds", "0", "--runs",
+                                      "static-8/8-full", "cpt-4-8/8-full", "--no_profile", "--work_dir",
+                                      str(work / "lm")])],
+        "horizon": [("horizon.py", horizon_args), ("horizon.py", horizon_args)],
+    }
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(zip(chains, pool.map(lambda chain: [_run_script(*call) for call in chain], chains.values())))
+
+    first, again = runs["vision"]
     assert "cpt-3-8/8/seed1: accuracy" in first.stderr + first.stdout
     vision = json.load(open(results / "vision.json"))
     assert set(vision["runs"]) == {f"{r}/seed{s}" for r in ("static-8/8", "cpt-3-8/8") for s in (0, 1)}
@@ -104,38 +128,22 @@ def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
     assert entry["steps"] == 2 and entry["cost"]["steps"] == 2 and entry["cost"]["cost_vs_static"] < 1
     assert set(entry["profile"]) == {"3", "4", "5", "6", "7", "8", "fp32"}
     assert entry["quantized_layers"] == 21  # every conv; the classifier stays FP32
-    again = _run_script("cifar10.py", vision_args)  # resumable: nothing left to run
-    assert "accuracy" not in again.stderr + again.stdout
+    assert "accuracy" not in again.stderr + again.stdout  # resumable: nothing left to run
 
-    _run_script("schedule_sweep.py", [*common, "--output", str(results / "schedule_sweep.json"), "--train_size",
-                                      "40", "--test_size", "20", "--runs", "static-8/8", "RR", "CT",
-                                      "--work_dir", str(work / "s")])
     sweep = json.load(open(results / "schedule_sweep.json"))
     assert sweep["runs"]["RR/seed0"]["cpt_config"]["schedule"] == "RR"
 
-    _run_script("language_model.py", [*common, "--output", str(results / "language_model.json"), "--train_blocks",
-                                      "8", "--test_blocks", "8", "--seeds", "0", "--runs", "static-8/8", "cpt-4-8/8",
-                                      "--work_dir", str(work / "lm")])
     lm = json.load(open(results / "language_model.json"))
     assert lm["runs"]["cpt-4-8/8/seed0"]["metric"] > 1  # a perplexity
     assert 0 < lm["runs"]["cpt-4-8/8/seed0"]["cost"]["full_precision_mac_share"] < 1  # FP32 head, attention
-    _run_script("language_model.py", [*common, "--output", str(results / "language_model_full.json"),
-                                      "--train_blocks", "8", "--test_blocks", "8", "--seeds", "0", "--runs",
-                                      "static-8/8-full", "cpt-4-8/8-full", "--no_profile", "--work_dir",
-                                      str(work / "lm")])
     full = json.load(open(results / "language_model_full.json"))
     assert full["runs"]["cpt-4-8/8-full/seed0"]["cost"]["full_precision_mac_share"] == 0  # quantized throughout
 
-    horizon_args = ["--data_dir", shared_data_dir, "--max_steps", "10", "--epochs", "1", "2", "--output",
-                    str(results / "horizon.json"), "--train_size", "40", "--test_size", "20", "--seeds", "0",
-                    "--runs", "static-8/8", "ct-3-8/8-n8-delay", "--work_dir", str(work / "h")]
-    _run_script("horizon.py", horizon_args)
     horizon = json.load(open(results / "horizon.json"))
     assert set(horizon["epochs-2"]) == {"static-8/8/seed0", "ct-3-8/8-n8-delay/seed0"}
     protected = horizon["epochs-1"]["ct-3-8/8-n8-delay/seed0"]
     assert protected["curve"][0]["bits"] == 8 and protected["cost"]["cost_vs_static"] < 1  # held at 8, then cycles
-    again = _run_script("horizon.py", horizon_args)  # resumable: nothing left to run
-    assert "accuracy" not in again.stderr + again.stdout
+    assert "accuracy" not in runs["horizon"][1].stderr + runs["horizon"][1].stdout  # resumable
 
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- results-summary:start -->\n<!-- results-summary:end -->\ny\n")
