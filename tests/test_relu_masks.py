@@ -317,3 +317,14 @@ def test_the_functional_relu_scope_runs_only_in_training_forwards_and_comes_off_
     assert [o.grad_fn.name() for o in loaded.outputs] == [HANDING_OVER] * 5 and not stack()
     dequantize_model(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_where_saved_tensor_hooks_are_disabled_the_relu_runs_as_autograds():
+    """A transform that disables saved-tensor hooks (functorch) would refuse the ReLU's own hook: it keeps its output
+    as autograd's ReLU does, with the same gradient."""
+    source = torch.randn(16).requires_grad_()
+    with torch.autograd.graph.disable_saved_tensors_hooks("disabled here"):
+        output = relu_handing_over(source * 1.0, inplace=False)
+    assert output.grad_fn.name() == "ReluBackward0" and kept_output_of(output.grad_fn) is None
+    (got,) = torch.autograd.grad(output.sum(), source)
+    assert torch.equal(got, (source > 0).float())

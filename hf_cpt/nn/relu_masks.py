@@ -108,10 +108,16 @@ class _ReLUHandingOver(torch.autograd.Function):
         return gradient(grad, kept), None
 
 
+def _saved_tensor_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be pushed here (a functorch transform disables them)."""
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return enabled is None or enabled()
+
+
 def relu_handing_over(x: torch.Tensor, inplace: bool) -> torch.Tensor:
     """``relu(x)`` whose kept output a quantized layer reading it may exchange for a mask (`hand_over_input`); an
     in-place ReLU of a view runs as autograd's (autograd puts such an edit on the view's base, not on this node)."""
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # disabled by a transform: keep as autograd does
+    if not _saved_tensor_hooks_enabled():  # disabled by a transform: keep as autograd does
         return x.relu_() if inplace else x.relu()
     if inplace and x._is_view():
         return x.relu_()
