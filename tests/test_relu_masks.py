@@ -16,10 +16,6 @@ from hf_cpt.nn.relu_masks import hand_over_input, kept_output_of, relu_handing_o
 HANDING_OVER = "_ReLUHandingOverBackward"
 
 
-def _kept(node):
-    return kept_output_of(node)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("handed_over", [False, True])
@@ -37,7 +33,8 @@ def test_the_gradient_is_relus_bit_for_bit(inplace, handed_over, dtype):
     assert output.grad_fn.name() == HANDING_OVER and (output is x) == inplace
     if handed_over:
         hand_over_input(output, saved=None, state=PrecisionState())
-        assert _kept(output.grad_fn).output is None and _kept(output.grad_fn).zeroed.dtype == torch.bool
+        kept = kept_output_of(output.grad_fn)
+        assert kept.output is None and kept.zeroed.dtype == torch.bool
     (got,) = torch.autograd.grad(output, source, error)
     torch.testing.assert_close(output, reference, rtol=0, atol=0, equal_nan=True)
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
@@ -68,10 +65,10 @@ def test_a_layer_keeping_the_tensor_itself_leaves_the_relu_its_output():
     state = PrecisionState()
     output = relu_handing_over(torch.randn(8, requires_grad=True) * 1.0, False)
     hand_over_input(output, saved=output, state=state)  # the layer keeps x: the float stays, no mask beside it
-    assert _kept(output.grad_fn).output is not None
+    assert kept_output_of(output.grad_fn).output is not None
     edited = output * 1.0
     hand_over_input(edited, saved=None, state=state)  # not a converted ReLU's output: nothing to hand over
-    assert _kept(output.grad_fn).output is not None
+    assert kept_output_of(output.grad_fn).output is not None
     assert not state.functional_relus
     hand_over_input(torch.relu(torch.randn(8, requires_grad=True)), saved=None, state=state)  # autograd's ReLU
     assert state.functional_relus
@@ -210,7 +207,7 @@ def test_a_timm_resnet_hands_over_every_relu_a_convolution_reads_and_trains_bit_
             hook.remove()
         if masks:
             assert len(outputs) == 17 and all(o.grad_fn.name() == HANDING_OVER for o in outputs)
-            assert [_kept(o.grad_fn).output is None for o in outputs] == [False] + [True] * 15 + [False]
+            assert [kept_output_of(o.grad_fn).output is None for o in outputs] == [False] + [True] * 15 + [False]
         loss.backward()
         gradients.append([p.grad for p in model.parameters()])
     for got, expected in zip(*gradients):
@@ -255,7 +252,7 @@ def _functional_steps(masks: bool, steps: int = 2) -> tuple[nn.Module, list[list
         torch.manual_seed(1)
         loss = model(torch.randn(2, 3, 8, 8)).square().sum()
         names.append([o.grad_fn.name() for o in model.outputs])
-        assert all(_kept(o.grad_fn).output is None and _kept(o.grad_fn).zeroed.dtype == torch.bool
+        assert all(kept_output_of(o.grad_fn).output is None and kept_output_of(o.grad_fn).zeroed.dtype == torch.bool
                    for o in model.outputs if o.grad_fn.name() == HANDING_OVER)
         loss.backward()
         gradients.append([p.grad.clone() for p in model.parameters()])
