@@ -10,9 +10,10 @@ Until a quantized layer takes it over, the ReLU keeps its output as autograd wou
 full-precision layers keeps what it always kept. The gradient is autograd's, bit for bit (``ReluBackward0`` passes
 the error where the output is not ``<= 0``).
 
-A ReLU under saved-tensor hooks (activation checkpointing, offloading) or in a compiled graph runs as it was: it
-packs what it keeps with a saved-tensor hook of its own, in place of theirs, so autograd frees it with the node's
-saved tensors once the backward has run.
+What the ReLU keeps is packed into its node's saved tensor by a saved-tensor hook of its own, so autograd frees it
+with the node's other saved tensors once the backward has run. Under saved-tensor hooks of others (activation
+checkpointing, offloading), where they are disabled, or in a compiled graph the ReLU runs as autograd's: its own
+hook would stand in for theirs.
 
 A ReLU the model's code calls as a function (``torch.relu``, ``F.relu``, ``x.relu()``) is no module to convert. Once a
 quantized layer has been fed such a ReLU's output (`hand_over_input`), the model's training forwards run under
