@@ -35,6 +35,7 @@ from torch import nn
 from .nn.attention import find_attention_quantizer
 from .nn.base import QuantLayerMixin
 from .nn.layers import QUANT_LAYER_CLASSES
+from .nn.tally import Tally
 from .numerics.bitops import bitops_per_mac, rotation_bitops, rotation_bitops_per_value
 from .numerics.error_rotation import error_rotation_operations
 
@@ -119,10 +120,10 @@ class CostMeter:
         self._error_rotation_price: dict[int, int] = {}  # bit operations per error value, by output features
         self.scale = scale  # e.g. the number of data-parallel processes sharing a global batch
         self.totals = CostTotals()
-        self._quantized_macs = 0
-        self._float_macs = 0
-        self._rotation_bitops = 0
-        self._error_rotation_bitops = 0  # counted only for steps that quantize errors
+        # What the hooks count in training forwards until `end_step` drains it (`Tally`: no torch.compile guard).
+        self._quantized_macs, self._float_macs = Tally(), Tally()
+        self._rotation_bitops = Tally()
+        self._error_rotation_bitops = Tally()  # counted only for steps that quantize errors
         layers = [module for module in model.modules() if isinstance(module, tuple(QUANT_LAYER_CLASSES))]
         # Shared inputs served so far (`hf_cpt.nn.shared_input`), and weights reused within a step
         # (`hf_cpt.nn.reused_weights`), as last seen by the hook.
@@ -154,32 +155,32 @@ class CostMeter:
             return
         macs = layer_macs(module, output)
         if isinstance(module, QuantLayerMixin) and module.quantizes_inputs:
-            self._quantized_macs += macs
+            self._quantized_macs.add(macs)
             price = self._rotation_price.get(id(module))
             if price is not None and inputs:  # counted in end_step only for steps that quantize
                 rotated = (0 if reused else inputs[0].numel()) + (0 if weight_reused else module.weight.numel())
-                self._rotation_bitops += rotated * price
+                self._rotation_bitops.add(rotated * price)
             if self._error_rotation != "none":
                 features = output.shape[module.output_feature_dim]
                 if features not in self._error_rotation_price:
                     self._error_rotation_price[features] = rotation_bitops(
                         *error_rotation_operations(self._error_rotation, features))
-                self._error_rotation_bitops += output.numel() * self._error_rotation_price[features]
+                self._error_rotation_bitops.add(output.numel() * self._error_rotation_price[features])
         else:
-            self._float_macs += macs
+            self._float_macs.add(macs)
 
     def end_step(self, bits: int | None, grad_bits: int | None) -> None:
         """Close one optimizer step trained at (bits, grad_bits)."""
-        attention = 0
+        attention = attention_float = 0
         if self._attention is not None:
             attention, attention_float = self._attention.drain_macs()
-            self._float_macs += attention_float
+        layer_rotations, error_rotations = self._rotation_bitops.drain(), self._error_rotation_bitops.drain()
         recomputed = 0
         if self._precision is not None:
             recomputed = (self._precision.recomputed_macs - self._recomputed_macs) * self.scale
             self._recomputed_macs = self._precision.recomputed_macs
-        layers, attention = self._quantized_macs * self.scale, attention * self.scale
-        quantized, float_ = layers + attention, self._float_macs * self.scale
+        layers, attention = self._quantized_macs.drain() * self.scale, attention * self.scale
+        quantized, float_ = layers + attention, (self._float_macs.drain() + attention_float) * self.scale
         full = bitops_per_mac(None, None)
         totals = self.totals
 
@@ -198,8 +199,8 @@ class CostMeter:
 
         def rotations(bits: int | None, grad_bits: int | None) -> float:
             # Layers rotate inputs and weights when they quantize them (FP32 steps do not), errors likewise.
-            return self.scale * ((self._rotation_bitops if bits is not None else 0)
-                                 + (self._error_rotation_bitops if grad_bits is not None else 0))
+            return self.scale * ((layer_rotations if bits is not None else 0)
+                                 + (error_rotations if grad_bits is not None else 0))
 
         rotation = rotations(bits, grad_bits)
         totals.bitops += price(bits, grad_bits) + float_ * full + rotation
@@ -214,7 +215,6 @@ class CostMeter:
         else:
             totals.quantized_macs += quantized
             totals.float_macs += float_
-        self._quantized_macs = self._float_macs = self._rotation_bitops = self._error_rotation_bitops = 0
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -257,7 +257,7 @@ def test_attention_training_step_quantizes_the_errors_and_counts_the_macs():
         loss.backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         attention = model.cpt_attention
-        counted[quantize] = (attention.quantized_macs, attention.float_macs)
+        counted[quantize] = (attention.quantized_macs.count, attention.float_macs.count)
         meter.end_step(4, 8)
         counted[quantize, "totals"] = meter.totals.to_dict()
     per_layer = 2 * 2 * heads * 7 * 7 * (width // heads)  # Q·Kᵀ and P·V, batch 2, 7 tokens

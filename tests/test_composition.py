@@ -6,6 +6,7 @@ from transformers import BertForSequenceClassification, TrainingArguments
 
 import hf_cpt
 from hf_cpt import CPTConfig, CPTTrainer, quantize_model, save_quantized, set_eval_precision, set_precision
+from hf_cpt.nn.attention import find_attention_quantizer
 from hf_cpt.nn.base import QuantLayerMixin
 
 from .helpers import tiny_bert_config
@@ -118,27 +119,63 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_torch_compile_visits_every_bit_width_without_recompiling_for_them(tmp_path):
-    """`torch_compile=True` under the Trainer: a run through bits 3..8 compiles no more graphs than a static one."""
+def test_torch_compile_visits_every_bit_width_and_accumulates_without_recompiling(tmp_path):
+    """`torch_compile=True` under the Trainer, two micro-batches per step: a run through bits 3..8 compiles its
+    graph once, and its cost meter counts the MACs the same run counts eagerly."""
     from torch._dynamo.utils import counters
 
-    graphs = {}
-    for schedule in ("static", "cpt"):
+    totals = {}
+    for compiled in (True, False):
         torch._dynamo.reset()
         counters.clear()
-        config = CPTConfig(schedule=schedule, bits_min=3, num_cycles=1, fidelity_threshold=None,
+        config = CPTConfig(schedule="cpt", bits_min=3, num_cycles=1, fidelity_threshold=None,
                            quantize_attention=True)
-        trainer = CPTTrainer(model=_model(), args=_args(tmp_path / schedule, max_steps=12, torch_compile=True,
-                                                        torch_compile_backend="eager"),
+        compile_args = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
+        model = _model()
+        model.config.problem_type = "single_label_classification"  # else set by the first call: a guard that fails
+        trainer = CPTTrainer(model=model, args=_args(tmp_path / str(compiled), max_steps=12,
+                                                        per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                                        **compile_args),
                              train_dataset=_data(96), cpt_config=config)
         trainer.train()
         bits = {h["cpt/bits"] for h in trainer.state.log_history if "cpt/bits" in h}
-        assert bits == ({8} if schedule == "static" else set(range(3, 9))), bits
+        assert bits == set(range(3, 9)), bits
         assert all(torch.isfinite(torch.tensor(_losses(trainer))))
-        graphs[schedule] = counters["stats"]["unique_graphs"]
-        # 12 steps, 2 compilations: the first, and one for transformers' own `problem_type` guard (set by the first
-        # step). Nothing of hf_cpt's state (bits, the weight-reuse epoch the Trainer advances each step) is a guard:
-        # dynamo gives up compiling after 8 recompilations and would run the rest eagerly, silently.
-        assert counters["frames"]["total"] <= 2, (schedule, dict(counters["frames"]))
-    assert 0 < graphs["cpt"] <= graphs["static"], graphs  # bits are data, not guards: no graph per bit-width
+        totals[compiled] = trainer.cpt_callback.meter.totals
+        if compiled:
+            # One compilation: nothing of hf_cpt's state is a guard, not the bits, not the weight-reuse epoch the
+            # Trainer advances, not the MACs the cost meter and the attention count in every micro-batch
+            # (`hf_cpt.nn.tally`). Dynamo gives up compiling after 8 recompilations and would run the rest eagerly,
+            # silently.
+            assert counters["frames"]["total"] == 1, dict(counters["frames"])
+    compiled, eager = totals[True], totals[False]
+    assert compiled.quantized_macs == eager.quantized_macs > 0 and compiled.float_macs == eager.float_macs > 0
+    assert compiled.bitops - compiled.rotation_bitops == eager.bitops - eager.rotation_bitops
+    # A compiled forward quantizes each weight anew (no reuse across an accumulated step's micro-batches: the epoch
+    # would be a guard), and the meter counts those rotations.
+    assert compiled.rotation_bitops > eager.rotation_bitops
+    torch._dynamo.reset()
+
+
+def test_a_compiled_model_outside_the_trainer_is_not_recompiled_by_the_counts_of_its_forwards():
+    """A loop of its own around a compiled model (no Trainer to reset the counts between steps): the attention's MAC
+    count grows with every training forward and is no guard of the graph (`hf_cpt.nn.tally`)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    model.config.problem_type = "single_label_classification"  # else set by the first call: a guard that fails
+    quantize_model(model, CPTConfig())
+    model.train()
+    compiled = torch.compile(model, backend="eager")
+    ids, labels = torch.randint(5, 128, (2, 8)), torch.tensor([0, 1])
+    attention = find_attention_quantizer(model)
+    for step, bits in enumerate((4, 6, 8, 5)):
+        set_precision(model, bits, 8)
+        compiled(input_ids=ids, labels=labels).loss.backward()
+        if step == 0:
+            per_forward = attention.float_macs.count
+    assert per_forward > 0 and attention.float_macs.count == 4 * per_forward  # counted in every compiled forward
+    assert counters["frames"]["total"] == 1, dict(counters["frames"])
     torch._dynamo.reset()

@@ -34,6 +34,7 @@ from .dropout_masks import dropout as dropout_keeping_bool_mask
 from .dropout_masks import sdpa_keeping_bool_mask
 from .precision import PrecisionState
 from .products import QuantizedMatmul
+from .tally import Tally
 
 ATTENTION_NAME = "cpt"
 
@@ -49,8 +50,10 @@ class AttentionQuantizer:
     # Bit-width the products hold while the layers are quantized (None: the layers' bits, following the schedule).
     fixed_bits: int | None = None
     quantize_errors: bool = True  # False: the products' errors stay full precision (CPTConfig.attention_errors)
-    quantized_macs: int = 0  # training-forward MACs since the cost meter last drained them
-    float_macs: int = 0
+    # Training-forward MACs since the cost meter last drained them (quantized, full precision): `Tally`s, which
+    # torch.compile does not guard on.
+    quantized_macs: Tally = field(default_factory=Tally, repr=False)
+    float_macs: Tally = field(default_factory=Tally, repr=False)
     _modules: list = field(default_factory=list, repr=False)
     _fixed_bits: torch.Tensor | None = field(default=None, repr=False)
 
@@ -71,9 +74,7 @@ class AttentionQuantizer:
 
     def drain_macs(self) -> tuple[int, int]:
         """(quantized, full-precision) attention MACs counted since the last call; resets both."""
-        counts = (self.quantized_macs, self.float_macs)
-        self.quantized_macs = self.float_macs = 0
-        return counts
+        return self.quantized_macs.drain(), self.float_macs.drain()
 
 
 def _operand_range(x: torch.Tensor, granularity: str, reduced_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +132,7 @@ def cpt_attention_forward(
     quantize_backward = state.quantize and state.quantize_errors and training and precision.backward_enabled
     if training:
         macs = 2 * query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] * query.shape[3]
-        if bits is not None:
-            state.quantized_macs += macs
-        else:
-            state.float_macs += macs
+        (state.float_macs if bits is None else state.quantized_macs).add(macs)
     if bits is None and state.replaced_implementation == "sdpa":  # full precision: the model's own kernel
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
