@@ -55,3 +55,56 @@ def test_the_kernel_serves_large_contiguous_errors_and_its_result_does_not_depen
     strided = error.view(2, -1).t()
     assert torch.equal(_bits(mask_kernels.masked(strided, mask.view(2, -1).t())), _bits(expected.view(2, -1).t()))
     assert len(calls) == 2
+
+
+def _packed_case(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a float32 ReLU output with NaN and signed zeros, an error with NaN, infinities and signed zeros)."""
+    torch.manual_seed(0)
+    output = torch.randn(numel).relu()
+    output[:8] = torch.tensor(SPECIAL)
+    error = torch.randn(numel)
+    error[:8] = torch.tensor([-1.0, 2.0, -0.0, float("nan"), -3.0, -0.0, float("inf"), 5.0])
+    return output, error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("native_kernel", [True, False])
+def test_a_packed_mask_holds_output_le_zero_and_gives_relus_gradient_bit_for_bit(dtype, native_kernel, monkeypatch):
+    """One bit per value, a count of values that is no multiple of 8: unpacked, the bool mask ``output <= 0``; the
+    masked error, natively and by the formula (which the kernel's absence leaves), autograd's ReLU gradient."""
+    if mask_kernels._library() is None:
+        pytest.skip("no C compiler on this machine")
+    output, error = _packed_case((1 << 16) + 5)
+    bits = mask_kernels.pack_nonpositive(output)
+    assert bits.dtype == torch.uint8 and bits.numel() == ((1 << 16) + 5 + 7) // 8
+    assert torch.equal(mask_kernels.unpack(bits, output.shape), output <= 0)
+    square = output[: 1 << 16].view(-1, 2).contiguous()  # the output of a layer whose error comes strided
+    square_bits = mask_kernels.pack_nonpositive(square)
+    if not native_kernel:
+        monkeypatch.setattr(mask_kernels, "_library", lambda: None)
+    error = error.to(dtype)
+    expected = torch.ops.aten.threshold_backward(error, output.to(dtype), 0)
+    got = mask_kernels.masked_bits(error, bits)
+    assert got.dtype == dtype and torch.equal(_bits(got), _bits(expected))
+    strided = error[: 1 << 16].view(2, -1).t()  # not contiguous: the formula, reading the mask in the output's order
+    assert not strided.is_contiguous() and strided.shape == square.shape
+    assert torch.equal(_bits(mask_kernels.masked_bits(strided, square_bits)),
+                       _bits(torch.ops.aten.threshold_backward(strided, square.to(dtype), 0)))
+    with pytest.raises(ValueError, match="does not hold"):
+        mask_kernels.masked_bits(error[:-8], bits)
+
+
+def test_packing_serves_large_contiguous_float32_outputs_and_does_not_depend_on_the_threads(monkeypatch):
+    if mask_kernels._library() is None:
+        pytest.skip("no C compiler on this machine")
+    output, error = _packed_case((3 << 22) + 3)  # above the kernels' per-thread shares
+    expected_bits, expected = None, torch.ops.aten.threshold_backward(error, output, 0)
+    for count in (1, 2, 3):
+        monkeypatch.setenv(native.THREADS_VARIABLE, str(count))
+        bits = mask_kernels.pack_nonpositive(output)
+        assert expected_bits is None or torch.equal(bits, expected_bits)
+        expected_bits = bits
+        assert torch.equal(_bits(mask_kernels.masked_bits(error, bits)), _bits(expected))
+    assert mask_kernels.pack_nonpositive(output[:1000]) is None  # small: the caller keeps a bool mask
+    assert mask_kernels.pack_nonpositive(output.to(torch.bfloat16)) is None
+    assert mask_kernels.pack_nonpositive(output[: 1 << 16].view(2, -1).t()) is None  # not contiguous

@@ -12,6 +12,7 @@ from torch import nn
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
 from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.nn.relu_masks import hand_over_input, kept_output_of, relu_handing_over
+from hf_cpt.numerics import mask_kernels
 
 HANDING_OVER = "_ReLUHandingOverBackward"
 
@@ -110,18 +111,29 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[list, dict, list]:
     return nodes, {name: p.grad.clone() for name, p in model.named_parameters()}, kept
 
 
+@pytest.mark.parametrize("batch", [4, 64])
 @pytest.mark.parametrize("integer", [False, True])
-def test_a_cnn_keeps_masks_and_codes_and_trains_bit_for_bit(integer):
-    """Every ReLU feeding a quantized layer keeps a bool mask (the layer its codes): the gradients of the model whose
-    ReLUs keep their outputs, bit for bit. A ReLU fed by a product on codes recomputes its input instead."""
-    model, x = _cnn(), torch.randn(4, 3, 8, 8)
+def test_a_cnn_keeps_masks_and_codes_and_trains_bit_for_bit(integer, batch):
+    """Every ReLU feeding a quantized layer keeps a mask (the layer its codes): the gradients of the model whose ReLUs
+    keep their outputs, bit for bit. A mask is one bit per value where the native kernel serves the output (float32,
+    at least `NATIVE_MIN_NUMEL` values: the convolutions' ReLUs at batch 64), else a bool tensor. A ReLU fed by a
+    product on codes recomputes its input instead."""
+    packed = batch == 64
+    if packed and mask_kernels._library() is None:
+        pytest.skip("no C compiler on this machine")
+    model, x = _cnn(), torch.randn(batch, 3, 8, 8)
     masked = _quantized(model, True, integer_matmul=integer)
     assert masked.cpt_report.relu_masks == ["2", "5", "9"] and "ReLUs that keep a mask" in str(masked.cpt_report)
     nodes, gradients, kept = _step(masked, x)
     last = "_ActivationOfRecomputedInputBackward" if integer else HANDING_OVER
     assert [node.name() for node in nodes] == [HANDING_OVER, HANDING_OVER, last]
     assert len(kept) == (2 if integer else 3)
-    assert all(output is None and zeroed.dtype == torch.bool for output, zeroed in kept)
+    assert all(output is None for output, _ in kept)
+    values = batch * 8 * 8 * 8  # a convolution's ReLU output
+    assert values >= mask_kernels.NATIVE_MIN_NUMEL if packed else values < mask_kernels.NATIVE_MIN_NUMEL
+    for _, zeroed in kept[:2]:
+        assert (zeroed.dtype, zeroed.numel()) == ((torch.uint8, values // 8) if packed else (torch.bool, values))
+    assert all(zeroed.dtype == torch.bool for _, zeroed in kept[2:])  # the MLP's ReLU: 16 values a row
     plain = _quantized(model, False, integer_matmul=integer)
     assert plain.cpt_report.relu_masks == []
     plain_nodes, expected, _ = _step(plain, x)

@@ -198,9 +198,10 @@ class ActivationConfig:
 
     relu_masks: bool = setting(
         True,
-        "A ReLU whose output a quantized layer keeps as codes keeps a one-byte mask of where that output is "
-        "positive for its backward, not the float output it shared with the layer: the same gradients bit for bit, "
-        "two bytes a value less (a CNN's convolutions; docs/method.md §2). A ReLU module at once; a ReLU called as a "
+        "A ReLU whose output a quantized layer keeps as codes keeps a mask of where that output is positive for its "
+        "backward, one bit a value (a bool tensor where the native kernel does not serve), not the float output it "
+        "shared with the layer: the same gradients bit for bit, about three bytes a value less (a CNN's convolutions; "
+        "docs/method.md §2). A ReLU module at once; a ReLU called as a "
         "function (torch.relu, F.relu) from the model's second training forward on."
     )
 

@@ -2,9 +2,10 @@
 
 A ReLU keeps its float output for its backward, which reads only where that output is positive. A quantized layer
 fed that output keeps integer codes of it for its own backward, so once such a layer has read it, no backward needs
-the float: the converted ReLU (`hf_cpt.nn.recompute` converts the activation modules) then keeps a one-byte mask
-instead of the four-byte output, and the layer its codes: two bytes a value where both used to share the float's four.
-The mask is ``output <= 0`` as a bool tensor, and the backward zeroes the error there in one pass
+the float: the converted ReLU (`hf_cpt.nn.recompute` converts the activation modules) then keeps a mask instead of
+the four-byte output, and the layer its codes: a byte and a bit a value where both used to share the float's four.
+The mask is ``output <= 0``, one bit a value where the native kernel packs it (a float32 CPU output of at least
+`NATIVE_MIN_NUMEL` values), else a bool tensor, and the backward zeroes the error there in one pass
 (`hf_cpt.numerics.mask_kernels`), as fast as autograd's kernel (``masked_fill`` took three times as long).
 Until a quantized layer takes it over, the ReLU keeps its output as autograd would, so a ReLU that feeds only
 full-precision layers keeps what it always kept. The gradient is autograd's, bit for bit (``ReluBackward0`` passes
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..numerics.mask_kernels import masked
+from ..numerics.mask_kernels import masked, masked_bits, pack_nonpositive
 from .saved import same_view, saved_as_is
 
 if TYPE_CHECKING:
@@ -41,11 +42,12 @@ if TYPE_CHECKING:
 
 class KeptOutput:
     """What a converted ReLU keeps for its backward: its output (a detached alias: no reference cycle through the
-    output's own graph node) until a quantized layer that keeps codes of it calls `hand_over`, then the bool mask of
-    where it is ``<= 0`` (not at NaN, where autograd's kernel passes the error). The node's saved tensor holds it (an
-    autograd saved-tensor hook packs it), so autograd frees it with the node's saved tensors once the backward has
-    run: a training loop that keeps its loss until the next forward keeps no mask through it. The node refers to it
-    weakly (`kept_output_of`)."""
+    output's own graph node) until a quantized layer that keeps codes of it calls `hand_over`, then the mask of
+    where it is ``<= 0`` (not at NaN, where autograd's kernel passes the error): its bits packed in a uint8 tensor,
+    or a bool tensor where the native kernel does not pack them (`gradient` reads either). The node's saved tensor
+    holds it (an autograd saved-tensor hook packs it), so autograd frees it with the node's saved tensors once the
+    backward has run: a training loop that keeps its loss until the next forward keeps no mask through it. The node
+    refers to it weakly (`kept_output_of`)."""
 
     __slots__ = ("output", "version", "zeroed", "__weakref__")
 
@@ -61,11 +63,12 @@ class KeptOutput:
     def hand_over(self) -> None:
         """Keep the mask, drop the output (its reader keeps codes of it)."""
         if self.output is not None:
-            self.zeroed = self.output <= 0
+            packed = pack_nonpositive(self.output)
+            self.zeroed = self.output <= 0 if packed is None else packed
             self.output = None
 
     def for_backward(self) -> torch.Tensor:
-        """What the backward reads: the bool mask once handed over, else the output (checked unchanged)."""
+        """What the backward reads: the mask once handed over, else the output (checked unchanged)."""
         if self.output is None:
             return self.zeroed
         if self.output._version != self.version:
@@ -76,10 +79,12 @@ class KeptOutput:
 
 def gradient(grad: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """The input's gradient from what a `KeptOutput` gives the backward: ``grad`` where the output is not ``<= 0``,
-    else ``+0.0`` (autograd's ReLU kernel on the output, `masked` on the bool mask: the same bits, one pass either
-    way)."""
+    else ``+0.0`` (autograd's ReLU kernel on the output, `masked` on a bool mask, `masked_bits` on a packed one: the
+    same bits, one pass each)."""
     if kept.dtype == torch.bool:
         return masked(grad, kept)
+    if kept.dtype == torch.uint8:  # one bit per element (`pack_nonpositive`)
+        return masked_bits(grad, kept)
     return torch.ops.aten.threshold_backward(grad, kept, 0)
 
 

@@ -1,4 +1,5 @@
-/* An error zeroed where a bool mask is set, on CPU: one pass (docs/method.md §2, "ReLU masks").
+/* An error zeroed where a mask is set, on CPU: one pass (docs/method.md §2, "ReLU masks"). The mask is a bool
+ * tensor's bytes (`hf_cpt_masked`) or one bit per element (`hf_cpt_pack_nonpositive`, `hf_cpt_masked_bits`).
  *
  * `zeroed` is a bool tensor's bytes, 1 where the error is to be zeroed and 0 where it passes. Each element of the
  * error is ANDed, as raw bits, with `zeroed - 1` widened to the element's width (0 -> all bits set, 1 -> none), so a
@@ -51,4 +52,97 @@ static int mask_elements(const void *arguments, int64_t first, int64_t last) {
 int hf_cpt_masked(const void *error, const uint8_t *zeroed, void *out, int64_t count, int width, int threads) {
     mask_args args = {error, zeroed, out, width};
     return split_items(mask_elements, &args, count, count, MIN_ELEMENTS_PER_THREAD, threads);
+}
+
+/* Bit-packed masks: bit k (least significant first) of byte j stands for element 8j + k; the last byte's bits past
+ * the end are 0. Work is split over bytes, so each thread writes whole bytes. A byte's 8 elements are one vector
+ * (GCC / clang vector extensions: the compiler picks the target's instructions). */
+#define MIN_BYTES_PER_THREAD (MIN_ELEMENTS_PER_THREAD / 8)
+
+typedef float floats8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t ints8 __attribute__((vector_size(32), aligned(4)));
+static const ints8 PLACES = {1, 2, 4, 8, 16, 32, 64, 128};
+
+typedef struct {
+    const float *output;
+    uint8_t *bits;
+    int64_t count;
+} pack_args;
+
+static int pack_bytes(const void *arguments, int64_t first, int64_t last) {
+    const pack_args *args = (const pack_args *)arguments;
+    const float *output = args->output;
+    const int64_t whole = args->count / 8; /* bytes whose 8 elements all exist */
+    int64_t j = first;
+    for (; j < last && j < whole; j++) {
+        const ints8 set = (*(const floats8 *)(output + 8 * j) <= 0.0f) & PLACES; /* false at NaN, true at -0.0 */
+        args->bits[j] = (uint8_t)(set[0] | set[1] | set[2] | set[3] | set[4] | set[5] | set[6] | set[7]);
+    }
+    for (; j < last; j++) { /* the last, partial byte */
+        uint8_t byte = 0;
+        for (int64_t i = 8 * j; i < args->count; i++) byte |= (uint8_t)(output[i] <= 0.0f) << (i - 8 * j);
+        args->bits[j] = byte;
+    }
+    return 0;
+}
+
+/* bits of `output <= 0` (false for NaN, true for -0.0, as torch compares) over `count` float32 elements, into
+ * (count + 7) / 8 bytes. */
+int hf_cpt_pack_nonpositive(const float *output, uint8_t *bits, int64_t count, int threads) {
+    pack_args args = {output, bits, count};
+    const int64_t bytes = (count + 7) / 8;
+    return split_items(pack_bytes, &args, bytes, count, MIN_ELEMENTS_PER_THREAD, threads);
+}
+
+typedef struct {
+    const void *error;
+    const uint8_t *bits;
+    void *out;
+    int64_t count;
+    int width;
+} mask_bits_args;
+
+/* Elements first..last of `out` from `error` and the bits, one element at a time (any width). */
+#define MASK_BITS_SCALAR(type, first, last)                                                                          \
+    for (int64_t i = (first); i < (last); i++)                                                                       \
+        out[i] = error[i] & (type)((type)((args->bits[i / 8] >> (i % 8)) & 1) - 1);
+
+static int mask_bits_bytes(const void *arguments, int64_t first, int64_t last) {
+    const mask_bits_args *args = (const mask_bits_args *)arguments;
+    const int64_t end = 8 * last < args->count ? 8 * last : args->count;
+    switch (args->width) {
+    case 2: {
+        const int16_t *error = (const int16_t *)args->error;
+        int16_t *out = (int16_t *)args->out;
+        MASK_BITS_SCALAR(int16_t, 8 * first, end)
+        return 0;
+    }
+    case 4: { /* 8 elements a byte, as one vector: all bits kept where the element's bit is clear, none where set */
+        const int32_t *error = (const int32_t *)args->error;
+        int32_t *out = (int32_t *)args->out;
+        int64_t j = first;
+        for (; j < last && 8 * j + 8 <= args->count; j++) {
+            const ints8 kept = (((ints8){0} + args->bits[j]) & PLACES) == 0;
+            *(ints8 *)(out + 8 * j) = *(const ints8 *)(error + 8 * j) & kept;
+        }
+        MASK_BITS_SCALAR(int32_t, 8 * j, end)
+        return 0;
+    }
+    case 8: {
+        const int64_t *error = (const int64_t *)args->error;
+        int64_t *out = (int64_t *)args->out;
+        MASK_BITS_SCALAR(int64_t, 8 * first, end)
+        return 0;
+    }
+    default:
+        return 1;
+    }
+}
+
+/* out[i] = bit i of `bits` ? +0 : error[i], bit for bit, over `count` elements of `width` bytes (2, 4 or 8); -1 for
+ * another width. */
+int hf_cpt_masked_bits(const void *error, const uint8_t *bits, void *out, int64_t count, int width, int threads) {
+    mask_bits_args args = {error, bits, out, count, width};
+    const int64_t bytes = (count + 7) / 8;
+    return split_items(mask_bits_bytes, &args, bytes, count, MIN_ELEMENTS_PER_THREAD, threads);
 }

@@ -1,10 +1,14 @@
-"""An error zeroed where a bool mask is set (docs/method.md §2, "ReLU masks").
+"""An error zeroed where a mask is set (docs/method.md §2, "ReLU masks").
 
 `masked` makes each element of an error ``+0.0`` where its mask is True and keeps its bits elsewhere (NaN,
 infinities and signed zeros included), bit for bit what a ReLU's backward gives with the mask ``output <= 0``. On
 CPU the native kernel (``mask_kernels.c``, built once per machine by `hf_cpt.numerics.native`) does it in one pass,
 ANDing the element's bits with the mask byte minus one widened to its width; ``masked_fill`` gives the same bits in
 several times as long, and torch's ``bitwise_and`` would first copy the mask to the error's width.
+
+The mask may be kept with one bit per element instead of a byte (`pack_nonpositive`, read by `masked_bits`): an
+eighth of a bool mask's memory, made and read in one pass each by the same kernels' library; the torch formulas
+unpack it where the kernel does not serve.
 
 This module knows nothing about layers.
 """
@@ -25,7 +29,9 @@ NATIVE_MIN_NUMEL = code_kernels.NATIVE_MIN_NUMEL
 @functools.cache
 def _library():
     return native.bind("mask_kernels", {
-        "hf_cpt_masked": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int], ctypes.c_int)})
+        "hf_cpt_masked": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int], ctypes.c_int),
+        "hf_cpt_pack_nonpositive": ([ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int], ctypes.c_int),
+        "hf_cpt_masked_bits": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int], ctypes.c_int)})
 
 
 def masked(error: torch.Tensor, zeroed: torch.Tensor) -> torch.Tensor:
@@ -38,3 +44,37 @@ def masked(error: torch.Tensor, zeroed: torch.Tensor) -> torch.Tensor:
                                     error.element_size(), native.threads()) >= 0:
             return out
     return error.masked_fill(zeroed, 0)
+
+
+def pack_nonpositive(output: torch.Tensor) -> torch.Tensor | None:
+    """The bits of ``output <= 0``, one per element in memory order (bit ``k``, least significant first, of byte
+    ``j`` for element ``8j + k``), as a uint8 tensor of ``(numel + 7) // 8`` bytes, for a contiguous float32 CPU
+    ``output``; None where the native kernel does not serve it (the caller keeps a bool mask)."""
+    if output.dtype != torch.float32 or not native.takes(output, NATIVE_MIN_NUMEL) or _library() is None:
+        return None
+    bits = torch.empty((output.numel() + 7) // 8, dtype=torch.uint8)
+    if _library().hf_cpt_pack_nonpositive(output.data_ptr(), bits.data_ptr(), output.numel(), native.threads()) < 0:
+        return None
+    return bits
+
+
+def unpack(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The bool mask of ``shape`` (contiguous) that `pack_nonpositive` packed into ``bits``: torch's formula."""
+    numel = shape.numel()
+    if bits.numel() != (numel + 7) // 8:
+        raise ValueError(f"a packed mask of {bits.numel()} bytes does not hold {numel} elements")
+    places = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits.unsqueeze(-1).bitwise_right_shift(places).bitwise_and_(1)).view(-1)[:numel].view(shape).bool()
+
+
+def masked_bits(error: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """`masked` with the mask packed by `pack_nonpositive` (for an ``error`` of the packed tensor's shape, read in
+    that tensor's memory order), bit for bit, in a new tensor."""
+    if bits.numel() != (error.numel() + 7) // 8:
+        raise ValueError(f"a packed mask of {bits.numel()} bytes does not hold {error.numel()} elements")
+    if (error.element_size() in (2, 4, 8) and native.takes(error, NATIVE_MIN_NUMEL) and _library() is not None):
+        out = torch.empty_like(error, memory_format=torch.contiguous_format)
+        if _library().hf_cpt_masked_bits(error.data_ptr(), bits.data_ptr(), out.data_ptr(), error.numel(),
+                                         error.element_size(), native.threads()) >= 0:
+            return out
+    return error.masked_fill(unpack(bits, error.shape), 0)
