@@ -277,8 +277,7 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "for bit); the rest is the model's own (LayerNorm inputs, softmax outputs, the attention products' "
                   "float operands), and with `quantize_attention` the attention products keep codes too. "
                   "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
-                  "own backward: the ReLU hands that output over for a one-bit-a-value mask once the conv has kept "
-                  "its codes "
+                  "own backward: the ReLU hands that output over for a one-byte mask once the conv has kept its codes "
                   "(`relu_masks`, ⊘), a ReLU module at once (timm's ResNet-18, the paper's ResNet-20), a ReLU "
                   "called as a function (`torch.relu`) from the model's second forward on (docs/method.md §2, "
                   "\"ReLU masks\")."]

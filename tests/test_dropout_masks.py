@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
 from hf_cpt.nn.dropout_masks import DropoutKeepingBoolMask, dropout, sdpa_keeping_bool_mask
+from hf_cpt.numerics import mask_kernels
 from hf_cpt.utils import ConfigError
 
 
@@ -33,16 +35,23 @@ def _outputs_and_gradients(fn, inputs, seed=3):
     return output, gradients, state, saved
 
 
+@pytest.mark.parametrize("native_kernel", [True, False])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.37])
-def test_dropout_is_f_dropout_bit_for_bit_and_keeps_a_bool_mask(p):
+def test_dropout_is_f_dropout_bit_for_bit_and_keeps_a_packed_or_bool_mask(p, native_kernel, monkeypatch):
     """Same output, gradient and random stream as ``F.dropout`` (a tensor large enough for the parallel kernel);
-    what it keeps is a bool mask, where ``F.dropout`` keeps a float one of the input's size."""
+    what it keeps is its mask packed one bit a value (a bool tensor where the native kernel does not serve), where
+    ``F.dropout`` keeps a float one of the input's size."""
+    if native_kernel and mask_kernels._library() is None:
+        pytest.skip("no C compiler on this machine")
+    if not native_kernel:
+        monkeypatch.setattr(mask_kernels, "_library", lambda: None)
     x = torch.randn(16, 12, 128, 64)
     got = _outputs_and_gradients(lambda t: dropout(t, p, True), [x])
     expected = _outputs_and_gradients(lambda t: F.dropout(t, p, True), [x])
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1][0], expected[1][0])
     assert torch.equal(got[2], expected[2])  # the random stream moved the same way
-    assert [(t.dtype, t.shape) for t in got[3]] == [(torch.bool, x.shape)]
+    kept = (torch.uint8, ((x.numel() + 7) // 8,)) if native_kernel else (torch.bool, x.shape)
+    assert [(t.dtype, t.shape) for t in got[3]] == [kept]
     assert [(t.dtype, t.shape) for t in expected[3]] == [(torch.float32, x.shape)]
     assert 0.5 * (1 - p) < (got[0] != 0).float().mean() < 1.5 * (1 - p)
 
@@ -91,15 +100,17 @@ SDPA_CASES = {
     "causal": {"is_causal": True},
     "explicit scale": {"scale": 0.3},
     "grouped key/value heads": {"enable_gqa": True},
+    "long enough for a packed mask": {"length": 80},  # 3 x 4 x 80 x 80 probabilities
 }
 
 
 def _sdpa_inputs(case: dict, batch=3, heads=4, length=10, dim=8):
     generator = torch.Generator().manual_seed(7)
     kv_heads = heads // 2 if case.get("enable_gqa") else heads
+    length = case.get("length", length)
     q = torch.randn(batch, heads, length, dim, generator=generator)
     k, v = (torch.randn(batch, kv_heads, length, dim, generator=generator) for _ in range(2))
-    kwargs = dict(case)
+    kwargs = {key: value for key, value in case.items() if key != "length"}
     if case.get("attn_mask") == "float":
         padded = torch.arange(length) >= length - 3  # the last three positions are padding
         kwargs["attn_mask"] = torch.zeros(batch, 1, 1, length).masked_fill(padded, torch.finfo(torch.float32).min)
@@ -126,7 +137,11 @@ def test_sdpa_within_the_mode_is_sdpa_bit_for_bit_with_a_bool_mask(case):
     for mine, theirs in zip(got[1], expected[1]):
         assert torch.equal(mine, theirs)
     scores_shape = (inputs[0].shape[0], inputs[0].shape[1], inputs[0].shape[2], inputs[1].shape[2])
-    assert [t.dtype for t in got[3] if t.shape == scores_shape].count(torch.bool) == 1
+    if math.prod(scores_shape) >= mask_kernels.NATIVE_MIN_NUMEL and mask_kernels._library() is not None:
+        packed = [t for t in got[3] if t.dtype == torch.uint8]
+        assert [t.shape for t in packed] == [((math.prod(scores_shape) + 7) // 8,)]
+    else:
+        assert [t.dtype for t in got[3] if t.shape == scores_shape].count(torch.bool) == 1
     assert torch.bool not in [t.dtype for t in expected[3] if t.shape == scores_shape]
     saved_bytes = [sum(t.numel() * t.element_size() for t in kept) for kept in (got[3], expected[3])]
     assert saved_bytes[0] < saved_bytes[1]

@@ -207,9 +207,10 @@ class ActivationConfig:
 
     dropout_masks: bool = setting(
         True,
-        "In CPU training, dropout (nn.Dropout modules, and full-precision SDPA attention in float32) keeps a one-byte "
-        "mask for its backward instead of PyTorch's float32 one, as PyTorch's own dropout does on accelerators: the "
-        "same outputs, gradients and random numbers bit for bit, three bytes a value less (docs/method.md §2)."
+        "In CPU training, dropout (nn.Dropout modules, and full-precision SDPA attention in float32) keeps a mask of "
+        "one bit a value for its backward (a bool tensor where the native kernel does not serve) instead of "
+        "PyTorch's float32 one: the same outputs, gradients and random numbers bit for bit, nearly four bytes a value "
+        "less (docs/method.md §2)."
     )
 
     def __post_init__(self) -> None:

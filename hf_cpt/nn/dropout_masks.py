@@ -8,7 +8,8 @@ table of docs/benchmarks.md). `quantize_model` (``CPTConfig.dropout_masks``) con
 `DropoutKeepingBoolMask`, and the ``"cpt"`` attention function runs full-precision SDPA through
 `sdpa_keeping_bool_mask`: ``native_dropout`` on the CPU too. It draws the same random numbers as ``F.dropout`` and
 scales by the same float, so outputs, gradients and the random stream are the same bit for bit (the tests compare
-them); only the kept mask shrinks to a byte a value. Elsewhere (accelerators, eval, no grad, in place, other dtypes
+them); only the kept mask shrinks, to a bit a value where the native kernel packs it (`pack_flags`: a float32 CPU
+tensor of at least `NATIVE_MIN_NUMEL` values), else a byte. Elsewhere (accelerators, eval, no grad, in place, other dtypes
 than float32, a traced graph) the dropout runs as it was.
 """
 
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..numerics.mask_kernels import dropout_backward_bits, pack_flags
+
 
 def runs_here(x: torch.Tensor, p: float, training: bool) -> bool:
     """Whether a dropout of ``x`` keeps a bool mask this way: float32 CPU training with grad enabled, ``0 < p < 1``,
@@ -29,10 +32,30 @@ def runs_here(x: torch.Tensor, p: float, training: bool) -> bool:
             and torch.is_grad_enabled() and not torch.compiler.is_compiling())
 
 
+class _DropoutKeepingBits(torch.autograd.Function):
+    """``torch.native_dropout(x, p, True)[0]`` keeping its mask for backward one bit a value where the native kernel
+    packs it (`pack_flags`), else as the bool tensor; the gradient is ``native_dropout_backward``'s bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        output, mask = torch.native_dropout(x, p, True)
+        bits = pack_flags(mask)
+        ctx.scale = 1.0 / (1.0 - p)  # the scale native_dropout's own backward multiplies by
+        ctx.save_for_backward(mask if bits is None else bits)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (kept,) = ctx.saved_tensors
+        if kept.dtype == torch.bool:
+            return torch.ops.aten.native_dropout_backward(grad, kept, ctx.scale), None
+        return dropout_backward_bits(grad, kept, ctx.scale), None
+
+
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """``F.dropout(x, p, training)``, bit for bit, keeping a bool mask for backward where `runs_here`."""
+    """``F.dropout(x, p, training)``, bit for bit, keeping a packed (or bool) mask for backward where `runs_here`."""
     if runs_here(x, p, training):
-        return torch.native_dropout(x, p, True)[0]
+        return _DropoutKeepingBits.apply(x, p)
     return nn.functional.dropout(x, p=p, training=training)
 
 
@@ -106,5 +129,5 @@ def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
     scores = torch.matmul(query * root_scale, key.transpose(-2, -1) * root_scale)
     if attn_mask is not None:
         scores = scores + attn_mask
-    weights = torch.native_dropout(torch._safe_softmax(scores, -1), dropout_p, True)[0]
+    weights = _DropoutKeepingBits.apply(torch._safe_softmax(scores, -1), dropout_p)
     return torch.matmul(weights, value)

@@ -146,3 +146,51 @@ int hf_cpt_masked_bits(const void *error, const uint8_t *bits, void *out, int64_
     const int64_t bytes = (count + 7) / 8;
     return split_items(mask_bits_bytes, &args, bytes, count, MIN_ELEMENTS_PER_THREAD, threads);
 }
+
+/* bits of a bool tensor's bytes (nonzero: set), into (count + 7) / 8 bytes. */
+typedef struct {
+    const uint8_t *flags;
+    uint8_t *bits;
+    int64_t count;
+} pack_flags_args;
+
+static int pack_flag_bytes(const void *arguments, int64_t first, int64_t last) {
+    const pack_flags_args *args = (const pack_flags_args *)arguments;
+    for (int64_t j = first; j < last; j++) {
+        const int64_t start = 8 * j, end = start + 8 < args->count ? start + 8 : args->count;
+        uint8_t byte = 0;
+        for (int64_t i = start; i < end; i++) byte |= (uint8_t)(args->flags[i] != 0) << (i - start);
+        args->bits[j] = byte;
+    }
+    return 0;
+}
+
+int hf_cpt_pack_flags(const uint8_t *flags, uint8_t *bits, int64_t count, int threads) {
+    pack_flags_args args = {flags, bits, count};
+    return split_items(pack_flag_bytes, &args, (count + 7) / 8, count, MIN_ELEMENTS_PER_THREAD, threads);
+}
+
+/* A dropout's backward from its packed mask: out[i] = grad[i] * (bit i set ? scale : 0), float32, the product
+ * torch's native_dropout_backward forms (grad * mask * scale: a kept element's grad * scale, a dropped one's grad * 0,
+ * which is -0 for a negative grad and NaN for NaN or infinity). */
+typedef struct {
+    const float *grad;
+    const uint8_t *bits;
+    float *out;
+    int64_t count;
+    float scale;
+} dropout_bits_args;
+
+static int dropout_bits_bytes(const void *arguments, int64_t first, int64_t last) {
+    const dropout_bits_args *args = (const dropout_bits_args *)arguments;
+    const int64_t end = 8 * last < args->count ? 8 * last : args->count;
+    for (int64_t i = 8 * first; i < end; i++)
+        args->out[i] = args->grad[i] * (((args->bits[i / 8] >> (i % 8)) & 1) ? args->scale : 0.0f);
+    return 0;
+}
+
+int hf_cpt_dropout_bits_backward(const float *grad, const uint8_t *bits, float *out, int64_t count, float scale,
+                                 int threads) {
+    dropout_bits_args args = {grad, bits, out, count, scale};
+    return split_items(dropout_bits_bytes, &args, (count + 7) / 8, count, MIN_ELEMENTS_PER_THREAD, threads);
+}

@@ -6,9 +6,9 @@ CPU the native kernel (``mask_kernels.c``, built once per machine by `hf_cpt.num
 ANDing the element's bits with the mask byte minus one widened to its width; ``masked_fill`` gives the same bits in
 several times as long, and torch's ``bitwise_and`` would first copy the mask to the error's width.
 
-The mask may be kept with one bit per element instead of a byte (`pack_nonpositive`, read by `masked_bits`): an
-eighth of a bool mask's memory, made and read in one pass each by the same kernels' library; the torch formulas
-unpack it where the kernel does not serve.
+The mask may be kept with one bit per element instead of a byte (`pack_nonpositive`, read by `masked_bits`; a
+dropout's bool mask packed by `pack_flags`, read by `dropout_backward_bits`): an eighth of a bool mask's memory, made
+and read in one pass each by the same kernels' library; the torch formulas unpack it where the kernel does not serve.
 
 This module knows nothing about layers.
 """
@@ -31,7 +31,10 @@ def _library():
     return native.bind("mask_kernels", {
         "hf_cpt_masked": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int], ctypes.c_int),
         "hf_cpt_pack_nonpositive": ([ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int], ctypes.c_int),
-        "hf_cpt_masked_bits": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int], ctypes.c_int)})
+        "hf_cpt_masked_bits": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int], ctypes.c_int),
+        "hf_cpt_pack_flags": ([ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int], ctypes.c_int),
+        "hf_cpt_dropout_bits_backward": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int],
+                                         ctypes.c_int)})
 
 
 def masked(error: torch.Tensor, zeroed: torch.Tensor) -> torch.Tensor:
@@ -58,8 +61,20 @@ def pack_nonpositive(output: torch.Tensor) -> torch.Tensor | None:
     return bits
 
 
+def pack_flags(mask: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous bool CPU ``mask`` packed as `pack_nonpositive` packs, one bit per element; None where the native
+    kernel does not serve it (the caller keeps the bool mask)."""
+    if mask.dtype != torch.bool or not native.takes(mask, NATIVE_MIN_NUMEL) or _library() is None:
+        return None
+    bits = torch.empty((mask.numel() + 7) // 8, dtype=torch.uint8)
+    if _library().hf_cpt_pack_flags(mask.data_ptr(), bits.data_ptr(), mask.numel(), native.threads()) < 0:
+        return None
+    return bits
+
+
 def unpack(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The bool mask of ``shape`` (contiguous) that `pack_nonpositive` packed into ``bits``: torch's formula."""
+    """The bool mask of ``shape`` (contiguous) packed into ``bits`` (`pack_nonpositive`, `pack_flags`): torch's
+    formula."""
     numel = shape.numel()
     if bits.numel() != (numel + 7) // 8:
         raise ValueError(f"a packed mask of {bits.numel()} bytes does not hold {numel} elements")
@@ -78,3 +93,16 @@ def masked_bits(error: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
                                          error.element_size(), native.threads()) >= 0:
             return out
     return error.masked_fill(unpack(bits, error.shape), 0)
+
+
+def dropout_backward_bits(grad: torch.Tensor, bits: torch.Tensor, scale: float) -> torch.Tensor:
+    """``torch.ops.aten.native_dropout_backward(grad, mask, scale)`` for the bool mask `pack_flags` packed into
+    ``bits``, bit for bit, in a new tensor: natively for a contiguous float32 CPU ``grad``, else by unpacking."""
+    if bits.numel() != (grad.numel() + 7) // 8:
+        raise ValueError(f"a packed mask of {bits.numel()} bytes does not hold {grad.numel()} elements")
+    if grad.dtype == torch.float32 and native.takes(grad, NATIVE_MIN_NUMEL) and _library() is not None:
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        if _library().hf_cpt_dropout_bits_backward(grad.data_ptr(), bits.data_ptr(), out.data_ptr(), grad.numel(),
+                                                   scale, native.threads()) >= 0:
+            return out
+    return torch.ops.aten.native_dropout_backward(grad, unpack(bits, grad.shape), scale)
