@@ -1,4 +1,4 @@
-"""Dropout that keeps a bool mask for its backward on the CPU (docs/method.md §2, "Dropout masks").
+"""Dropout that keeps a packed mask for its backward on the CPU (docs/method.md §2, "Dropout masks").
 
 On the CPU, ``F.dropout`` (and the dropout inside SDPA's math path, which CPU training with dropout runs) multiplies
 by a float32 tensor of ``0`` and ``1 / (1 - p)`` and keeps that tensor for its backward: four bytes per value. On an
@@ -9,8 +9,8 @@ table of docs/benchmarks.md). `quantize_model` (``CPTConfig.dropout_masks``) con
 `sdpa_keeping_bool_mask`: ``native_dropout`` on the CPU too. It draws the same random numbers as ``F.dropout`` and
 scales by the same float, so outputs, gradients and the random stream are the same bit for bit (the tests compare
 them); only the kept mask shrinks, to a bit a value where the native kernel packs it (`pack_flags`: a float32 CPU
-tensor of at least `NATIVE_MIN_NUMEL` values), else a byte. Elsewhere (accelerators, eval, no grad, in place, other dtypes
-than float32, a traced graph) the dropout runs as it was.
+tensor of at least `NATIVE_MIN_NUMEL` values), else a byte. Elsewhere (accelerators, eval, no grad, in place, other
+dtypes than float32, a traced graph) the dropout runs as it was.
 """
 
 from __future__ import annotations
