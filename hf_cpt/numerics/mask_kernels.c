@@ -57,7 +57,6 @@ int hf_cpt_masked(const void *error, const uint8_t *zeroed, void *out, int64_t c
 /* Bit-packed masks: bit k (least significant first) of byte j stands for element 8j + k; the last byte's bits past
  * the end are 0. Work is split over bytes, so each thread writes whole bytes. A byte's 8 elements are one vector
  * (GCC / clang vector extensions: the compiler picks the target's instructions). */
-#define MIN_BYTES_PER_THREAD (MIN_ELEMENTS_PER_THREAD / 8)
 
 typedef float floats8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t ints8 __attribute__((vector_size(32), aligned(4)));
