@@ -62,15 +62,16 @@ typedef float floats8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t ints8 __attribute__((vector_size(32), aligned(4)));
 static const ints8 PLACES = {1, 2, 4, 8, 16, 32, 64, 128};
 
+/* What a packing kernel reads (float32 values, or a bool tensor's bytes) and writes. */
 typedef struct {
-    const float *output;
+    const void *source;
     uint8_t *bits;
     int64_t count;
 } pack_args;
 
 static int pack_bytes(const void *arguments, int64_t first, int64_t last) {
     const pack_args *args = (const pack_args *)arguments;
-    const float *output = args->output;
+    const float *output = (const float *)args->source;
     const int64_t whole = args->count / 8; /* bytes whose 8 elements all exist */
     int64_t j = first;
     for (; j < last && j < whole; j++) {
@@ -147,25 +148,20 @@ int hf_cpt_masked_bits(const void *error, const uint8_t *bits, void *out, int64_
 }
 
 /* bits of a bool tensor's bytes (nonzero: set), into (count + 7) / 8 bytes. */
-typedef struct {
-    const uint8_t *flags;
-    uint8_t *bits;
-    int64_t count;
-} pack_flags_args;
-
 static int pack_flag_bytes(const void *arguments, int64_t first, int64_t last) {
-    const pack_flags_args *args = (const pack_flags_args *)arguments;
+    const pack_args *args = (const pack_args *)arguments;
+    const uint8_t *flags = (const uint8_t *)args->source;
     for (int64_t j = first; j < last; j++) {
         const int64_t start = 8 * j, end = start + 8 < args->count ? start + 8 : args->count;
         uint8_t byte = 0;
-        for (int64_t i = start; i < end; i++) byte |= (uint8_t)(args->flags[i] != 0) << (i - start);
+        for (int64_t i = start; i < end; i++) byte |= (uint8_t)(flags[i] != 0) << (i - start);
         args->bits[j] = byte;
     }
     return 0;
 }
 
 int hf_cpt_pack_flags(const uint8_t *flags, uint8_t *bits, int64_t count, int threads) {
-    pack_flags_args args = {flags, bits, count};
+    pack_args args = {flags, bits, count};
     return split_items(pack_flag_bytes, &args, (count + 7) / 8, count, MIN_ELEMENTS_PER_THREAD, threads);
 }
 

@@ -49,27 +49,28 @@ def masked(error: torch.Tensor, zeroed: torch.Tensor) -> torch.Tensor:
     return error.masked_fill(zeroed, 0)
 
 
+def _packed(t: torch.Tensor, dtype: torch.dtype, kernel: str) -> torch.Tensor | None:
+    """The bits the native ``kernel`` packs from ``t`` (of ``dtype``, contiguous, on the CPU), or None where it does
+    not serve."""
+    if t.dtype != dtype or not native.takes(t, NATIVE_MIN_NUMEL) or _library() is None:
+        return None
+    bits = torch.empty((t.numel() + 7) // 8, dtype=torch.uint8)
+    if getattr(_library(), kernel)(t.data_ptr(), bits.data_ptr(), t.numel(), native.threads()) < 0:
+        return None
+    return bits
+
+
 def pack_nonpositive(output: torch.Tensor) -> torch.Tensor | None:
     """The bits of ``output <= 0``, one per element in memory order (bit ``k``, least significant first, of byte
     ``j`` for element ``8j + k``), as a uint8 tensor of ``(numel + 7) // 8`` bytes, for a contiguous float32 CPU
     ``output``; None where the native kernel does not serve it (the caller keeps a bool mask)."""
-    if output.dtype != torch.float32 or not native.takes(output, NATIVE_MIN_NUMEL) or _library() is None:
-        return None
-    bits = torch.empty((output.numel() + 7) // 8, dtype=torch.uint8)
-    if _library().hf_cpt_pack_nonpositive(output.data_ptr(), bits.data_ptr(), output.numel(), native.threads()) < 0:
-        return None
-    return bits
+    return _packed(output, torch.float32, "hf_cpt_pack_nonpositive")
 
 
 def pack_flags(mask: torch.Tensor) -> torch.Tensor | None:
     """A contiguous bool CPU ``mask`` packed as `pack_nonpositive` packs, one bit per element; None where the native
     kernel does not serve it (the caller keeps the bool mask)."""
-    if mask.dtype != torch.bool or not native.takes(mask, NATIVE_MIN_NUMEL) or _library() is None:
-        return None
-    bits = torch.empty((mask.numel() + 7) // 8, dtype=torch.uint8)
-    if _library().hf_cpt_pack_flags(mask.data_ptr(), bits.data_ptr(), mask.numel(), native.threads()) < 0:
-        return None
-    return bits
+    return _packed(mask, torch.bool, "hf_cpt_pack_flags")
 
 
 def unpack(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
