@@ -507,6 +507,15 @@ RELU_OUTPUT, FIRST_INPUT = 8 * 16 * 16 * 16 * 4, 8 * 3 * 16 * 16 * 4  # float32 
 RELU_CONVS_CODES = 8 * 3 * 16 * 16 + 16 * 16 * 9
 
 
+def _relu_mask_bytes() -> int:
+    """The ReLU's mask: one bit a value where the native kernel packs it, else a bool tensor."""
+    from hf_cpt.numerics import mask_kernels
+
+    values = RELU_OUTPUT // 4
+    assert values >= mask_kernels.NATIVE_MIN_NUMEL  # large enough to be packed
+    return values // 8 if mask_kernels._library() is not None else values
+
+
 def test_saved_activation_memory_counts_an_input_kept_by_its_producer_once():
     """A convolution fed a ReLU's output keeps that tensor (which the ReLU keeps anyway), not codes of its own: the
     figure, read from the graph, counts it once (saved-tensor hooks would switch that path off)."""
@@ -520,13 +529,13 @@ def test_saved_activation_memory_counts_an_input_kept_by_its_producer_once():
 
 
 def test_saved_activation_memory_counts_a_relus_mask_and_the_codes_kept_in_place_of_its_output():
-    """With `relu_masks` the ReLU keeps a bool mask and the convolution its codes: a byte each per value of the
+    """With `relu_masks` the ReLU keeps a mask and the convolution its codes: a byte and a bit per value of the
     ReLU's output where both shared its four, read from the converted ReLU's node."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import overhead
 
     kept = overhead.saved_activation_mib(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH) * 2**20
-    expected = RELU_CONVS_CODES + 2 * RELU_OUTPUT // 4  # the output's codes (uint8) and its mask (bool)
+    expected = RELU_CONVS_CODES + RELU_OUTPUT // 4 + _relu_mask_bytes()  # the output's codes (uint8) and its mask
     assert expected <= kept <= expected + 4096
 
 
@@ -716,7 +725,7 @@ def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
     assert sum(line.startswith("| activations") for line in lines) == 1
     # a ReLU module's mask counts for the activation too, and the codes kept in place of its output for the layer
     masked = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH)
-    assert masked["activations (their input or output)"] == RELU_OUTPUT / 4 / mib
+    assert masked["activations (their input or output)"] == _relu_mask_bytes() / mib
     # and so does a ReLU called as a function, on the forward after the first step (which the figure is)
     functional = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True, functional=True), RELU_CONVS_BATCH)
     assert functional == masked
