@@ -1,5 +1,6 @@
-"""An error zeroed where a bool mask is set (hf_cpt/numerics/mask_kernels.py, mask_kernels.c): the bits of a ReLU's
-backward, natively and by torch's formula, and the formula wherever the kernel does not serve."""
+"""An error zeroed where a mask is set, the mask a bool tensor or packed one bit a value
+(hf_cpt/numerics/mask_kernels.py, mask_kernels.c): the bits of a ReLU's and a dropout's backward, natively and by
+torch's formula, and the formula wherever the kernel does not serve."""
 
 import pytest
 import torch
@@ -108,3 +109,26 @@ def test_packing_serves_large_contiguous_float32_outputs_and_does_not_depend_on_
     assert mask_kernels.pack_nonpositive(output[:1000]) is None  # small: the caller keeps a bool mask
     assert mask_kernels.pack_nonpositive(output.to(torch.bfloat16)) is None
     assert mask_kernels.pack_nonpositive(output[: 1 << 16].view(2, -1).t()) is None  # not contiguous
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+@pytest.mark.parametrize("native_kernel", [True, False])
+def test_a_packed_dropout_mask_gives_native_dropouts_gradient_bit_for_bit(p, native_kernel, monkeypatch):
+    """`pack_flags` packs native_dropout's bool mask (a count no multiple of 8); `dropout_backward_bits` gives
+    autograd's gradient of native_dropout bit for bit, NaN, infinities and negative errors at dropped elements
+    included."""
+    if mask_kernels._library() is None:
+        pytest.skip("no C compiler on this machine")
+    torch.manual_seed(0)
+    x = torch.randn((1 << 16) + 3, requires_grad=True)
+    output, mask = torch.native_dropout(x, p, True)
+    error = torch.randn(x.shape)
+    error[:5] = torch.tensor([float("nan"), -1.0, float("inf"), -0.0, -float("inf")])
+    (expected,) = torch.autograd.grad(output, x, error)
+    bits = mask_kernels.pack_flags(mask)
+    assert bits.numel() == (x.numel() + 7) // 8 and torch.equal(mask_kernels.unpack(bits, mask.shape), mask)
+    if not native_kernel:
+        monkeypatch.setattr(mask_kernels, "_library", lambda: None)
+    got = mask_kernels.dropout_backward_bits(error, bits, 1.0 / (1.0 - p))
+    assert torch.equal(_bits(got), _bits(expected))
+    assert mask_kernels.pack_flags(mask[:1000]) is None  # small (or, without the kernel, any): a bool mask is kept
