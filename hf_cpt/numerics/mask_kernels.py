@@ -73,12 +73,17 @@ def pack_flags(mask: torch.Tensor) -> torch.Tensor | None:
     return _packed(mask, torch.bool, "hf_cpt_pack_flags")
 
 
+def _check_holds(bits: torch.Tensor, numel: int) -> None:
+    """Raise unless ``bits`` is a packed mask of ``numel`` elements (one bit each, whole bytes)."""
+    if bits.numel() != (numel + 7) // 8:
+        raise ValueError(f"a packed mask of {bits.numel()} bytes does not hold {numel} elements")
+
+
 def unpack(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The bool mask of ``shape`` (contiguous) packed into ``bits`` (`pack_nonpositive`, `pack_flags`): torch's
     formula."""
     numel = shape.numel()
-    if bits.numel() != (numel + 7) // 8:
-        raise ValueError(f"a packed mask of {bits.numel()} bytes does not hold {numel} elements")
+    _check_holds(bits, numel)
     places = torch.arange(8, dtype=torch.uint8, device=bits.device)
     return (bits.unsqueeze(-1).bitwise_right_shift(places).bitwise_and_(1)).view(-1)[:numel].view(shape).bool()
 
@@ -86,9 +91,8 @@ def unpack(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def masked_bits(error: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """`masked` with the mask packed by `pack_nonpositive` (for an ``error`` of the packed tensor's shape, read in
     that tensor's memory order), bit for bit, in a new tensor."""
-    if bits.numel() != (error.numel() + 7) // 8:
-        raise ValueError(f"a packed mask of {bits.numel()} bytes does not hold {error.numel()} elements")
-    if (error.element_size() in (2, 4, 8) and native.takes(error, NATIVE_MIN_NUMEL) and _library() is not None):
+    _check_holds(bits, error.numel())
+    if error.element_size() in (2, 4, 8) and native.takes(error, NATIVE_MIN_NUMEL) and _library() is not None:
         out = torch.empty_like(error, memory_format=torch.contiguous_format)
         if _library().hf_cpt_masked_bits(error.data_ptr(), bits.data_ptr(), out.data_ptr(), error.numel(),
                                          error.element_size(), native.threads()) >= 0:
@@ -99,8 +103,7 @@ def masked_bits(error: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 def dropout_backward_bits(grad: torch.Tensor, bits: torch.Tensor, scale: float) -> torch.Tensor:
     """``torch.ops.aten.native_dropout_backward(grad, mask, scale)`` for the bool mask `pack_flags` packed into
     ``bits``, bit for bit, in a new tensor: natively for a contiguous float32 CPU ``grad``, else by unpacking."""
-    if bits.numel() != (grad.numel() + 7) // 8:
-        raise ValueError(f"a packed mask of {bits.numel()} bytes does not hold {grad.numel()} elements")
+    _check_holds(bits, grad.numel())
     if grad.dtype == torch.float32 and native.takes(grad, NATIVE_MIN_NUMEL) and _library() is not None:
         out = torch.empty_like(grad, memory_format=torch.contiguous_format)
         if _library().hf_cpt_dropout_bits_backward(grad.data_ptr(), bits.data_ptr(), out.data_ptr(), grad.numel(),
