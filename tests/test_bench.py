@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from .fresh_python import run_python
 from .helpers import build_word_tokenizer, tiny_bert_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -26,17 +27,18 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     BertForSequenceClassification(config).save_pretrained(model_dir)
     build_word_tokenizer(["the", "a", "man", "woman", "is", "not", "dog"], str(model_dir))
     output = tmp_path / "results.json"
-    command = [sys.executable, os.path.join(ROOT, "bench", "pretrained.py"), "--model_path", str(model_dir),
+    command = [os.path.join(ROOT, "bench", "pretrained.py"), "--model_path", str(model_dir),
                "--data_dir", shared_data_dir, "--output", str(output), "--no_gpt2", "--train_size", "64",
                "--eval_size", "64", "--max_steps", "2", "--seeds", "0", "--runs", "static-8/8", "cpt-4-8/8",
                "--work_dir", str(tmp_path / "work")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # the gradient fidelity of the error grids, on the same model: a script of its own, run beside this one
     gradients = tmp_path / "gradients.json"
-    gradient_command = [sys.executable, os.path.join(ROOT, "bench", "gradient_fidelity.py"), "--model_path",
+    gradient_command = [os.path.join(ROOT, "bench", "gradient_fidelity.py"), "--model_path",
                         str(model_dir), "--data_dir", shared_data_dir, "--output", str(gradients), "--draws", "2"]
-    beside = subprocess.Popen(gradient_command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    beside = pool.submit(run_python, gradient_command, env=env, timeout=600)
+    run = run_python(command, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.load(open(output))
     assert set(results["fidelity"]) == {"model (local)"}
@@ -46,7 +48,7 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     entry = results["finetune"]["cpt-4-8/8/seed0"]
     assert entry["steps"] == 2 and entry["cost"]["steps"] == 2 and set(entry["profile"]) >= {"3", "8", "fp32"}
     # resumable: a second run skips what is finished
-    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    again = run_python(command, env=env, timeout=600)
     assert again.returncode == 0 and "accuracy" not in again.stdout
     # and the generator turns the JSON into a page and the README's summary
     report = _load_report()
@@ -56,8 +58,9 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     assert any(line.startswith("| output fidelity at 4 bits") for line in report.readme_summary(as_minilm))
 
     # the gradient fidelity's results, and its section of the backward page
-    _, stderr = beside.communicate(timeout=600)
-    assert beside.returncode == 0, stderr[-3000:]
+    beside = beside.result()
+    pool.shutdown()
+    assert beside.returncode == 0, beside.stderr[-3000:]
     fidelity = json.load(open(gradients))
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import backward_page
@@ -73,14 +76,13 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     assert "| layers + attention, attention errors min/max | " in section
     assert "- layers + attention, attention errors zero-centred (default) against layers + attention, attention " \
            "errors min/max: the distance to FP32" in section
-    again = subprocess.run(gradient_command, capture_output=True, text=True, env=env, timeout=600)
+    again = run_python(gradient_command, env=env, timeout=600)
     assert again.returncode == 0 and "layers, min/max" not in again.stdout  # resumable: nothing ran twice
 
 
 def _run_script(name: str, args: list[str]) -> subprocess.CompletedProcess:
-    command = [sys.executable, os.path.join(ROOT, "bench", name), *args]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_python([os.path.join(ROOT, "bench", name), *args], timeout=600,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
@@ -147,8 +149,8 @@ def test_results_scripts_smoke_and_report(tmp_path, shared_data_dir):
 
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- results-summary:start -->\n<!-- results-summary:end -->\ny\n")
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), "--results", str(results), "--docs",
-                    str(tmp_path / "docs"), "--readme", str(readme)], check=True, capture_output=True, timeout=300)
+    run_python([os.path.join(ROOT, "bench", "report.py"), "--results", str(results), "--docs", str(tmp_path / "docs"),
+                "--readme", str(readme)], check=True, timeout=300)
     page = (tmp_path / "docs" / "RESULTS.md").read_text()
     for heading in ("## Vision", "## Language modelling", "## Language modelling, quantized throughout",
                     "## Horizon", "## Schedule sweep", "## Precision profile"):
@@ -329,10 +331,9 @@ def test_overhead_benchmark_resumes_the_cases_it_wrote(tmp_path):
     output = tmp_path / "overhead.json"
 
     def run(*cases, repeats="1", resume=True):
-        command = [sys.executable, os.path.join(ROOT, "bench", "overhead.py"), "--only", *cases, "--repeats", repeats,
-                   "--no-startup", "--output", str(output)] + (["--resume"] if resume else [])
-        out = subprocess.run(command, check=True, capture_output=True, text=True,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        command = [os.path.join(ROOT, "bench", "overhead.py"), "--only", *cases, "--repeats", repeats, "--no-startup",
+                   "--output", str(output)] + (["--resume"] if resume else [])
+        out = run_python(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         return json.loads(output.read_text()), out.stdout
 
     first, _ = run("conv", resume=False)
@@ -356,10 +357,10 @@ def test_overhead_benchmark_resumes_the_cases_it_wrote(tmp_path):
 
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
-    command = [sys.executable, os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1",
-               "--no-startup", "--compare-kernels", "--compare-products", "--compare-native", "--compare-threads",
-               "--output", str(output)]
-    subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    command = [os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1", "--no-startup",
+               "--compare-kernels", "--compare-products", "--compare-native", "--compare-threads", "--output",
+               str(output)]
+    run_python(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     overhead = json.loads(output.read_text())
     (row,) = overhead["rows"]
     assert row["case"].startswith("Conv2d") and row["quant_ms"] > 0 and row["plain_ms"] > 0

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from .fresh_python import run_python
 from .helpers import SHARED_DATA, build_word_tokenizer, tiny_bert_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +105,8 @@ def _free_port() -> int:
 
 
 def run_recipe(script: str, args: list[str], processes: int = 0, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run a recipe as a user would: ``python recipes/X.py`` or ``accelerate launch`` with N processes."""
+    """Run a recipe as a user would: ``python recipes/X.py`` (`run_python`) or ``accelerate launch`` with N
+    processes."""
     env = dict(os.environ)
     env.update(
         HF_HUB_OFFLINE="1",
@@ -121,9 +123,10 @@ def run_recipe(script: str, args: list[str], processes: int = 0, timeout: int = 
         if processes > 1:
             command.append("--multi_gpu")  # on a CPU-only machine: N gloo processes (`--cpu` starts one)
         command.append(path)
+        result = subprocess.run(command + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     else:
         command = [PYTHON, path]
-    result = subprocess.run(command + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        result = run_python([path, *args], cwd=ROOT, env=env, timeout=timeout)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{' '.join(command + args)} failed:\n{output[-6000:]}"
     assert "Traceback" not in output, output[-6000:]

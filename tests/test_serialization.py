@@ -12,8 +12,6 @@ import copy
 import fnmatch
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -40,6 +38,7 @@ from hf_cpt.serialization.packing import pack_codes, unpack_codes
 from hf_cpt.serialization.save import checkpoint_size
 from hf_cpt.version import INSTALL_HINT
 
+from .fresh_python import run_python
 from .helpers import build_word_tokenizer, tiny_bert_config, tiny_gpt2_config
 
 WORDS = ["good", "bad", "movie", "plot", "great", "awful", "fine", "dull"]
@@ -299,7 +298,7 @@ def test_without_import_hf_cpt_packed_fails_loudly_and_portable_loads(tmp_path):
         """
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    result = run_python(["-c", script], env=env, timeout=120)
     out = result.stdout
     assert result.returncode == 0, result.stderr[-2000:]
     assert "PACKED FAILED: RuntimeError" in out and "PACKED LOADED" not in out

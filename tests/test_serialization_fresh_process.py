@@ -15,8 +15,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from hf_cpt import CPTConfig, CPTTrainer, set_eval_precision
 from hf_cpt.convert import quant_layers
 from hf_cpt.numerics.fake_quant import quantize_codes
 
+from .fresh_python import run_python
 from .helpers import tiny_bert_config, tiny_gpt2_config
 
 pytestmark = pytest.mark.slow
@@ -204,8 +203,7 @@ def _as_format_2(source, target) -> None:
 def _run_loader(entries: list[dict], manifest) -> dict[str, dict]:
     manifest.write_text(json.dumps(entries))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, LOADER, str(manifest)], capture_output=True, text=True, env=env,
-                            timeout=480)
+    result = run_python([LOADER, str(manifest)], env=env, timeout=480)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     rows = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(rows) == len(entries), result.stderr[-3000:]

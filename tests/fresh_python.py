@@ -1,0 +1,94 @@
+"""`run_python`: ``python ARGS`` in a process of its own, as `subprocess.run` would run it, without paying the
+imports of torch, transformers and the Trainer again (about 12 s a process on 2 cores): the command runs in a child
+forked from a server that imported them once (`tests/python_server.py`), or in a new interpreter where the server
+cannot serve it (an environment that differs in a variable read at import, interpreter flags, no fork).
+
+For tests of scripts, recipes and checkpoints loaded elsewhere. A test of what importing does (which modules load,
+import times, compiler stacks) starts a new interpreter with `subprocess` itself."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+
+SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_server.py")
+# Variables read when used, not by what the server imports: a command may set them differently. pytest sets
+# PYTEST_CURRENT_TEST for each test; importing sklearn or joblib in the test process sets KMP_INIT_AT_FORK (for Intel's
+# OpenMP, which torch here does not load).
+READ_WHEN_USED = {"OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CC", "XDG_CACHE_HOME", "PYTEST_CURRENT_TEST",
+                  "KMP_INIT_AT_FORK"}
+READ_WHEN_USED_PREFIXES = ("HF_CPT_",)
+
+_lock = threading.Lock()
+_server: dict = {}
+
+
+def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = None, timeout: float | None = None,
+               check: bool = False) -> subprocess.CompletedProcess:
+    """``[sys.executable, *args]`` run to its end, its output captured as text (`subprocess.run`'s result)."""
+    env = dict(os.environ if env is None else env)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    path = _socket_path(env)
+    if path is None or not args or (args[0].startswith("-") and args[0] not in ("-c", "-m")):
+        return subprocess.run([sys.executable, *args], env=env, cwd=cwd, timeout=timeout, check=check,
+                              capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        stdout, stderr = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for name in (stdout, stderr):
+            open(name, "w").close()
+        request = {"args": list(args), "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr, "timeout": timeout}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(path)
+            connection.sendall((json.dumps(request) + "\n").encode())
+            with connection.makefile("r") as reader:
+                answer = json.loads(reader.readline())
+        with open(stdout, errors="replace") as out, open(stderr, errors="replace") as err:
+            result = subprocess.CompletedProcess([sys.executable, *args], answer["returncode"], out.read(), err.read())
+    if answer["timed_out"]:
+        raise subprocess.TimeoutExpired(result.args, timeout, result.stdout, result.stderr)
+    if check:
+        result.check_returncode()
+    return result
+
+
+def _socket_path(env: dict) -> str | None:
+    """The running server's socket, started on first use; None where it cannot serve a command run with ``env``."""
+    with _lock:
+        if "path" not in _server:
+            _server.update(_start())
+    started_with = _server["env"]
+    if _server["path"] is None:
+        return None
+    for name in set(env) | set(started_with):
+        if env.get(name) != started_with.get(name) and name not in READ_WHEN_USED \
+                and not name.startswith(READ_WHEN_USED_PREFIXES):
+            return None
+    return _server["path"]
+
+
+def _start() -> dict:
+    env = dict(os.environ)
+    if not hasattr(os, "fork") or not hasattr(socket, "AF_UNIX"):
+        return {"path": None, "env": env}
+    folder = tempfile.mkdtemp(prefix="hf_cpt_python_server_")
+    path = os.path.join(folder, "socket")
+    log = os.path.join(folder, "stderr")
+    with open(log, "w") as stderr:
+        process = subprocess.Popen([sys.executable, SERVER, path], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                   env=env)
+    line = process.stdout.readline()
+    if line.strip() != "ready":
+        process.kill()
+        with open(log) as said:
+            warnings.warn(f"the Python server did not start ({said.read()[-500:]}); commands run in new interpreters",
+                          stacklevel=3)
+        return {"path": None, "env": env}
+    atexit.register(process.kill)
+    return {"path": path, "env": env}
