@@ -1,7 +1,8 @@
 """`run_python`: ``python ARGS`` in a process of its own, as `subprocess.run` would run it, without paying the
 imports of torch, transformers and the Trainer again (about 12 s a process on 2 cores): the command runs in a child
-forked from a server that imported them once (`tests/python_server.py`), or in a new interpreter where the server
-cannot serve it (an environment that differs in a variable read at import, interpreter flags, no fork).
+forked from a server that imported them once (`tests/python_server.py`; a new server where the command's environment
+differs from the server's in a variable that its imports may read), or in a new interpreter where no server can run
+it (interpreter flags, no fork).
 
 For tests of scripts, recipes and checkpoints loaded elsewhere. A test of what importing does (which modules load,
 import times, compiler stacks) starts a new interpreter with `subprocess` itself."""
@@ -27,7 +28,7 @@ READ_WHEN_USED = {"OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CC", "XDG_CACHE_
 READ_WHEN_USED_PREFIXES = ("HF_CPT_",)
 
 _lock = threading.Lock()
-_server: dict = {}
+_server: dict = {}  # the running server: its environment's signature, socket path and process
 
 
 def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = None, timeout: float | None = None,
@@ -35,8 +36,9 @@ def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = No
     """``[sys.executable, *args]`` run to its end, its output captured as text (`subprocess.run`'s result)."""
     env = dict(os.environ if env is None else env)
     cwd = os.path.abspath(cwd or os.getcwd())
-    path = _socket_path(env)
-    if path is None or not args or (args[0].startswith("-") and args[0] not in ("-c", "-m")):
+    servable = args and (not args[0].startswith("-") or args[0] in ("-c", "-m"))
+    path = _socket_path(env) if servable else None
+    if path is None:
         return subprocess.run([sys.executable, *args], env=env, cwd=cwd, timeout=timeout, check=check,
                               capture_output=True, text=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,24 +61,23 @@ def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = No
 
 
 def _socket_path(env: dict) -> str | None:
-    """The running server's socket, started on first use; None where it cannot serve a command run with ``env``."""
+    """The socket of a server started with ``env`` (as far as what it imports may read it), started on first use;
+    None where no server can start. Commands after a test that left variables set in this process (torch.distributed
+    sets MASTER_ADDR, RANK, WORLD_SIZE; inductor one of its own) get a server of their own: the one before is
+    stopped."""
+    signature = frozenset((name, value) for name, value in env.items()
+                          if name not in READ_WHEN_USED and not name.startswith(READ_WHEN_USED_PREFIXES))
     with _lock:
-        if "path" not in _server:
-            _server.update(_start())
-    started_with = _server["env"]
-    if _server["path"] is None:
-        return None
-    for name in set(env) | set(started_with):
-        if env.get(name) != started_with.get(name) and name not in READ_WHEN_USED \
-                and not name.startswith(READ_WHEN_USED_PREFIXES):
-            return None
-    return _server["path"]
+        if _server.get("signature") != signature:
+            if _server.get("process") is not None:
+                _server["process"].kill()
+            _server.update(signature=signature, **_start(env))
+        return _server["path"]
 
 
-def _start() -> dict:
-    env = dict(os.environ)
+def _start(env: dict) -> dict:
     if not hasattr(os, "fork") or not hasattr(socket, "AF_UNIX"):
-        return {"path": None, "env": env}
+        return {"path": None, "process": None}
     folder = tempfile.mkdtemp(prefix="hf_cpt_python_server_")
     path = os.path.join(folder, "socket")
     log = os.path.join(folder, "stderr")
@@ -88,7 +89,7 @@ def _start() -> dict:
         process.kill()
         with open(log) as said:
             warnings.warn(f"the Python server did not start ({said.read()[-500:]}); commands run in new interpreters",
-                          stacklevel=3)
-        return {"path": None, "env": env}
+                          stacklevel=4)
+        return {"path": None, "process": None}
     atexit.register(process.kill)
-    return {"path": path, "env": env}
+    return {"path": path, "process": process}
