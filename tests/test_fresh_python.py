@@ -1,0 +1,76 @@
+"""`run_python` (tests/fresh_python.py) gives what `subprocess.run([sys.executable, ...])` gives: a process of its own
+that starts without hf_cpt or the test's objects, its arguments, environment and directory, its exit status and
+output, and a timeout."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .fresh_python import run_python
+
+
+def test_a_command_runs_in_another_process_without_hf_cpt_and_with_its_arguments_environment_and_directory(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\n"
+                      "print(os.getpid(), os.getppid(), 'hf_cpt' in sys.modules, os.getcwd(), sys.argv[1:],\n"
+                      "      os.environ['HF_CPT_PROBE'], sys.path[0] == os.path.dirname(os.path.abspath(__file__)))\n")
+    result = run_python([str(script), "--flag", "value"], env={**os.environ, "HF_CPT_PROBE": "seen"},
+                        cwd=str(tmp_path))
+    pid, parent, imported, cwd, *rest = result.stdout.split(maxsplit=4)
+    assert result.returncode == 0 and int(pid) != os.getpid() and int(parent) != os.getpid()
+    assert imported == "False" and cwd == str(tmp_path)
+    assert rest == ["['--flag', 'value'] seen True\n"]
+
+
+def test_exit_status_output_and_uncaught_exceptions_are_those_of_python():
+    stopped = run_python(["-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"])
+    assert (stopped.returncode, stopped.stdout, stopped.stderr) == (3, "out\n", "err\n")
+    failed = run_python(["-c", "raise ValueError('no such file: x.json')"])
+    assert failed.returncode == 1 and failed.stderr.rstrip().endswith("ValueError: no such file: x.json")
+    with pytest.raises(subprocess.CalledProcessError):
+        run_python(["-c", "raise SystemExit('bad input')"], check=True)
+    said = run_python(["-c", "raise SystemExit('bad input')"])
+    assert said.returncode == 1 and said.stderr == "bad input\n"
+
+
+def test_atexit_functions_run_and_a_module_runs_as_main():
+    ended = run_python(["-c", "import atexit; atexit.register(print, 'at exit')"])
+    assert ended.stdout == "at exit\n"
+    module = run_python(["-m", "hf_cpt", "schedules", "--names", "RR", "--steps", "10"])
+    assert module.returncode == 0 and "| RR |" in module.stdout
+
+
+def test_threads_follow_the_commands_environment():
+    script = "import torch; print(torch.get_num_threads())"
+    assert run_python(["-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout == "1\n"
+
+
+def test_a_command_past_its_timeout_is_killed_with_what_it_started(tmp_path):
+    started = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(["-c", "import subprocess, sys, time\n"
+                          "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                          f"open({str(started)!r}, 'w').write(str(child.pid))\n"
+                          "time.sleep(60)"], timeout=3)
+    pid = int(started.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_interpreter_flags_run_in_a_new_interpreter():
+    result = run_python(["-X", "importtime", "-c", "print(1)"])
+    assert result.returncode == 0 and result.stdout == "1\n" and "import time:" in result.stderr
+    assert sys.executable in result.args
