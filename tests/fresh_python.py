@@ -39,15 +39,17 @@ def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = No
     servable = args and (not args[0].startswith("-") or args[0] in ("-c", "-m"))
     path = _socket_path(env) if servable else None
     if path is None:
-        return subprocess.run([sys.executable, *args], env=env, cwd=cwd, timeout=timeout, check=check,
-                              capture_output=True, text=True)
+        return _new_interpreter(args, env, cwd, timeout, check)
     with tempfile.TemporaryDirectory() as tmp:
         stdout, stderr = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for name in (stdout, stderr):
             open(name, "w").close()
         request = {"args": list(args), "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr, "timeout": timeout}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(path)
+            try:
+                connection.connect(path)
+            except OSError:  # the server is gone (stopped for another environment, or killed)
+                return _new_interpreter(args, env, cwd, timeout, check)
             connection.sendall((json.dumps(request) + "\n").encode())
             with connection.makefile("r") as reader:
                 answer = json.loads(reader.readline())
@@ -58,6 +60,12 @@ def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = No
     if check:
         result.check_returncode()
     return result
+
+
+def _new_interpreter(args: list[str], env: dict, cwd: str, timeout: float | None, check: bool
+                     ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=env, cwd=cwd, timeout=timeout, check=check, capture_output=True,
+                          text=True)
 
 
 def _socket_path(env: dict) -> str | None:

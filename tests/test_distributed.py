@@ -1,5 +1,6 @@
 """FSDP2 (`fully_shard`) over 2 CPU processes (gloo) trains a CPT model like DDP does, and exports."""
 
+import concurrent.futures
 import gc
 import os
 import socket
@@ -7,9 +8,11 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .fresh_python import run_python
 
 STEPS = 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _free_port() -> int:
@@ -81,10 +84,22 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _launch(world: int, mode: str, out_dir: str) -> None:
+    """``world`` processes of `_worker`, as a launcher starts them (processes of the tests' server,
+    tests/fresh_python.py: the imports paid once, not once a rank)."""
+    port = _free_port()
+    commands = [["-c", f"from tests.test_distributed import _worker; _worker({rank}, {world}, {port}, {mode!r}, "
+                       f"{out_dir!r})"] for rank in range(world)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=world) as pool:
+        runs = list(pool.map(lambda command: run_python(command, cwd=ROOT, timeout=300), commands))
+    for rank, run in enumerate(runs):
+        assert run.returncode == 0, f"{mode} rank {rank}:\n{run.stderr[-3000:]}"
+
+
 @pytest.mark.slow
 def test_fsdp2_matches_ddp_and_exports(tmp_path):
     for mode in ("ddp", "fsdp"):
-        mp.spawn(_worker, args=(2, _free_port(), mode, str(tmp_path)), nprocs=2, join=True)
+        _launch(2, mode, str(tmp_path))
     ddp, fsdp = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fsdp.pt")
     bits = torch.load(tmp_path / "fsdp-bits.pt")
     assert bits[0] == bits[1] == ddp["bits"] and len(set(bits[0])) > 1  # identical bits on both ranks each step

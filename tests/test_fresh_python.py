@@ -54,7 +54,7 @@ def test_a_command_past_its_timeout_is_killed_with_what_it_started(tmp_path):
         run_python(["-c", "import subprocess, sys, time\n"
                           "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
                           f"open({str(started)!r}, 'w').write(str(child.pid))\n"
-                          "time.sleep(60)"], timeout=3)
+                          "time.sleep(60)"], timeout=1.5)
     pid = int(started.read_text())
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
