@@ -15,6 +15,18 @@ import torch
 from .helpers import SHARED_DATA, TinyCNN, tiny_bert_config, tiny_gpt2_config
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Each test leaves os.environ as it found it: a Trainer or torch.distributed started in this process exports
+    MASTER_ADDR, RANK, WORLD_SIZE and more, which later tests' child processes would inherit (and which would start
+    the tests' Python server anew, tests/fresh_python.py)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture
 def tiny_bert():
     from transformers import BertForSequenceClassification
