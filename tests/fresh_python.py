@@ -52,7 +52,10 @@ def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = No
                 return _new_interpreter(args, env, cwd, timeout, check)
             connection.sendall((json.dumps(request) + "\n").encode())
             with connection.makefile("r") as reader:
-                answer = json.loads(reader.readline())
+                line = reader.readline()
+        if not line:
+            raise RuntimeError(f"the tests' Python server gave no answer for {args[:2]}: its handler died")
+        answer = json.loads(line)
         with open(stdout, errors="replace") as out, open(stderr, errors="replace") as err:
             result = subprocess.CompletedProcess([sys.executable, *args], answer["returncode"], out.read(), err.read())
     if answer["timed_out"]:
