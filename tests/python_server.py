@@ -30,6 +30,7 @@ PRELOAD = ("torch", "transformers", "transformers.trainer", "accelerate", "safet
 
 
 def main(path: str) -> None:
+    _end_with_parent()
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -42,7 +43,7 @@ def main(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the connection handlers reap themselves
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # ended connection handlers leave no zombies
     print("ready", flush=True)
     while True:
         connection, _ = listener.accept()
@@ -51,6 +52,17 @@ def main(path: str) -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             _handle(connection)
         connection.close()
+
+
+def _end_with_parent() -> None:
+    """Linux: the server ends when the test process that started it does, however that ends (a killed pytest
+    leaves no server behind)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _handle(connection: socket.socket) -> None:
