@@ -13,6 +13,8 @@ from hf_cpt.numerics import error_kernels, native
 from hf_cpt.numerics.error_kernels import KERNEL_SOURCES, hashed_uniform_noise
 from hf_cpt.numerics.errors import ErrorQuantization, quantize_error
 
+from .fresh_python import run_python
+
 GRIDS = [("token", "minmax"), ("tensor", "minmax"), ("token", "symmetric"), ("tensor", "symmetric")]
 
 
@@ -216,12 +218,12 @@ def test_quantize_model_builds_the_kernels_ahead_of_the_first_step(tmp_path):
         pytest.skip("no C compiler on this machine")
     cache = tmp_path / "cache"
     env = {**os.environ, "HF_CPT_CACHE": str(cache)}
-    first = subprocess.run([sys.executable, "-c", _BUILD_AHEAD], capture_output=True, text=True, timeout=300, env=env)
+    first = run_python(["-c", _BUILD_AHEAD], timeout=300, env=env)  # a process of the tests' server: no hf_cpt yet
     assert first.returncode == 0, first.stderr[-2000:]
     assert "started True child True loaded 0" in first.stdout
     sources = sorted(path.stem for path in Path(native.__file__).parent.glob("*.c"))
     assert sorted(path.name.rsplit("-", 1)[0] for path in cache.iterdir()) == sources
-    again = subprocess.run([sys.executable, "-c", _BUILD_AHEAD], capture_output=True, text=True, timeout=300, env=env)
+    again = run_python(["-c", _BUILD_AHEAD], timeout=300, env=env)
     assert "started False child True loaded 0" in again.stdout, again.stderr[-2000:]
 
 
