@@ -73,6 +73,10 @@ def _handle(connection: socket.socket) -> None:
     if pid == 0:
         connection.close()
         os._exit(_run(request))
+    try:  # here too, so that the group exists before a timeout can kill it (whichever of the two runs first)
+        os.setpgid(pid, pid)
+    except OSError:  # the child has run already, or its command ended
+        pass
     deadline = time.monotonic() + (request["timeout"] or float("inf"))
     timed_out = False
     while True:
