@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -73,15 +74,14 @@ def _new_interpreter(args: list[str], env: dict, cwd: str, timeout: float | None
 
 def _socket_path(env: dict) -> str | None:
     """The socket of a server started with ``env`` (as far as what it imports may read it), started on first use;
-    None where no server can start. Commands after a test that left variables set in this process (torch.distributed
-    sets MASTER_ADDR, RANK, WORLD_SIZE; inductor one of its own) get a server of their own: the one before is
-    stopped."""
+    None where no server can start. A command whose environment differs from the running server's in another
+    variable gets a server of its own: the one before is stopped."""
     signature = frozenset((name, value) for name, value in env.items()
                           if name not in READ_WHEN_USED and not name.startswith(READ_WHEN_USED_PREFIXES))
     with _lock:
         if _server.get("signature") != signature:
             if _server.get("process") is not None:
-                _server["process"].kill()
+                _stop(_server["process"], _server["path"])
             _server.update(signature=signature, **_start(env))
         return _server["path"]
 
@@ -97,10 +97,18 @@ def _start(env: dict) -> dict:
                                    env=env)
     line = process.stdout.readline()
     if line.strip() != "ready":
-        process.kill()
         with open(log) as said:
             warnings.warn(f"the Python server did not start ({said.read()[-500:]}); commands run in new interpreters",
                           stacklevel=4)
+        _stop(process, path)
         return {"path": None, "process": None}
-    atexit.register(process.kill)
+    atexit.register(_stop, process, path)
     return {"path": path, "process": process}
+
+
+def _stop(process: subprocess.Popen, path: str) -> None:
+    """Stop a server and remove its folder (socket, log)."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
