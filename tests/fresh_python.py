@@ -46,14 +46,13 @@ def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = No
         for name in (stdout, stderr):
             open(name, "w").close()
         request = {"args": list(args), "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr, "timeout": timeout}
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            try:
-                connection.connect(path)
-            except OSError:  # the server is gone (stopped for another environment, or killed)
+        try:
+            line = _ask(path, request)
+        except OSError:  # no server at that path: stopped for another thread's environment, or killed
+            path = _socket_path(env, restart=True)
+            if path is None:
                 return _new_interpreter(args, env, cwd, timeout, check)
-            connection.sendall((json.dumps(request) + "\n").encode())
-            with connection.makefile("r") as reader:
-                line = reader.readline()
+            line = _ask(path, request)
         if not line:
             raise RuntimeError(f"the tests' Python server gave no answer for {args[:2]}: its handler died")
         answer = json.loads(line)
@@ -66,35 +65,48 @@ def run_python(args: list[str], *, env: dict | None = None, cwd: str | None = No
     return result
 
 
+def _ask(path: str, request: dict) -> str:
+    """Send a request to the server at ``path``; its answer's line ('' where the connection closed without one)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect(path)
+        connection.sendall((json.dumps(request) + "\n").encode())
+        with connection.makefile("r") as reader:
+            return reader.readline()
+
+
 def _new_interpreter(args: list[str], env: dict, cwd: str, timeout: float | None, check: bool
                      ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], env=env, cwd=cwd, timeout=timeout, check=check, capture_output=True,
                           text=True)
 
 
-def _socket_path(env: dict) -> str | None:
+def _socket_path(env: dict, restart: bool = False) -> str | None:
     """The socket of a server started with ``env`` (as far as what it imports may read it), started on first use;
     None where no server can start. A command whose environment differs from the running server's in another
-    variable gets a server of its own: the one before is stopped."""
+    variable gets a server of its own: the one before is stopped. ``restart``: the server answers no more, start
+    another if it is still the one for ``env``."""
     signature = frozenset((name, value) for name, value in env.items()
                           if name not in READ_WHEN_USED and not name.startswith(READ_WHEN_USED_PREFIXES))
     with _lock:
-        if _server.get("signature") != signature:
+        gone = restart and _server.get("process") is not None and _server["process"].poll() is not None
+        if _server.get("signature") != signature or gone:
             if _server.get("process") is not None:
                 _stop(_server["process"], _server["path"])
             _server.update(signature=signature, **_start(env))
         return _server["path"]
 
 
-def _start(env: dict) -> dict:
+def _start(env: dict, preload: tuple[str, ...] = ()) -> dict:
+    """A server started with ``env``, importing ``preload`` (its own list when empty). Its standard input is a pipe
+    from this process, which it watches: it ends when this process does, whichever thread started it."""
     if not hasattr(os, "fork") or not hasattr(socket, "AF_UNIX"):
         return {"path": None, "process": None}
     folder = tempfile.mkdtemp(prefix="hf_cpt_python_server_")
     path = os.path.join(folder, "socket")
     log = os.path.join(folder, "stderr")
     with open(log, "w") as stderr:
-        process = subprocess.Popen([sys.executable, SERVER, path], stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                   env=env)
+        process = subprocess.Popen([sys.executable, SERVER, path, *preload], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     line = process.stdout.readline()
     if line.strip() != "ready":
         with open(log) as said:
@@ -111,4 +123,6 @@ def _stop(process: subprocess.Popen, path: str) -> None:
     if process.poll() is None:
         process.kill()
         process.wait()
+    for stream in (process.stdin, process.stdout):
+        stream.close()
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)

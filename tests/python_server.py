@@ -8,8 +8,10 @@ a user's script that imports transformers before hf_cpt would. This process runs
 thread, so torch's OpenMP team does not exist yet when it forks; the native pools its imports start (numpy's
 OpenBLAS, pyarrow's jemalloc) hand themselves over to a forked child, as a DataLoader's forked workers rely on.
 
-Usage: ``python tests/python_server.py SOCKET``; prints ``ready`` when it listens. One connection per command: a
-JSON line {args, env, cwd, stdout, stderr, timeout} in, {returncode, timed_out} out when the command ends.
+Usage: ``python tests/python_server.py SOCKET [MODULE ...]`` (the modules to import; the list above by default),
+its standard input a pipe from the process that started it: the server ends when that pipe closes, that is when that
+process ends, however it ends. It prints ``ready`` when it listens. One connection per command: a JSON line {args, env,
+cwd, stdout, stderr, timeout} in, {returncode, timed_out} out when the command ends.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -29,9 +32,8 @@ PRELOAD = ("torch", "transformers", "transformers.trainer", "accelerate", "safet
            "peft", "matplotlib.pyplot")
 
 
-def main(path: str) -> None:
-    _end_with_parent()
-    for name in PRELOAD:
+def main(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
+    for name in preload:
         try:
             importlib.import_module(name)
         except ImportError:  # an extra that is not installed: its users import it themselves
@@ -46,23 +48,15 @@ def main(path: str) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # ended connection handlers leave no zombies
     print("ready", flush=True)
     while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [])
+        if sys.stdin in readable:  # the pipe from the process that started this one closed: it ended
+            raise SystemExit(0)
         connection, _ = listener.accept()
         if os.fork() == 0:
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             _handle(connection)
         connection.close()
-
-
-def _end_with_parent() -> None:
-    """Linux: the server ends when the test process that started it does, however that ends (a killed pytest
-    leaves no server behind)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _handle(connection: socket.socket) -> None:
@@ -142,4 +136,4 @@ def _execute(request: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(sys.argv[2:]) or PRELOAD)

@@ -2,13 +2,19 @@
 that starts without hf_cpt or the test's objects, its arguments, environment and directory, its exit status and
 output, and a timeout."""
 
+import json
 import os
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
 
+from . import fresh_python
 from .fresh_python import run_python
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_command_runs_in_another_process_without_hf_cpt_and_with_its_arguments_environment_and_directory(tmp_path):
@@ -72,3 +78,33 @@ def _alive(pid: int) -> bool:
 def test_interpreter_flags_run_in_a_new_interpreter():
     result = run_python(["-X", "importtime", "-c", "print(1)"])
     assert result.returncode == 0 and result.stdout == "1\n" and "import time:" in result.stderr
+
+
+def test_a_server_outlives_the_thread_that_started_it(tmp_path):
+    """A test may call run_python first from a worker thread: the server it starts serves the tests after it."""
+    started = {}
+    thread = threading.Thread(target=lambda: started.update(fresh_python._start(dict(os.environ), ("json",))))
+    thread.start()
+    thread.join()
+    try:
+        time.sleep(0.5)
+        assert started["process"].poll() is None
+        out, err = tmp_path / "out", tmp_path / "err"
+        out.touch(), err.touch()
+        answer = fresh_python._ask(started["path"], {"args": ["-c", "print(7)"], "env": dict(os.environ),
+                                                     "cwd": str(tmp_path), "stdout": str(out), "stderr": str(err),
+                                                     "timeout": 60})
+        assert json.loads(answer) == {"returncode": 0, "timed_out": False} and out.read_text() == "7\n"
+    finally:
+        fresh_python._stop(started["process"], started["path"])
+
+
+def test_a_server_ends_with_the_process_that_started_it_however_that_ends():
+    script = (f"import os, sys; sys.path.insert(0, {ROOT!r}); from tests import fresh_python\n"
+              "print(fresh_python._start(dict(os.environ), ('json',))['process'].pid, flush=True)\n"
+              "os._exit(0)  # as a killed pytest: no atexit function runs\n")
+    pid = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
