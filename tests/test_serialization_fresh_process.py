@@ -27,7 +27,8 @@ from hf_cpt.numerics.fake_quant import quantize_codes
 from .fresh_python import run_python
 from .helpers import tiny_bert_config, tiny_gpt2_config
 
-pytestmark = pytest.mark.slow
+# one worker trains the checkpoints once for all the tests that load them (pytest -n, --dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trained_checkpoints")]
 
 TOLERANCE = 1e-5
 LOADER = os.path.join(os.path.dirname(__file__), "load_checkpoints.py")
