@@ -2,7 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+# Offline; PYTHONDONTWRITEBYTECODE emptied, so that Python writes a module's bytecode at its first import (install).
+RUN_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONDONTWRITEBYTECODE=
 
 .PHONY: install test demo bench results lint clean
 
@@ -11,32 +12,38 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	# --no-compile: pip would compile all 16,000 Python files of torch, transformers and the rest up front (about
+	# 100 s on 2 cores); most are never imported here, and Python compiles the others at their first import.
+	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
 	touch $(STAMP)
 
+# Two pytest workers, one thread each (tests/conftest.py): most tests run tiny models, bound by Python on one core.
+# Tests that share a module fixture stay on one worker (xdist_group).
+TEST_WORKERS ?= 2
+
 test: install
-	$(OFFLINE) $(PY) -m pytest -q
+	$(RUN_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 demo: install
-	$(OFFLINE) $(PY) recipes/demo.py --output_dir outputs/demo
+	$(RUN_ENV) $(PY) recipes/demo.py --output_dir outputs/demo
 
 bench: install
-	$(OFFLINE) $(PY) bench/overhead.py
-	$(OFFLINE) $(PY) bench/op_counts.py
-	$(OFFLINE) $(PY) bench/kept_memory.py
-	$(OFFLINE) $(PY) bench/peak_phases.py
+	$(RUN_ENV) $(PY) bench/overhead.py
+	$(RUN_ENV) $(PY) bench/op_counts.py
+	$(RUN_ENV) $(PY) bench/kept_memory.py
+	$(RUN_ENV) $(PY) bench/peak_phases.py
 
 # Results on real data and a real pretrained model (../shared/data; each script about 40 minutes on
 # 2 cores; resumable: a finished run is skipped), then docs/RESULTS.md, docs/pretrained.md, README summary.
 results: install
 	$(PY) -m pip install --quiet -e ".[bench]"
-	$(OFFLINE) $(PY) bench/cifar10.py
-	$(OFFLINE) $(PY) bench/pretrained.py
-	$(OFFLINE) $(PY) bench/language_model.py
-	$(OFFLINE) $(PY) bench/language_model.py --epochs 6 --runs fp32 static-8/8-full cpt-4-8/8-full --no_profile \
+	$(RUN_ENV) $(PY) bench/cifar10.py
+	$(RUN_ENV) $(PY) bench/pretrained.py
+	$(RUN_ENV) $(PY) bench/language_model.py
+	$(RUN_ENV) $(PY) bench/language_model.py --epochs 6 --runs fp32 static-8/8-full cpt-4-8/8-full --no_profile \
 		--output bench/results/language_model_full.json
-	$(OFFLINE) $(PY) bench/schedule_sweep.py
-	$(OFFLINE) $(PY) bench/horizon.py
+	$(RUN_ENV) $(PY) bench/schedule_sweep.py
+	$(RUN_ENV) $(PY) bench/horizon.py
 	$(PY) bench/report.py
 
 lint: install

@@ -8,6 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N` (make test): one thread a worker, not N on each core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
