@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	# --no-compile: pip would compile all 16,000 Python files of torch, transformers and the rest up front (about
 	# 100 s on 2 cores); most are never imported here, and Python compiles the others at their first import.
 	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
+	# One import of what every script and test process imports: it checks the install, and compiles that bytecode
+	# once rather than in each of the first processes of a parallel test run at the same time.
+	$(RUN_ENV) $(PY) -c "import torch, transformers, accelerate, datasets, timm, peft, matplotlib.pyplot; \
+		from hf_cpt import CPTTrainer, quantize_model"
 	touch $(STAMP)
 
 # Two pytest workers, one thread each (tests/conftest.py): most tests run tiny models, bound by Python on one core.
