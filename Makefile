@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two pytest workers, one thread each (tests/conftest.py): most tests run tiny models, bound by Python on one core.
-# Tests that share a module fixture stay on one worker (xdist_group).
+# The checkpoint tests that load the same trained checkpoints stay on one worker (xdist_group).
 TEST_WORKERS ?= 2
 
 test: install
