@@ -1,6 +1,6 @@
 """`run_python` (tests/fresh_python.py) gives what `subprocess.run([sys.executable, ...])` gives: a process of its own
 that starts without hf_cpt or the test's objects, its arguments, environment and directory, its exit status and
-output, and a timeout."""
+output, and a timeout; and its server outlives the thread that started it and ends with the process that did."""
 
 import json
 import os
