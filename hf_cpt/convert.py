@@ -203,8 +203,9 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             report.relu_masks += [name] if isinstance(module, ReLUKeepingMask) else []
         elif config.dropout_masks and convert_dropout(module):
             report.dropout_masks.append(name)
-    if config.relu_masks:  # ReLUs called as functions (`hf_cpt.nn.relu_masks`): hooks once one feeds a layer
+    if config.relu_masks:  # ReLUs called as functions (`hf_cpt.nn.relu_masks`): hooks while one may feed a layer
         precision.functional_relu_scope = FunctionalReLUScope(model)
+        precision.functional_relu_scope.probe()
     if any(p.device.type == "cpu" for p in model.parameters()):
         native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)

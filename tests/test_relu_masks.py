@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -252,17 +253,22 @@ class _FunctionalCNN(nn.Module):
         return self.convs[-1](x)
 
 
-def _functional_steps(masks: bool, steps: int = 2) -> tuple[nn.Module, list[list[str]], list[list[torch.Tensor]]]:
-    """(the quantized `_FunctionalCNN`, each step's ReLU nodes, each step's gradients)."""
+def _functional_steps(masks: bool, steps: int = 2, first_hooked: bool = False
+                      ) -> tuple[nn.Module, list[list[str]], list[list[torch.Tensor]]]:
+    """(the quantized `_FunctionalCNN`, each step's ReLU nodes, each step's gradients); ``first_hooked``: the first
+    forward under saved-tensor hooks of another (identity), where a ReLU runs as autograd's."""
     torch.manual_seed(0)
     model = _FunctionalCNN()
     quantize_model(model, CPTConfig(quant_scheme="paper", relu_masks=masks))
     set_precision(model, 6, 8)
     names, gradients = [], []
-    for _ in range(steps):
+    for step in range(steps):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
-        loss = model(torch.randn(2, 3, 8, 8)).square().sum()
+        hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if first_hooked and step == 0
+                 else contextlib.nullcontext())
+        with hooks:
+            loss = model(torch.randn(2, 3, 8, 8)).square().sum()
         names.append([o.grad_fn.name() for o in model.outputs])
         assert all(kept_output_of(o.grad_fn).output is None and kept_output_of(o.grad_fn).zeroed.dtype == torch.bool
                    for o in model.outputs if o.grad_fn.name() == HANDING_OVER)
@@ -271,37 +277,56 @@ def _functional_steps(masks: bool, steps: int = 2) -> tuple[nn.Module, list[list
     return model, names, gradients
 
 
-def test_relus_called_as_functions_keep_masks_once_a_quantized_layer_was_fed_one_bit_for_bit():
-    """``torch.relu``, ``F.relu``, ``x.relu()``, in place or not: the first forward finds autograd's ReLU feeding a
-    quantized convolution, and from the next forward on each such call keeps a mask (the convolution its codes);
-    the gradients of every step are those of the model without masks, bit for bit."""
-    model, names, gradients = _functional_steps(True)
-    assert names[0] == ["ReluBackward0"] * 5 and names[1] == [HANDING_OVER] * 5
+def test_relus_called_as_functions_keep_masks_from_the_first_step_bit_for_bit():
+    """``torch.relu``, ``F.relu``, ``x.relu()``, in place or not: from the first training forward on (the probe of
+    `quantize_model`), each such call feeding a quantized convolution keeps a mask (the convolution its codes); the
+    gradients of every step are those of the model without masks, bit for bit."""
+    model, names, gradients = _functional_steps(True, steps=3)
+    assert names == [[HANDING_OVER] * 5] * 3
     assert model.convs[0].cpt_precision.functional_relus
-    plain, plain_names, expected = _functional_steps(False)
-    assert plain_names == [["ReluBackward0"] * 5] * 2 and not plain.convs[0].cpt_precision.functional_relus
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1  # kept after the probe
+    plain, plain_names, expected = _functional_steps(False, steps=3)
+    assert plain_names == [["ReluBackward0"] * 5] * 3 and not plain.convs[0].cpt_precision.functional_relus
+    for got, want in zip(gradients, expected):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_first_forward_that_runs_autograds_relus_turns_the_masks_on_from_the_next():
+    """Where the first training forward cannot keep masks (under saved-tensor hooks of another), a quantized layer
+    fed autograd's own ReLU keeps the hooks on, and the next forward keeps masks; gradients bit for bit."""
+    model, names, gradients = _functional_steps(True, first_hooked=True)
+    assert names == [["ReluBackward0"] * 5, [HANDING_OVER] * 5]
+    assert len(model._forward_pre_hooks) == 1
+    _, _, expected = _functional_steps(False, first_hooked=True)
     for got, want in zip(gradients, expected):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_the_functional_relu_scope_runs_only_in_training_forwards_and_comes_off_with_the_conversion():
-    """Hooks only once a ReLU function fed a quantized layer (none for a model whose ReLUs are modules); no mode
-    outside a training forward with gradients (eval, no_grad), none left after a forward that raises; a model
-    copied before or pickled after keeps the behaviour; `dequantize_model` removes the hooks."""
+    """Hooks from `quantize_model` to the first training forward, kept only where a ReLU function fed a quantized
+    layer (off for a model whose ReLUs are modules, at its next call); no mode outside a training forward with
+    gradients (eval, no_grad), none left after a forward that raises; a model copied before or pickled after keeps
+    the behaviour; `dequantize_model` removes the hooks."""
     import io
 
     masked = _quantized(_cnn(), True)
-    _step(masked, torch.randn(4, 3, 8, 8))
-    assert not masked[0].cpt_precision.functional_relus and not masked._forward_pre_hooks  # modules only
+    assert len(masked._forward_pre_hooks) == len(masked._forward_hooks) == 1  # the probe
+    masked.eval()
+    masked(torch.randn(4, 3, 8, 8))  # no training forward: the probe goes on
+    masked.train()
+    assert len(masked._forward_pre_hooks) == 1
+    for _ in range(2):
+        _step(masked, torch.randn(4, 3, 8, 8))
+    assert not masked[0].cpt_precision.functional_relus  # modules only
+    assert not masked._forward_pre_hooks and not masked._forward_hooks
     torch.manual_seed(0)
     fresh = _FunctionalCNN()
     quantize_model(fresh, CPTConfig(quant_scheme="paper"))
     set_precision(fresh, 6, 8)
-    assert not fresh._forward_pre_hooks
     copied = copy.deepcopy(fresh)  # before any forward: the copy puts its hooks on itself
-    for _ in range(2):
-        copied(torch.randn(2, 3, 8, 8)).sum().backward()
-    assert [o.grad_fn.name() for o in copied.outputs] == [HANDING_OVER] * 5 and not fresh._forward_pre_hooks
+    copied(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert [o.grad_fn.name() for o in copied.outputs] == [HANDING_OVER] * 5
+    assert not fresh.convs[0].cpt_precision.functional_relus and len(fresh._forward_pre_hooks) == 1
 
     model, _, _ = _functional_steps(True, steps=1)
     assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1

@@ -16,10 +16,10 @@ with the node's other saved tensors once the backward has run. Under saved-tenso
 checkpointing, offloading), where they are disabled, or in a compiled graph the ReLU runs as autograd's: its own
 hook would stand in for theirs.
 
-A ReLU the model's code calls as a function (``torch.relu``, ``F.relu``, ``x.relu()``) is no module to convert. Once a
-quantized layer has been fed such a ReLU's output (`hand_over_input`), the model's training forwards run under
-`FunctionalReLUs`, which sends those calls through the same path (`FunctionalReLUScope`: hooks on the model
-`quantize_model` converted).
+A ReLU the model's code calls as a function (``torch.relu``, ``F.relu``, ``x.relu()``) is no module to convert. The
+model's first training forward runs under `FunctionalReLUs`, which sends those calls through the same path
+(`FunctionalReLUScope`: hooks on the model `quantize_model` converted); the later ones do too where such a call fed a
+quantized layer (`hand_over_input`), and the hooks come off where none did.
 """
 
 from __future__ import annotations
@@ -49,12 +49,13 @@ class KeptOutput:
     backward has run: a training loop that keeps its loss until the next forward keeps no mask through it. The node
     refers to it weakly (`kept_output_of`)."""
 
-    __slots__ = ("output", "version", "zeroed", "__weakref__")
+    __slots__ = ("output", "version", "zeroed", "functional", "__weakref__")
 
-    def __init__(self, output: torch.Tensor) -> None:
+    def __init__(self, output: torch.Tensor, functional: bool = False) -> None:
         self.output: torch.Tensor | None = output.detach()  # shares the output's version counter
         self.version = output._version
         self.zeroed: torch.Tensor | None = None
+        self.functional = functional  # made by a ReLU called as a function (`FunctionalReLUs`), not a module
 
     def holds(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is the kept output, unchanged since the ReLU made it."""
@@ -120,9 +121,10 @@ def _saved_tensor_hooks_enabled() -> bool:
     return enabled is None or enabled()
 
 
-def relu_handing_over(x: torch.Tensor, inplace: bool) -> torch.Tensor:
+def relu_handing_over(x: torch.Tensor, inplace: bool, functional: bool = False) -> torch.Tensor:
     """``relu(x)`` whose kept output a quantized layer reading it may exchange for a mask (`hand_over_input`); an
-    in-place ReLU of a view runs as autograd's (autograd puts such an edit on the view's base, not on this node)."""
+    in-place ReLU of a view runs as autograd's (autograd puts such an edit on the view's base, not on this node).
+    ``functional``: called as a function (`FunctionalReLUs`)."""
     if not _saved_tensor_hooks_enabled():  # disabled by a transform: keep as autograd does
         return x.relu_() if inplace else x.relu()
     if inplace and x._is_view():
@@ -130,7 +132,7 @@ def relu_handing_over(x: torch.Tensor, inplace: bool) -> torch.Tensor:
     packed: list[KeptOutput] = []
 
     def pack(output: torch.Tensor) -> KeptOutput:
-        packed.append(KeptOutput(output))
+        packed.append(KeptOutput(output, functional))
         return packed[-1]
 
     with torch.autograd.graph.saved_tensors_hooks(pack, KeptOutput.for_backward):
@@ -151,18 +153,18 @@ def hand_over_input(x: torch.Tensor, saved: torch.Tensor | None, state: Precisio
     """Called by a quantized layer fed ``x`` with what its backward keeps in place of ``x`` (``saved``: codes, a
     quantized copy, ``x`` itself, or None): unless that is ``x``, and ``x`` is a converted ReLU's unchanged output,
     that ReLU keeps its mask from now on instead of ``x``. When autograd's own ReLU made ``x`` (a ReLU called as a
-    function), the model's next training forwards send such calls here too (``state.functional_relus``,
-    `FunctionalReLUScope`)."""
+    function: autograd's own, or the first training forward's, `FunctionalReLUScope.probe`), the model's next training
+    forwards send such calls here too (``state.functional_relus``, `FunctionalReLUScope.activate`)."""
     if torch.compiler.is_dynamo_compiling():  # a traced graph holds no converted ReLU's node
         return
     kept = kept_output_of(x.grad_fn)
-    if kept is None:
-        if x.grad_fn is not None and not state.functional_relus and x.grad_fn.name() == "ReluBackward0":
-            state.functional_relus = True
-            if state.functional_relu_scope is not None:
-                state.functional_relu_scope.activate()
-        return
-    if not kept.holds(x):
+    called_as_function = (kept.functional if kept is not None
+                          else x.grad_fn is not None and x.grad_fn.name() == "ReluBackward0")
+    if called_as_function and not state.functional_relus:
+        state.functional_relus = True
+        if state.functional_relu_scope is not None:
+            state.functional_relu_scope.activate()
+    if kept is None or not kept.holds(x):
         return
     if saved is None or saved.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():  # not x, nor a view of it
         kept.hand_over()
@@ -186,26 +188,42 @@ class FunctionalReLUs(TorchFunctionMode):
                 inplace = RELU_FUNCTIONS[func]
                 if inplace is None:  # F.relu(input, inplace=False)
                     inplace = bool(args[1] if len(args) > 1 else kwargs.get("inplace", False))
-                return relu_handing_over(x, inplace)
+                return relu_handing_over(x, inplace, functional=True)
         return func(*args, **kwargs)
 
 
 class FunctionalReLUScope:
     """A forward pre-hook and an always-called forward hook on the model `quantize_model` converted, which run its
-    training forwards (gradients on, not traced) under `FunctionalReLUs`. Put on the model by `activate`, once a
-    quantized layer has been fed autograd's own ReLU (`hand_over_input`): a model whose ReLUs are modules, or that
-    has none, gets no hooks (nothing for its forwards to run, nothing for torch.compile to trace)."""
+    training forwards (gradients on, not traced) under `FunctionalReLUs`. Put on by `probe` for the model's first
+    training forward, so that its ReLU functions keep masks from the first step on; kept by `activate` once such a
+    ReLU fed a quantized layer (`hand_over_input`), else taken off at the next call: a model whose ReLUs are
+    modules, or that has none, then runs without them. A model compiled from its first forward keeps them, doing
+    nothing in traced code (taken off between two compiled calls, they would fail a guard and recompile)."""
 
     def __init__(self, model: torch.nn.Module | None) -> None:
         self._model = None if model is None else weakref.ref(model)
         self._local = threading.local()
         self.handles: tuple = ()
+        self.probing = False  # the hooks are on for the first training forward only, so far
+        self.active = False  # a ReLU function fed a quantized layer: the hooks stay
+
+    def probe(self) -> None:
+        """Put the hooks on for the model's next training forward (`quantize_model` calls it)."""
+        if not self.handles:
+            self._put_on()
+            self.probing = True
 
     def activate(self) -> None:
-        """Put the hooks on the model, once (a model pickled before this gets none: its ReLU functions keep their
-        outputs, as without masks; a deep copy of the whole model puts them on itself)."""
+        """Keep the hooks on (put them on if need be; a model pickled before `quantize_model` made this scope gets
+        none: its ReLU functions keep their outputs, as without masks; a deep copy of the whole model puts them on
+        itself)."""
+        self.active, self.probing = True, False
+        if not self.handles:
+            self._put_on()
+
+    def _put_on(self) -> None:
         model = None if self._model is None else self._model()
-        if model is not None and not self.handles:
+        if model is not None:
             self.handles = (model.register_forward_pre_hook(self.enter),
                             model.register_forward_hook(self.exit, always_call=True))
 
@@ -213,9 +231,13 @@ class FunctionalReLUScope:
         for handle in self.handles:
             handle.remove()
         self.handles = ()
+        self.probing = False
 
     def enter(self, module, args) -> None:
         if torch.compiler.is_compiling():
+            return
+        if not (self.probing or self.active):  # the probe found no ReLU function: off (not in `exit`, which the
+            self.remove()  # forward's exception path calls while iterating over the hooks)
             return
         mode = FunctionalReLUs() if module.training and torch.is_grad_enabled() else None
         if mode is not None:
@@ -229,13 +251,15 @@ class FunctionalReLUScope:
         mode = modes.pop() if modes else None  # none: the forward that put the hooks on ends
         if mode is not None:
             mode.__exit__(None, None, None)
+            if not modes:  # the first training forward ended: `activate` has kept the hooks, or the next call
+                self.probing = False  # takes them off
 
     def __getstate__(self) -> dict:  # pickled: the hooks, not the model (a weak reference)
-        return {"handles": self.handles}
+        return {"handles": self.handles, "probing": self.probing, "active": self.active}
 
     def __setstate__(self, saved: dict) -> None:
         self.__init__(None)
-        self.handles = saved["handles"]
+        self.handles, self.probing, self.active = saved["handles"], saved["probing"], saved["active"]
 
     def __deepcopy__(self, memo: dict) -> FunctionalReLUScope:
         """A copy bound to the model's copy when the whole model is being copied (it is in ``memo`` by then)."""
@@ -243,4 +267,5 @@ class FunctionalReLUScope:
         copied = type(self)(model)
         memo[id(self)] = copied
         copied.handles = copy.deepcopy(self.handles, memo)
+        copied.probing, copied.active = self.probing, self.active
         return copied
