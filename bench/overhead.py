@@ -377,7 +377,7 @@ def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict 
 
 def saved_storages(model: nn.Module, batch: dict) -> dict[int, tuple[int, set[str]]]:
     """What a training forward of ``model`` keeps for its backward, after a first step (forward and backward) as in
-    training (a ReLU called as a function keeps its mask from the second forward on): each distinct storage its
+    training: each distinct storage its
     autograd graph holds (every node's saved tensors, custom functions' included; parameters excluded) -> (its
     bytes, the names of the nodes that hold it). Read from the graph after the forward, not through saved-tensor
     hooks: under those a layer fed a ReLU's output keeps codes of its own (docs/method.md §2)."""
