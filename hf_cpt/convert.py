@@ -22,6 +22,7 @@ from .nn.dropout_masks import convert_dropout, restore_dropout
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.precision import PrecisionState
 from .nn.recompute import ReLUKeepingMask, convert_activation, restore_activation
+from .nn.pool_indices import convert_max_pool, restore_max_pool
 from .nn.relu_masks import FunctionalReLUScope
 from .numerics import native
 from .numerics.bits import check_bits
@@ -47,6 +48,8 @@ class QuantizationReport:
     relu_masks: list[str] = field(default_factory=list)
     # nn.Dropout modules that keep a bool mask in CPU training (`hf_cpt.nn.dropout_masks`)
     dropout_masks: list[str] = field(default_factory=list)
+    # nn.MaxPool2d modules that keep only their indices and hand their input to its ReLU (`hf_cpt.nn.pool_indices`)
+    max_pools: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
@@ -64,6 +67,8 @@ class QuantizationReport:
                          f"{len(self.relu_masks)}")
         if self.dropout_masks:
             lines.append(f"  dropouts that keep a bool mask in CPU training: {len(self.dropout_masks)}")
+        if self.max_pools:
+            lines.append(f"  max-pools that keep only their indices in CPU training: {len(self.max_pools)}")
         return "\n".join(lines)
 
 
@@ -203,6 +208,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             report.relu_masks += [name] if isinstance(module, ReLUKeepingMask) else []
         elif config.dropout_masks and convert_dropout(module):
             report.dropout_masks.append(name)
+        elif config.relu_masks and convert_max_pool(module, precision):
+            report.max_pools.append(name)
     if config.relu_masks:  # ReLUs called as functions (`hf_cpt.nn.relu_masks`): hooks while one may feed a layer
         precision.functional_relu_scope = FunctionalReLUScope(model)
         precision.functional_relu_scope.probe()
@@ -293,6 +300,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     for module in model.modules():
         restore_activation(module)
         restore_dropout(module)
+        restore_max_pool(module)
     return model
 
 

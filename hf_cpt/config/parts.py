@@ -201,8 +201,9 @@ class ActivationConfig:
         "A ReLU whose output a quantized layer keeps as codes keeps a mask of where that output is positive for its "
         "backward, one bit a value (a bool tensor where the native kernel does not serve), not the float output it "
         "shared with the layer: the same gradients bit for bit, about three bytes a value less (a CNN's convolutions; "
-        "docs/method.md §2). A ReLU module at once; a ReLU called as a "
-        "function (torch.relu, F.relu) from the model's second training forward on."
+        "docs/method.md §2). A ReLU module or a ReLU called as a function (torch.relu, F.relu) alike. nn.MaxPool2d "
+        "modules then keep only their indices in CPU training, so that the ReLU before them (a CNN's stem) keeps a "
+        "mask too."
     )
 
     dropout_masks: bool = setting(
