@@ -279,8 +279,9 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
                   "own backward: the ReLU hands that output over for a one-byte mask once the conv has kept its codes "
                   "(`relu_masks`, ⊘), a ReLU module at once (timm's ResNet-18, the paper's ResNet-20), a ReLU "
-                  "called as a function (`torch.relu`) from the model's first training forward on (from its second in runs "
-                  "before 2026-11-28; docs/method.md §2, "
+                  "called as a function (`torch.relu`) from the model's first training forward on, and a ResNet "
+                  "stem's ReLU, read by a max-pool that keeps only its indices (in runs before 2026-11-28, a function "
+                  "from the second forward on and the stem's ReLU kept its output; docs/method.md §2, "
                   "\"ReLU masks\")."]
     if any("float_product_ratio" in row for row in overhead["rows"]):
         lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "

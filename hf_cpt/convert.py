@@ -20,9 +20,9 @@ from .nn.attention import attention_support, install_attention, uninstall_attent
 from .nn.base import QuantLayerMixin, input_features
 from .nn.dropout_masks import convert_dropout, restore_dropout
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
+from .nn.pool_indices import convert_max_pool, restore_max_pool
 from .nn.precision import PrecisionState
 from .nn.recompute import ReLUKeepingMask, convert_activation, restore_activation
-from .nn.pool_indices import convert_max_pool, restore_max_pool
 from .nn.relu_masks import FunctionalReLUScope
 from .numerics import native
 from .numerics.bits import check_bits
