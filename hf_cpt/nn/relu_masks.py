@@ -214,9 +214,9 @@ class FunctionalReLUScope:
             self.probing = True
 
     def activate(self) -> None:
-        """Keep the hooks on (put them on if need be; a model pickled before `quantize_model` made this scope gets
-        none: its ReLU functions keep their outputs, as without masks; a deep copy of the whole model puts them on
-        itself)."""
+        """Keep the hooks on, putting them on again where they came off (an unpickled scope, which holds no reference
+        to its model, puts none on: that model's ReLU functions then keep their outputs, as without masks; a deep
+        copy of the whole model puts them on itself)."""
         self.active, self.probing = True, False
         if not self.handles:
             self._put_on()
