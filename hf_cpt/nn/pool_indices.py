@@ -3,7 +3,7 @@
 ``F.max_pool2d`` keeps its input and the indices of each window's maximum for its backward, which reads only the
 indices: the input gives the gradient's shape. In a CNN's stem (conv, norm, ReLU, max-pool: timm's and torchvision's
 ResNets) that input is a ReLU's output, which the ReLU keeps for itself as well, so no quantized layer ever reads it
-and it stays a four-byte float (25 MiB of ResNet-18's stem at batch 8x224²). `MaxPool2dKeepingIndices` keeps the
+and it stays a four-byte float (as large as any activation of a ResNet). `MaxPool2dKeepingIndices` keeps the
 indices alone and hands the ReLU's output over (`hand_over_input`), as a quantized layer does: the ReLU then keeps a
 one-bit mask. The gradient is ``max_pool2d_with_indices_backward``'s bit for bit, given a zero-stride stand-in of the
 input's shape (tested). Where: CPU training with gradients on, a contiguous 4-D input, not traced, no saved-tensor
