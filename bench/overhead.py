@@ -181,23 +181,26 @@ def bert_steps(batch_size: int, seq_len: int, fused: bool) -> tuple[Step, Step]:
 
 def training_step(model: nn.Module, batch: dict, micro_batches: int = 1) -> Step:
     """One training step (forward, backward, AdamW) of ``model`` on ``batch``; with ``micro_batches`` > 1, that many
-    forward + backward passes accumulate before the optimizer step, and a CPT model advances its weight epoch at the
-    step's start and end, as the Trainer integration does, so that they share one quantized copy of each weight."""
+    forward + backward passes accumulate before the optimizer step. A CPT model's weight epoch advances as the Trainer
+    integration advances it (`hf_cpt.nn.reused_weights`), so the micro-batches share one quantized copy of each
+    weight and what a Trainer run keeps is measured."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    reused = find_precision_state(model).reused_weights if micro_batches > 1 and is_quantized(model) else None
-    if reused is not None:
-        reused.epoch = 0
+    reused = find_precision_state(model).reused_weights if is_quantized(model) else None
 
     def step() -> None:
         if reused is not None:
-            reused.epoch += 1
-        for _ in range(micro_batches):
+            reused.begin_step(micro_batches)
+        for micro_batch in range(micro_batches):
             (model(**batch)["loss"] / micro_batches).backward()
+            if reused is not None and micro_batch < micro_batches - 1:
+                reused.end_micro_batch()
+        if reused is not None:
+            reused.end_step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if reused is not None:
-            reused.epoch += 1
+            reused.end_step()
 
     return step
 

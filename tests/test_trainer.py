@@ -139,11 +139,12 @@ def test_gradient_accumulation_rotates_each_weight_once_per_step_and_trains_the_
 
     from .helpers import tiny_bert_config
 
-    kept = []  # how many layers' codes the cache holds: after each micro-batch, and during each optimizer step
+    kept = []  # how many layers' codes the cache holds: after each training forward, and during each optimizer step
+    training = []
 
     class CacheProbe(TrainerCallback):
-        def on_substep_end(self, args, state, control, **kwargs):
-            kept.append(("micro-batch", len(precision_of_probe[0].reused_weights._entries)))
+        def on_step_begin(self, args, state, control, **kwargs):
+            training[:] = [True]  # (the run's start also runs forwards: the fidelity check's)
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             kept.append(("optimizer", len(precision_of_probe[0].reused_weights._entries)))
@@ -155,33 +156,49 @@ def test_gradient_accumulation_rotates_each_weight_once_per_step_and_trains_the_
             monkeypatch.setattr(QuantLayerMixin, "_weight_reuse_key", lambda self, bits, training: None)
         torch.manual_seed(0)
         trainer = CPTTrainer(
+            # 16 batches an epoch: five steps of 3 micro-batches, then one of 1; the seventh step starts an epoch
             model=BertForSequenceClassification(tiny_bert_config()),
-            args=training_args(tmp_path / str(reuse), max_steps=4, gradient_accumulation_steps=3,
+            args=training_args(tmp_path / str(reuse), max_steps=7, gradient_accumulation_steps=3,
                                per_device_train_batch_size=4),
             train_dataset=token_classification_data(64),
             cpt_config=CPTConfig(bits_min=4, bits_max=8, num_cycles=2),
             callbacks=[CacheProbe()] if reuse else None,
         )
         precision_of_probe[:] = [trainer.model.bert.encoder.layer[0].attention.self.query.cpt_precision]
+        trainer.model.register_forward_hook(
+            lambda *_: training and kept.append(("forward", len(precision_of_probe[0].reused_weights._entries))))
         trainer.train()
         monkeypatch.undo()
         callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, CPTCallback))
         return trainer.model, callback.meter
 
     reused_model, reused_meter = train(True)
-    # The micro-batches share the codes; the optimizer step runs with none of them kept (they would add a byte per
-    # weight to its peak).
+    # The micro-batches share the codes; a step's last forward hands them over to its backward instead of keeping
+    # them (they would add a byte per weight to the backward's end), and the optimizer step runs with none kept.
     quantized = sum(isinstance(m, QuantLayerMixin) for m in reused_model.modules())
-    assert kept == [("micro-batch", quantized), ("micro-batch", quantized), ("optimizer", 0)] * 4
+    full_step = [("forward", quantized), ("forward", quantized), ("forward", 0), ("optimizer", 0)]
+    assert kept == full_step * 5 + [("forward", 0), ("optimizer", 0)] + full_step
     plain_model, plain_meter = train(False)
     for (name, a), b in zip(reused_model.state_dict().items(), plain_model.state_dict().values()):
         assert torch.equal(a, b), name  # reusing the codes changes no value
     layers = [m for m in reused_model.modules() if isinstance(m, QuantLayerMixin) and m.rotation is not None]
     precision = layers[0].cpt_precision
-    assert precision.reused_weights.reuses == 4 * 2 * len(layers) and precision.reused_weights.epoch is None
+    assert precision.reused_weights.reuses == 6 * 2 * len(layers) and precision.reused_weights.epoch is None
     # The meter counts the weight rotations that ran: one per step instead of one per micro-batch.
-    skipped = 4 * 2 * sum(m.weight.numel() * reused_meter._rotation_price[id(m)] for m in layers)
+    skipped = 6 * 2 * sum(m.weight.numel() * reused_meter._rotation_price[id(m)] for m in layers)
     assert plain_meter.totals.rotation_bitops - reused_meter.totals.rotation_bitops == pytest.approx(skipped)
+
+
+def test_a_steps_micro_batches_are_counted_as_the_trainer_splits_an_epoch():
+    from types import SimpleNamespace
+
+    from hf_cpt.integrations.callback import micro_batches_of_step
+
+    args = SimpleNamespace(gradient_accumulation_steps=3)
+    # 16 batches an epoch: five steps of 3, one of 1, then the next epoch
+    assert [micro_batches_of_step(args, step, range(16)) for step in range(8)] == [3, 3, 3, 3, 3, 1, 3, 3]
+    assert [micro_batches_of_step(args, step, range(2)) for step in range(3)] == [2, 2, 2]  # fewer than one step
+    assert micro_batches_of_step(args, 5, iter(range(16))) == 3  # no length: full steps
 
 
 def test_bits_after_resuming_from_a_checkpoint(tmp_path):

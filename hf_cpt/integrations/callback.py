@@ -139,15 +139,20 @@ class CPTCallback(TrainerCallback):
             logger.info("hf_cpt: no %s to resume from; eval-mode activation ranges start afresh.", path)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.precision.reused_weights.epoch += 1  # this step's micro-batches share one quantized copy of each weight
+        # This step's micro-batches share one quantized copy of each weight; the last one's backward takes it over.
+        micro_batches = micro_batches_of_step(args, state.global_step, kwargs.get("train_dataloader"))
+        self.precision.reused_weights.begin_step(micro_batches)
         self._set_bits(state.global_step)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.precision.reused_weights.end_micro_batch()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         # The step's micro-batches are done: their weight codes go before the optimizer's temporaries arrive.
-        self.precision.reused_weights.epoch += 1
+        self.precision.reused_weights.end_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.precision.reused_weights.epoch += 1  # the optimizer has changed the weights (an evaluation may follow)
+        self.precision.reused_weights.end_step()  # the optimizer has changed the weights (an evaluation may follow)
         self.meter.end_step(self.bits, self.grad_bits)
 
     # -- logging ------------------------------------------------------------------------------
@@ -298,3 +303,19 @@ def format_cost_report(report: dict[str, Any]) -> str:
             f"{prt['steps']} steps, {prt['gbitops']:.4g} GBitOPs"
         )
     return "\n".join(lines)
+
+
+def micro_batches_of_step(args, global_step: int, train_dataloader) -> int:
+    """How many forward and backward passes the Trainer runs in optimizer step ``global_step``: the gradient
+    accumulation steps, fewer in an epoch's last step where the epoch's batches do not divide evenly (as the
+    Trainer's loop splits them). A wrong count costs time or memory, never a value: codes dropped too early are
+    made again, and codes kept too long go at the optimizer step."""
+    accumulation = args.gradient_accumulation_steps
+    try:
+        batches = len(train_dataloader)
+    except TypeError:  # no length (an iterable dataset, or none given): every step is a full one
+        return accumulation
+    steps_per_epoch = max(-(-batches // accumulation), 1)
+    if batches and global_step % steps_per_epoch == steps_per_epoch - 1:
+        return batches - (steps_per_epoch - 1) * accumulation
+    return accumulation

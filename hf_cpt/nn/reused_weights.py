@@ -2,9 +2,11 @@
 
 A weight changes only at optimizer steps, so the micro-batches of one step (gradient accumulation) and the batches
 of one evaluation can compute with the codes the first forward rounded it to. `ReusedWeights` holds them, one entry
-per layer, for one epoch, which the Trainer integration advances at every step's start, before its optimizer step
-and at its end (a new epoch drops every entry); with no epoch (outside the Trainer) nothing is kept. This module
-knows nothing about quantization.
+per layer, for one epoch, which the Trainer integration advances at every step's start (`begin_step`), before its
+optimizer step and at its end (`end_step`); a new epoch drops every entry, and with no epoch (outside the Trainer)
+nothing is kept. A step's last forward (``last_forward``) hands each entry over to the backward that reads it instead
+of keeping it: codes kept past it would add a byte per weight to the end of the backward, where a model with a
+large vocabulary peaks. This module knows nothing about quantization.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ class ReusedWeights:
     def __init__(self) -> None:
         self._epoch: int | None = None
         self._entries: dict[int, tuple[tuple[Any, ...], weakref.ref, tuple[torch.Tensor, ...]]] = {}
+        # True while the epoch's forward now running is its last (no later one would reuse the codes): `get` drops
+        # the entry it returns and `put` keeps nothing.
+        self.last_forward = False
+        self._forwards_left = 0
         self.reuses = 0  # forwards served from here so far (the cost meter skips their weight rotation)
 
     @property
@@ -35,20 +41,41 @@ class ReusedWeights:
             self._entries.clear()
         self._epoch = value
 
+    def begin_step(self, micro_batches: int) -> None:
+        """An optimizer step of ``micro_batches`` forward and backward passes begins: a new epoch, which its
+        micro-batches share and whose last forward hands the codes over to its backward."""
+        self.epoch = (self._epoch or 0) + 1
+        self._forwards_left = micro_batches
+        self.last_forward = micro_batches <= 1
+
+    def end_micro_batch(self) -> None:
+        """A micro-batch of the step is done (not its last)."""
+        self._forwards_left -= 1
+        self.last_forward = self._forwards_left <= 1
+
+    def end_step(self) -> None:
+        """The step's micro-batches are done, or its optimizer step has changed the weights: a new epoch, whose
+        forwards (an evaluation's) share the codes."""
+        self.epoch = (self._epoch or 0) + 1
+        self.last_forward = False
+
     def get(self, layer: Any, key: tuple[Any, ...]) -> tuple[torch.Tensor, ...] | None:
         """The codes ``layer`` kept under ``key`` in this epoch; a stale entry is dropped (before the layer quantizes
-        its weight anew, so the two copies never coexist)."""
+        its weight anew, so the two copies never coexist), and so is the one the last forward takes."""
         entry = self._entries.get(id(layer))
         if entry is None:
             return None
-        if entry[0] != key or entry[1]() is not layer.weight:
+        current = entry[0] == key and entry[1]() is layer.weight
+        if not current or self.last_forward:
             del self._entries[id(layer)]
+        if not current:
             return None
         self.reuses += 1
         return entry[2]
 
     def put(self, layer: Any, key: tuple[Any, ...], codes: tuple[torch.Tensor, ...]) -> None:
-        self._entries[id(layer)] = (key, weakref.ref(layer.weight), codes)
+        if not self.last_forward:
+            self._entries[id(layer)] = (key, weakref.ref(layer.weight), codes)
 
     def drop(self, layer: Any) -> None:
         self._entries.pop(id(layer), None)
