@@ -609,6 +609,41 @@ def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kin
     scratch.release()
 
 
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_weight_codes_reused_in_an_epoch_are_rebuilt_into_the_reused_buffer(kind, monkeypatch):
+    """A float forward that makes or reuses a weight's codes within an epoch (`hf_cpt.nn.reused_weights`) forms the
+    weight it multiplies by in the weight's reused buffer, as a forward without an epoch does: the same gradients
+    bit for bit as with fresh tensors, and no weight-sized float allocated per forward."""
+    from hf_cpt.numerics import fake_quant, scratch
+
+    torch.manual_seed(0)
+    model, x = _two_layers(kind)
+    quantize_model(model, CPTConfig(integer_matmul=False, include_modules=["0", "2"]))
+    set_precision(model, 6, 8)
+    reused = model[0].cpt_precision.reused_weights
+    taken = []
+
+    def gradients():
+        reused.epoch = 0  # a new epoch: the first micro-batch makes the codes, the second reuses them
+        grads = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            source = x.clone().requires_grad_()
+            torch.manual_seed(1)
+            model(source).square().sum().backward()
+            grads += [source.grad] + [p.grad for p in model.parameters()]
+        reused.epoch = None
+        return grads
+
+    monkeypatch.setattr(fake_quant, "take", lambda role, *args: taken.append(role) or scratch.take(role, *args))
+    with_buffers = gradients()
+    assert reused.reuses == 2  # each layer's second forward
+    assert taken.count("weight") == 2 * 2 * 2  # each layer's weight: made or rebuilt in forward, rebuilt in backward
+    monkeypatch.setattr(fake_quant, "take", lambda role, shape, dtype: torch.empty(shape, dtype=dtype))
+    assert all(torch.equal(a, b) for a, b in zip(with_buffers, gradients()))
+    scratch.release()
+
+
 def test_the_error_buffer_is_handed_back_when_each_backward_ends(monkeypatch):
     """The first quantized error of a backward pass queues the hand-back of the reused error buffer's pages beyond
     its own size, which runs once the whole pass is done (a CNN's largest error comes last;

@@ -252,10 +252,13 @@ class QuantLayerMixin:
             rotation = self.rotation if self.quantizes_inputs else None
             reuse_key = None if frozen is not None else self._weight_reuse_key(bits, training_products)
             reused = None if reuse_key is None else precision.reused_weights.get(self, reuse_key)
+            if reused is None and precision.reused_weights.last_forward:
+                reuse_key = None  # no later forward would reuse codes made here: the usual path
             if frozen is not None:
                 weight = frozen  # the loaded codes, already in the rotated basis
             elif reused is not None:  # quantized earlier in this optimizer step (or this evaluation)
-                weight_quantized = (None if integer else restore_compact(*reused, weight.dtype), reused)
+                # (its values read by the product alone: a reused buffer, as `quantized_operand` forms them)
+                weight_quantized = (None if integer else restore_compact(*reused, weight.dtype, "weight"), reused)
                 weight_rotation = rotation if training_products else None
             elif rotation is not None and training_products:
                 rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim, **WEIGHT_ROTATION_BUFFERS)
@@ -268,7 +271,7 @@ class QuantLayerMixin:
             if reuse_key is not None and reused is None:
                 operand = rotated_weight if rotated_weight is not None else weight.detach()
                 weight_quantized = ((None, quantize_compact(operand, *weight_range, bits)) if integer  # codes only
-                                    else fake_quantize_compact(operand, *weight_range, bits))
+                                    else fake_quantize_compact(operand, *weight_range, bits, "weight"))
                 precision.reused_weights.put(self, reuse_key, weight_quantized[1])
             if self.quantizes_inputs:
                 x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products, integer)
