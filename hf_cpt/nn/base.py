@@ -252,12 +252,9 @@ class QuantLayerMixin:
             rotation = self.rotation if self.quantizes_inputs else None
             reuse_key = None if frozen is not None else self._weight_reuse_key(bits, training_products)
             reused = None if reuse_key is None else precision.reused_weights.get(self, reuse_key)
-            if reused is None and precision.reused_weights.last_forward:
-                reuse_key = None  # no later forward would reuse codes made here: the usual path
             if frozen is not None:
                 weight = frozen  # the loaded codes, already in the rotated basis
             elif reused is not None:  # quantized earlier in this optimizer step (or this evaluation)
-                # (its values read by the product alone: a reused buffer, as `quantized_operand` forms them)
                 weight_quantized = (None if integer else restore_compact(*reused, weight.dtype, "weight"), reused)
                 weight_rotation = rotation if training_products else None
             elif rotation is not None and training_products:

@@ -25,7 +25,7 @@ class ReusedWeights:
         self._epoch: int | None = None
         self._entries: dict[int, tuple[tuple[Any, ...], weakref.ref, tuple[torch.Tensor, ...]]] = {}
         # True while the epoch's forward now running is its last (no later one would reuse the codes): `get` drops
-        # the entry it returns, and a layer that finds none quantizes its weight as it would with no epoch.
+        # the entry it returns and `put` keeps nothing.
         self.last_forward = False
         self._forwards_left = 0
         self.reuses = 0  # forwards served from here so far (the cost meter skips their weight rotation)
@@ -74,8 +74,9 @@ class ReusedWeights:
         return entry[2]
 
     def put(self, layer: Any, key: tuple[Any, ...], codes: tuple[torch.Tensor, ...]) -> None:
-        """Keep ``layer``'s codes for the epoch's later forwards (the caller puts none in its last)."""
-        self._entries[id(layer)] = (key, weakref.ref(layer.weight), codes)
+        """Keep ``layer``'s codes for the epoch's later forwards (none in its last)."""
+        if not self.last_forward:
+            self._entries[id(layer)] = (key, weakref.ref(layer.weight), codes)
 
     def drop(self, layer: Any) -> None:
         self._entries.pop(id(layer), None)
