@@ -16,6 +16,11 @@ import argparse
 import os
 import sys
 
+import torch
+
+from hf_cpt.convert import find_precision_state, is_quantized
+from hf_cpt.numerics.integer_matmul import integer_matmul_supported
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -38,23 +43,29 @@ def reset_peak() -> None:
 def phase_peaks(model, batch: dict, steps: int = STEPS) -> dict[str, float]:
     """Peak resident MiB of each phase of a training step (forward, backward, AdamW step), the highest over
     ``steps`` steps after a first one."""
-    import torch
-
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # a CPT model's weight epoch advances as under the Trainer (`overhead.training_step`)
+    reused = find_precision_state(model).reused_weights if is_quantized(model) else None
     peaks = dict.fromkeys(PHASES, 0.0)
     for step in range(steps + 1):
         figures = []
+        if reused is not None:
+            reused.begin_step(1)
         reset_peak()
         loss = model(**batch)["loss"]
         figures.append(overhead.vm_hwm_mib())
         reset_peak()
         loss.backward()
         figures.append(overhead.vm_hwm_mib())
+        if reused is not None:
+            reused.end_step()
         reset_peak()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         figures.append(overhead.vm_hwm_mib())
+        if reused is not None:
+            reused.end_step()
         if step:
             peaks = {phase: max(peaks[phase], figure) for phase, figure in zip(PHASES, figures)}
     return peaks
@@ -78,7 +89,8 @@ def main() -> None:
         sys.exit("bench/peak_phases.py needs Linux's /proc/self/clear_refs to reset the peak between phases.")
     results = load_results(args.output)
     results.setdefault("rows", [])
-    results.update(command="python bench/peak_phases.py", steps=STEPS)
+    results.update(command="python bench/peak_phases.py", steps=STEPS, torch=torch.__version__,
+                   integer_products=integer_matmul_supported())
     done = {row["key"] for row in results["rows"]}
     for key in args.cases:
         if key in done:

@@ -181,7 +181,10 @@ def kept_memory_section(kept: dict) -> list[str]:
 def peak_phases_section(phases: dict) -> list[str]:
     """docs/benchmarks.md's table of where in a training step the peak memory falls, from `bench/peak_phases.py`'s
     JSON: each phase's peak, the step's highest in bold."""
-    lines = [f"`{phases['command']}` (peak resident MiB of each phase of a training step, the highest over "
+    products = {True: "products on integer codes (this CPU has int8 dot products); ",
+                False: "float products (no int8 dot products on this CPU); "}.get(phases.get("integer_products"), "")
+    machine = f"torch {phases['torch']}, {products}" if "torch" in phases else ""
+    lines = [f"`{phases['command']}` ({machine}peak resident MiB of each phase of a training step, the highest over "
              f"{phases['steps']} steps after a first one; a fresh process per side and allocator; reused buffers: "
              "the MiB the quantized layers' reused buffers map, resident in every phase but the error's, whose "
              "pages beyond the pass's first error go back after each backward):", "",

@@ -836,6 +836,26 @@ def test_weight_codes_are_reused_within_an_epoch_with_the_same_values(make_layer
     assert sum(rotated_weights) == 2 and layer.cpt_precision.reused_weights.reuses == 3
 
 
+def test_a_steps_last_forward_takes_the_weight_codes_over_and_keeps_none():
+    plain, reusing, x = _reuse_pair(lambda: nn.Linear(12, 7), lambda: torch.randn(5, 3, 12))
+    reused = reusing[0].cpt_precision.reused_weights
+    reused.begin_step(3)
+    for left in (3, 2, 1):  # the first two micro-batches keep the codes, the last one hands them to its backward
+        expected, got = _forward_backward(plain, x), _forward_backward(reusing, x)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        assert len(reused._entries) == (1 if left > 1 else 0) and reused.last_forward == (left == 1)
+        if left > 1:
+            reused.end_micro_batch()
+    assert reused.reuses == 2
+    reused.end_step()  # before the optimizer step, and after it (an evaluation's forwards share codes again)
+    assert not reused.last_forward
+    reused.begin_step(1)  # a step of one micro-batch keeps nothing
+    _forward_backward(reusing, x)
+    assert not reused._entries and reused.reuses == 2
+    reused.epoch = None  # the end of training: a later epoch set by hand keeps codes again
+    assert not reused.last_forward
+
+
 def test_reused_weight_codes_follow_the_weight_the_bits_and_the_epoch():
     plain, reusing, x = _reuse_pair(lambda: nn.Linear(12, 7), lambda: torch.randn(5, 3, 12))
     precision = reusing[0].cpt_precision

@@ -39,6 +39,7 @@ class ReusedWeights:
     def epoch(self, value: int | None) -> None:
         if value != self._epoch:
             self._entries.clear()
+            self.last_forward = False  # until `begin_step` says how many forwards the new epoch has
         self._epoch = value
 
     def begin_step(self, micro_batches: int) -> None:
@@ -57,7 +58,6 @@ class ReusedWeights:
         """The step's micro-batches are done, or its optimizer step has changed the weights: a new epoch, whose
         forwards (an evaluation's) share the codes."""
         self.epoch = (self._epoch or 0) + 1
-        self.last_forward = False
 
     def get(self, layer: Any, key: tuple[Any, ...]) -> tuple[torch.Tensor, ...] | None:
         """The codes ``layer`` kept under ``key`` in this epoch; a stale entry is dropped (before the layer quantizes
