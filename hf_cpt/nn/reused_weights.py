@@ -24,10 +24,7 @@ class ReusedWeights:
     def __init__(self) -> None:
         self._epoch: int | None = None
         self._entries: dict[int, tuple[tuple[Any, ...], weakref.ref, tuple[torch.Tensor, ...]]] = {}
-        # True while the epoch's forward now running is its last (no later one would reuse the codes): `get` drops
-        # the entry it returns and `put` keeps nothing.
-        self.last_forward = False
-        self._forwards_left = 0
+        self._forwards_left = 0  # forwards still to run in this epoch's optimizer step (0: not in a step)
         self.reuses = 0  # forwards served from here so far (the cost meter skips their weight rotation)
 
     @property
@@ -39,7 +36,7 @@ class ReusedWeights:
     def epoch(self, value: int | None) -> None:
         if value != self._epoch:
             self._entries.clear()
-            self.last_forward = False  # until `begin_step` says how many forwards the new epoch has
+            self._forwards_left = 0  # until `begin_step` says how many forwards the new epoch has
         self._epoch = value
 
     def begin_step(self, micro_batches: int) -> None:
@@ -47,12 +44,16 @@ class ReusedWeights:
         micro-batches share and whose last forward hands the codes over to its backward."""
         self.epoch = (self._epoch or 0) + 1
         self._forwards_left = micro_batches
-        self.last_forward = micro_batches <= 1
 
     def end_micro_batch(self) -> None:
         """A micro-batch of the step is done (not its last)."""
         self._forwards_left -= 1
-        self.last_forward = self._forwards_left <= 1
+
+    @property
+    def last_forward(self) -> bool:
+        """Whether the forward now running is its step's last (no later one would reuse the codes): `get` drops the
+        entry it returns and `put` keeps nothing."""
+        return self._forwards_left == 1
 
     def end_step(self) -> None:
         """The step's micro-batches are done, or its optimizer step has changed the weights: a new epoch, whose
