@@ -46,7 +46,7 @@ from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.nn import dropout_masks, products
 from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.nn.relu_masks import kept_output_of
-from hf_cpt.numerics import code_kernels, native, rotation
+from hf_cpt.numerics import code_kernels, native, rotation, scratch
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported
 
@@ -552,6 +552,20 @@ def with_kept_activation_inputs(step: Step) -> Step:
     return run
 
 
+def with_resident_buffers(step: Step) -> Step:
+    """``step`` with the quantized layers' reused buffers kept resident between passes (`scratch.hand_back`
+    declining), as where the kernel has no transparent huge pages."""
+    def run():
+        original = scratch.hand_back
+        scratch.hand_back = lambda: None
+        try:
+            step()
+        finally:
+            scratch.hand_back = original
+
+    return run
+
+
 def _with_one_thread(step: Step) -> Step:
     """``step`` with every C kernel on one thread of its own (``HF_CPT_NATIVE_THREADS=1``), not torch's OpenMP team."""
     def run():
@@ -569,14 +583,15 @@ def _with_one_thread(step: Step) -> Step:
 
 
 def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_products: bool = False,
-             compare_native: bool = False, compare_threads: bool = False, compare_recompute: bool = False
-             ) -> dict[str, float]:
+             compare_native: bool = False, compare_threads: bool = False, compare_recompute: bool = False,
+             compare_resident: bool = False) -> dict[str, float]:
     """Medians of interleaved repeats of the plain and the quantized step; with ``compare_kernels`` also the
     quantized step with the ``torch.compile`` error kernel instead of the C one, with ``compare_products`` the
     quantized step with float products instead of products on integer codes, and with ``compare_native`` the
     quantized step with torch formulas instead of the other C kernels, with ``compare_threads`` the quantized step
     with the C kernels on one thread each, with ``compare_recompute`` the quantized step with activations keeping
-    what autograd's keep, interleaved with the others."""
+    what autograd's keep, with ``compare_resident`` the quantized step with its reused buffers kept resident,
+    interleaved with the others."""
     start = time.perf_counter()
     case.quantized()  # first call: builds the fused error kernels
     warmup = time.perf_counter() - start
@@ -591,6 +606,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         arms["one_thread"] = _with_one_thread(case.quantized)
     if compare_recompute:
         arms["kept_inputs"] = with_kept_activation_inputs(case.quantized)
+    if compare_resident:
+        arms["resident"] = with_resident_buffers(case.quantized)
     for step in arms.values():
         step()
     samples: dict[str, list[float]] = {name: [] for name in arms}
@@ -618,6 +635,8 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         result["one_thread_ratio"] = statistics.median(samples["one_thread"]) * 1e3 / plain_ms
     if compare_recompute:
         result["kept_inputs_ratio"] = statistics.median(samples["kept_inputs"]) * 1e3 / plain_ms
+    if compare_resident:
+        result["resident_ratio"] = statistics.median(samples["resident"]) * 1e3 / plain_ms
     return result
 
 
@@ -653,6 +672,9 @@ def main() -> None:
                         help="also time the model steps, and measure their memory, with activations and dropouts "
                         "keeping what autograd's keep (recompute_activation_inputs=False, relu_masks=False, "
                         "dropout_masks=False)")
+    parser.add_argument("--compare-resident", action="store_true",
+                        help="also time each quantized case with its reused buffers kept resident between passes "
+                        "instead of handed back (interleaved with the others)")
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
                         "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
@@ -788,7 +810,8 @@ def main() -> None:
                           args.compare_products and integer_products and case.target is not None,
                           args.compare_native and case.target is not None,
                           args.compare_threads and case.target is not None,
-                          args.compare_recompute and key in memory_kinds)
+                          args.compare_recompute and key in memory_kinds,
+                          args.compare_resident and case.target is not None)
         rows.append({"key": key, "case": case.name, "target": case.target, **result})
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
@@ -808,6 +831,8 @@ def main() -> None:
         if "kept_inputs_ratio" in result:
             print(f"{'  same, activations and dropouts keep their own':<44}{'':>10}{'':>10}"
                   f"{result['kept_inputs_ratio']:>8.3f}")
+        if "resident_ratio" in result:
+            print(f"{'  same, reused buffers kept resident':<44}{'':>10}{'':>10}{result['resident_ratio']:>8.3f}")
         memory_target = case.memory_target
         del case  # its models and optimizer states: the fresh processes below need the memory
         _release_freed_memory()

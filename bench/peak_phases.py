@@ -19,6 +19,7 @@ import sys
 import torch
 
 from hf_cpt.convert import find_precision_state, is_quantized
+from hf_cpt.numerics import scratch
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,7 +91,7 @@ def main() -> None:
     results = load_results(args.output)
     results.setdefault("rows", [])
     results.update(command="python bench/peak_phases.py", steps=STEPS, torch=torch.__version__,
-                   integer_products=integer_matmul_supported())
+                   integer_products=integer_matmul_supported(), huge_pages=scratch.huge_pages())
     done = {row["key"] for row in results["rows"]}
     for key in args.cases:
         if key in done:

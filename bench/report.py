@@ -184,10 +184,17 @@ def peak_phases_section(phases: dict) -> list[str]:
     products = {True: "products on integer codes (this CPU has int8 dot products); ",
                 False: "float products (no int8 dot products on this CPU); "}.get(phases.get("integer_products"), "")
     machine = f"torch {phases['torch']}, {products}" if "torch" in phases else ""
+    if phases.get("huge_pages"):
+        resident = ("resident until the last quantized layer of each backward is done, then handed back (transparent "
+                    "huge pages serve them) until the next forward writes them again")
+    elif "huge_pages" in phases:
+        resident = "resident throughout (no transparent huge pages on this machine, so none are handed back)"
+    else:  # runs before 2026-11-28
+        resident = "resident in every phase but the error's, whose pages beyond the pass's first error go back after "
+        resident += "each backward"
     lines = [f"`{phases['command']}` ({machine}peak resident MiB of each phase of a training step, the highest over "
              f"{phases['steps']} steps after a first one; a fresh process per side and allocator; reused buffers: "
-             "the MiB the quantized layers' reused buffers map, resident in every phase but the error's, whose "
-             "pages beyond the pass's first error go back after each backward):", "",
+             f"the MiB the quantized layers' reused buffers map, {resident}):", "",
              "| case | allocator | side | forward | backward | optimizer step | CPT / plain, step peak "
              "| reused buffers |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
@@ -200,6 +207,22 @@ def peak_phases_section(phases: dict) -> list[str]:
                 last = [f"{ratio:.3f}", f"{row['reused_buffers_mib']:.0f}" if "reused_buffers_mib" in row else "-"]
                 cells += last if side == "quant" else ["", ""]
                 lines.append(f"| {row['key']} | {allocator} | {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def hand_back_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of what handing the reused buffers back after each backward costs in time, from a
+    run of `bench/overhead.py --compare-resident`."""
+    products = "products on integer codes" if results.get("integer_products") else "float products"
+    lines = [f"`{results['command']}` (torch {results['torch']}, {results['threads']} threads, {products}, medians of "
+             f"{results['repeats']} interleaved repeats; load average {results['load_average'][0]:.1f} at the start, "
+             f"{results['load_average'][1]:.1f} at the end):", "",
+             "| case | plain ms | CPT 8/8 ms, buffers handed back | ratio | CPT 8/8, buffers kept resident: ratio |",
+             "|---|---:|---:|---:|---:|"]
+    for row in results["rows"]:
+        if "resident_ratio" in row:
+            lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} | "
+                         f"{row['resident_ratio']:.3f} |")
     return lines
 
 
@@ -398,6 +421,9 @@ def main() -> None:
     phases = results_page.load(args.results, "peak_phases.json")
     if phases:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "peak-phases", peak_phases_section(phases))
+    hand_back = results_page.load(args.results, "hand_back.json")
+    if hand_back:
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "hand-back", hand_back_section(hand_back))
     counts = results_page.load(args.results, "op_counts.json")
     if counts:
         replace_block(args.readme, "op-counts", op_counts_summary(counts))

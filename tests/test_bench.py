@@ -358,8 +358,8 @@ def test_overhead_benchmark_resumes_the_cases_it_wrote(tmp_path):
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1", "--no-startup",
-               "--compare-kernels", "--compare-products", "--compare-native", "--compare-threads", "--output",
-               str(output)]
+               "--compare-kernels", "--compare-products", "--compare-native", "--compare-threads",
+               "--compare-resident", "--output", str(output)]
     run_python(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     overhead = json.loads(output.read_text())
     (row,) = overhead["rows"]
@@ -367,6 +367,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert row["compiled_kernel_ratio"] > 0 and overhead["compare_kernels"] is True
     assert row["torch_formula_ratio"] > 0  # the C kernels for codes and rotations off, timed beside the others
     assert row["one_thread_ratio"] > 0  # the C kernels on one thread each, not torch's OpenMP team
+    assert row["resident_ratio"] > 0  # the reused buffers kept resident between passes
     assert overhead["startup"] == {}
     # the float-product arm runs where the CPU computes products on codes (for a Conv2d it times the same step)
     assert ("float_product_ratio" in row) == overhead["integer_products"]
@@ -374,6 +375,9 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
+    hand_back = report.hand_back_section(overhead)
+    assert hand_back[-1] == (f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} | "
+                             f"{row['resident_ratio']:.3f} |")
     # The renderer judges each figure against its own target: a memory ratio above its case's target, a first
     # step within its target and an import above it (figures chosen here to exercise each branch).
     row.update(memory_ratio_kept_inputs=0.97, kept_inputs_saved_mib=36.0, memory_ratio_kept_inputs_default=0.99)
@@ -763,8 +767,9 @@ def test_peak_phases_reset_the_peak_between_phases_and_the_report_marks_the_step
     plain = {"forward": 100.0, "backward": 150.0, "optimizer step": 120.0}
     quant = {"forward": 90.0, "backward": 110.0, "optimizer step": 135.0}
     lines = _load_report().peak_phases_section(
-        {"command": "python bench/peak_phases.py", "steps": 5,
+        {"command": "python bench/peak_phases.py", "steps": 5, "huge_pages": True,
          "rows": [{"key": "bert", "peaks": {"default glibc": {"plain": plain, "quant": quant}},
                    "reused_buffers_mib": 66.4}]})
+    assert "resident until the last quantized layer of each backward is done, then handed back" in lines[0]
     assert lines[-2] == "| bert | default glibc | plain | 100 | **150** | 120 |  |  |"
     assert lines[-1] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 | 66 |"

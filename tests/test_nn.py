@@ -644,29 +644,33 @@ def test_weight_codes_reused_in_an_epoch_are_rebuilt_into_the_reused_buffer(kind
     scratch.release()
 
 
-def test_the_error_buffer_is_handed_back_when_each_backward_ends(monkeypatch):
-    """The first quantized error of a backward pass queues the hand-back of the reused error buffer's pages beyond
-    its own size, which runs once the whole pass is done (a CNN's largest error comes last;
-    `scratch.hand_back_later`): once per pass."""
+def test_reused_buffers_are_handed_back_once_no_quantized_product_awaits_its_backward(monkeypatch):
+    """The reused buffers' pages go back to the system once per backward pass, as soon as its last quantized layer's
+    backward has run (`scratch.hand_back`): before the layers in full precision under them (GPT-2's embeddings), and
+    after every graph alive, so two forwards summed into one loss hand them back once. A graph freed without a
+    backward does not hold the next one's hand-back back."""
     from hf_cpt.numerics import scratch
 
     torch.manual_seed(0)
-    model, x = _two_layers("conv2d")
-    quantize_model(model, CPTConfig(include_modules=["0", "2"]))
+    quantized, x = _two_layers("linear")
+    model = nn.Sequential(nn.Linear(256, 256), quantized)  # a full-precision layer first: its backward comes last
+    quantize_model(model, CPTConfig(include_modules=["1.0", "1.2"]))
     set_precision(model, 6, 8)
     events = []
-    later = scratch.hand_back_later
-
-    def recording(role, keep_bytes):
-        events.append(("queued", role, keep_bytes))
-        hand_back = later(role, keep_bytes)
-        return lambda: events.append(("handed back", role)) or hand_back()
-
-    monkeypatch.setattr(scratch, "hand_back_later", recording)
-    for _ in range(2):
-        model(x.clone().requires_grad_()).square().sum().backward()
-    last_error = 4 * 16 * 32 * 32 * 4  # the second conv's output, float32: the pass's first error
-    assert events == [("queued", "error", last_error), ("handed back", "error")] * 2
+    hand_back = scratch.hand_back
+    monkeypatch.setattr(scratch, "hand_back", lambda: events.append("handed back") or hand_back())
+    model[0].weight.register_hook(lambda grad: events.append("full-precision layer's gradient"))
+    model(x).sum()  # a graph freed unrun
+    model(x).square().sum().backward()
+    assert events == ["handed back", "full-precision layer's gradient"]
+    events.clear()
+    (model(x).square().sum() + model(x + 1).sum()).backward()  # two micro-batches' graphs in one pass
+    assert events == ["handed back", "full-precision layer's gradient"]
+    with torch.no_grad():
+        model(x)  # no graph: nothing awaits a backward
+    events.clear()
+    model(x).sum().backward()
+    assert events == ["handed back", "full-precision layer's gradient"]
     scratch.release()
 
 

@@ -9,7 +9,7 @@ are quantized by their own node.
 
 from __future__ import annotations
 
-import threading
+import weakref
 
 import torch
 
@@ -118,6 +118,8 @@ class QuantizedProducts(torch.autograd.Function):
     def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
                 rotated_weight, weight_rotation, x_quantized, weight_quantized=None, integer=False):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        if x.device.type == "cpu" and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
+            _awaiting_backward.add(ctx)
         keep_x = keeps_input(layer, needs_x, needs_weight)
         ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
         ctx.grad_bits = grad_bits  # never modified (`PrecisionState.error_bits`): the bits of this forward
@@ -169,8 +171,6 @@ class QuantizedProducts(torch.autograd.Function):
         input_error = weight_error = error
         if ctx.grad_bits is not None:
             quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error")
-            if error.device.type == "cpu" and not torch.compiler.is_compiling():  # traced code takes no buffer
-                _hand_back_errors_when_the_backward_ends(error)
             input_error = quantized if errors.quantizes_input_gradient else error
             weight_error = quantized if errors.quantizes_weight_gradient else error
         compute_dtype = error.dtype
@@ -189,26 +189,25 @@ class QuantizedProducts(torch.autograd.Function):
         if bias_dtype is not None and ctx.needs_input_grad[6]:
             feature_dim = layer.output_feature_dim % weight_error.dim()
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
+        _backward_ran(ctx)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
                 None, None)
 
 
-_passes = threading.local()  # the backward pass (graph task) that has queued its hand-back on this thread
+# The nodes of quantized products made on CPU whose backward has not run yet; a graph freed unrun leaves by itself.
+_awaiting_backward: weakref.WeakSet = weakref.WeakSet()
 
 
-def _hand_back_errors_when_the_backward_ends(error: torch.Tensor) -> None:
-    """Once per backward pass (at its first quantized error, ``error``): hand the reused error buffer's pages back
-    when the pass ends, all but those that first error takes (`scratch.hand_back_later`). The buffer grows to the
-    largest error, in a CNN the first layers', which the backward reaches last, when most activations are freed
-    already; kept resident, it would add that size to the next forward's peak. The first error of the next pass
-    fills the pages kept, at the peak anyway; the rest are faulted in again later in that pass (docs/method.md §2,
-    "Reused buffers")."""
-    task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
-    if task < 0 or getattr(_passes, "task", None) == task:  # outside an engine's pass, or queued already
-        return
-    torch.autograd.Variable._execution_engine.queue_callback(
-        scratch.hand_back_later("error", error.numel() * error.element_size()))
-    _passes.task = task
+def _backward_ran(ctx) -> None:
+    """After a quantized product's backward: once no product made on this CPU awaits its backward, the pass has
+    reached its last quantized layer, and the reused buffers' pages go back to the system (`scratch.hand_back`).
+    What the backward does after it (an embedding's gradient, the largest of GPT-2's, comes last) and the optimizer
+    step then run without them resident; the next forward faults them in again (docs/method.md §2, "Reused
+    buffers")."""
+    if ctx in _awaiting_backward:
+        _awaiting_backward.discard(ctx)
+        if not _awaiting_backward:
+            scratch.hand_back()
 
 
 def _gradients(

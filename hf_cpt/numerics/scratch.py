@@ -12,20 +12,20 @@ runs one product at a time.
 
 A buffer serves one use at a time: whoever takes one reads it before the next ``take`` of the same role and never
 returns it or keeps it. Per thread (autograd runs one backward per device thread); CPU only (an accelerator's
-caching allocator hands out reserved memory without faults). The buffers stay until `release` (the Trainer
-integration calls it when training ends): freeing them after every backward pass and mapping them anew made a
-CIFAR ResNet-20 step 6-10% slower (two runs); `hand_back_later` hands some of one role's pages back instead,
-keeping its mapping (the layers do so for the error, which only the backward takes). They hold the largest input,
-weight, rotated weight and error of the quantized layers (what each bench model's hold: docs/benchmarks.md,
-peak-phases table). This module knows nothing about quantization.
+caching allocator hands out reserved memory without faults). The mappings stay until `release` (the Trainer
+integration calls it when training ends); between passes `hand_back` returns their pages to the system where
+transparent huge pages back them, so that a fault maps 2 MiB and writing them again costs little more than writing
+resident pages. They hold the largest input, weight, rotated weight and error of the quantized layers (what each
+bench model's hold: docs/benchmarks.md, peak-phases table). This module knows nothing about quantization.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import threading
-from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -55,24 +55,36 @@ def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
     # Private where the platform has the flag: a forked child (a DataLoader worker) must not share the pages.
     private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
     mapping = mmap.mmap(-1, size, **private)
+    if huge_pages():
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without them
+            pass
     return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
 
 
-def hand_back_later(role: str, keep_bytes: int = 0) -> Callable[[], None]:
-    """A function that hands the pages of the calling thread's buffers for ``role`` back to the system, all but the
-    first ``keep_bytes``, whichever thread calls it: the buffers stay (the same memory, read as zeros until written
-    again), those pages leave the resident set until a `take` writes them again. For a role that is largest where
-    memory is low (a CNN's first-layer errors, last in the backward) and would otherwise stay resident through the
-    next forward's peak."""
-    state = _local.__dict__
-    start = -(-keep_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # page-aligned
+@functools.cache
+def huge_pages() -> bool:
+    """Whether the kernel backs a mapping with transparent huge pages when asked to (Linux with THP set to "always"
+    or "madvise")."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
 
-    def hand_back() -> None:
-        for (kind, _), mapping in list(state.get("mappings", {}).items()):
-            if kind == role and start < len(mapping) and hasattr(mmap, "MADV_DONTNEED"):
-                mapping.madvise(mmap.MADV_DONTNEED, start, len(mapping) - start)
 
-    return hand_back
+def hand_back() -> None:
+    """Hand the pages of the calling thread's buffers back to the system, where huge pages back them: the buffers
+    stay (the same memory, read as zeros until written again), their pages leave the resident set until a `take`
+    writes them again. For buffers idle until the next pass (a backward past its last quantized layer, then the
+    optimizer step). Without huge pages, nothing: writing them again 4 KiB fault by fault made a single layer's
+    training step 10-20% slower (docs/method.md §2, "Reused buffers")."""
+    if not huge_pages():
+        return
+    for mapping in _local.__dict__.get("mappings", {}).values():
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def held_bytes() -> int:
