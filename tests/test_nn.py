@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
@@ -670,6 +671,11 @@ def test_reused_buffers_are_handed_back_once_no_quantized_product_awaits_its_bac
         model(x)  # no graph: nothing awaits a backward
     events.clear()
     model(x).sum().backward()
+    assert events == ["handed back", "full-precision layer's gradient"]
+    # Activation checkpointing (transformers' default, non-reentrant): the products recomputed in the backward
+    # leave with their graph, and the pass still hands back once, after its last quantized layer.
+    events.clear()
+    checkpoint(model[1], model[0](x), use_reentrant=False).sum().backward()
     assert events == ["handed back", "full-precision layer's gradient"]
     scratch.release()
 
