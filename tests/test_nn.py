@@ -572,9 +572,9 @@ def _two_layers(kind: str) -> tuple[nn.Module, torch.Tensor]:
                                                  ("conv1d", "auto", False), ("linear", "auto", True),
                                                  ("conv1d", "auto", True)])
 def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kind, scheme, integer, monkeypatch):
-    """The backward's rebuilt operands and quantized error (and a float forward's operands, a rotated weight with
-    its intermediates, and a product on codes' rotated input) go into reused buffers (`hf_cpt.numerics.scratch`): the
-    same gradients bit for bit as with a fresh tensor each time, and no gradient handed to autograd lives in a
+    """The backward's rebuilt operands and quantized error (and a float forward's operands, a shared input's values,
+    a rotated weight with its intermediates, and a rotated input) go into reused buffers (`hf_cpt.numerics.scratch`):
+    the same gradients bit for bit as with a fresh tensor each time, and no gradient handed to autograd lives in a
     buffer. No rotation takes a buffer of its own beyond the rotated weight's: ``x R`` goes into the input's buffer,
     a Conv1D weight's intermediates into the weight's."""
     from hf_cpt.numerics import errors, fake_quant, rotation, scratch
@@ -599,7 +599,9 @@ def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kin
     # backward rebuilds the weight in)
     rotated = set() if kind == "conv2d" else {"rotated_weight"}
     expected = {"input", "error"} if kind == "conv2d" else {"input", "weight", "error"}
-    assert {role for role, _ in buffers} == expected | (rotated if scheme == "auto" else set())
+    # the second layer's input, a per-token one that sibling layers could share: its values for a float product
+    shared = {"shared_input"} if kind != "conv2d" and scheme != "paper" and not integer else set()
+    assert {role for role, _ in buffers} == expected | (rotated if scheme == "auto" else set()) | shared
     ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers.values()]
     assert not any(low <= g.data_ptr() < high for g in reused for low, high in ranges)
     fresh = lambda role, shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731
@@ -771,6 +773,36 @@ def test_one_leaf_input_trained_on_twice_is_not_shared_across_backward_passes():
     assert h.grad is not None
 
 
+def test_a_shared_inputs_values_written_over_before_a_sibling_reads_them_are_made_again():
+    """On the float-product path a shared input's fake-quantized values live in a reused buffer (per thread, not per
+    model): when another model's shared input writes over it between two siblings' forwards, or the buffers are
+    handed back, the next sibling makes the values again (the same bits) instead of reading the other input's."""
+    from hf_cpt.numerics import scratch
+
+    torch.manual_seed(0)
+    first, second = _Siblings(), _Siblings()
+    for model in (first, second):
+        quantize_model(model, CPTConfig(integer_matmul=False, fused_error_quantizer=False))
+        set_precision(model, 6, 8)
+        model.train()
+    source = torch.randn(4, 64, 384, requires_grad=True)  # large enough for the native kernels, which take buffers
+    h, other = source * 2, source * 3  # inputs made inside a model, as the layers see them
+    state = first.q.cpt_precision.shared_inputs
+    expected = first.k(h.clone())  # its own input: quantized by k alone
+    first.q(h)
+    second.q(other)  # the second model's shared input takes the same buffer
+    reuses = state.reuses
+    assert torch.equal(first.k(h), expected) and state.reuses == reuses  # made again, not read over
+    first.v(h)
+    assert state.reuses == reuses + 1  # nothing written over in between: v reads what k made
+    first.q(h)
+    scratch.hand_back()  # as after a backward
+    if scratch.huge_pages():
+        reuses = state.reuses
+        assert torch.equal(first.k(h), expected) and state.reuses == reuses
+    scratch.release()
+
+
 def test_a_llama_shares_its_attention_and_gated_mlp_inputs_and_trains_as_without_sharing():
     """Real sibling layers: q/k/v and gate/up of a Llama-style model. Two training steps with sharing give the
     losses of the same steps with every input computed per layer."""
@@ -788,7 +820,7 @@ def test_a_llama_shares_its_attention_and_gated_mlp_inputs_and_trains_as_without
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         state = model.model.layers[0].self_attn.q_proj.cpt_precision.shared_inputs
         if not share:
-            state.get = lambda x, key: None
+            state.get = lambda *args: None
         losses[share] = []
         for _ in range(2):
             torch.manual_seed(1)  # the same stochastic rounding of the errors

@@ -341,6 +341,25 @@ def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, tran
         scratch.release()
 
 
+@pytest.mark.parametrize("features,dim", [(768, -1), (1024, -1), (768, 0), (96, -1)])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_a_rotation_in_place_equals_the_fresh_one(features, dim, transpose):
+    """``in_place``: where the C kernel serves (the last axis, 16K values or more) the result is written over the
+    input, bit for bit the fresh rotation's, with a leading factor (768 = 12 x 64) or without (1024); elsewhere a
+    new tensor, the input untouched; a tensor that needs its gradient is refused."""
+    rotation = get_rotation(features)
+    shape = (features, 512) if dim == 0 else (300, features)
+    x = torch.randn(*shape) * torch.logspace(-3, 2, shape[-1])
+    expected, owned = rotation.apply(x, dim, transpose), x.clone()
+    result = rotation.apply(owned, dim, transpose, in_place=True)
+    assert torch.equal(result, expected)
+    native_served = dim == -1 and features != 96 and rotation_module._native_library() is not None
+    assert (result.data_ptr() == owned.data_ptr()) == native_served
+    assert torch.equal(owned, expected if native_served else x)
+    with pytest.raises(ValueError, match="x.detach"):
+        rotation.apply(x.requires_grad_(), dim, transpose, in_place=True)
+
+
 def test_a_stand_in_forms_no_values_and_has_the_rotation_gradient():
     """`Rotation.stand_in`: the shape and dtype of ``x R`` over one NaN element (a read by mistake shows), with the
     gradient `apply` gives, bit for bit; without a gradient to track, the same kind of tensor, no graph."""

@@ -14,6 +14,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..numerics import scratch
 from ..numerics.fake_quant import (
     channel_ranges,
     dequantize_codes,
@@ -29,8 +30,8 @@ from ..numerics.fake_quant import (
 from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PrecisionState
-from .products import INPUT_ROTATION_BUFFERS, WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input, quantized_operand
-from .shared_input import SharedInput
+from .products import SHARED_INPUT_BUFFER, WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input
+from .shared_input import quantized_input
 
 
 def input_features(layer: nn.Module) -> int:
@@ -333,19 +334,10 @@ class QuantLayerMixin:
         rotation_key = None if rotation is None else (rotation.features, self.cpt_rotation_seed)
         key = (self.input_feature_dim, x.dtype, rotation_key, id(bits), bits._version, precision.compact_codes,
                training, keep, integer)
-        entry = precision.shared_inputs.get(x, key)
+        entry = precision.shared_inputs.get(x, key, scratch.generation(SHARED_INPUT_BUFFER))
         if entry is None:
-            if rotation is not None and integer:  # only x R's range and codes are read (docs/method.md §3)
-                source = rotation.apply(x.detach(), self.input_feature_dim, **INPUT_ROTATION_BUFFERS)
-                rotated = rotation.stand_in(x, self.input_feature_dim)
-            else:
-                rotated = None if rotation is None else rotation.apply(x, self.input_feature_dim)
-                source = x if rotated is None else rotated
-            x_range = token_range(source, self.input_feature_dim)
-            with torch.no_grad():
-                quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only
-                             else quantized_operand(source.detach(), *x_range, bits, precision.compact_codes, keep))
-            precision.shared_inputs.put(x, key, entry := SharedInput(rotated, x_range, quantized))
+            entry = quantized_input(x, self.input_feature_dim, rotation, bits, precision.compact_codes, keep, integer)
+            precision.shared_inputs.put(x, key, entry)
         return (x if entry.rotated is None else entry.rotated), entry.x_range, entry.quantized
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,9 @@ NOT_SAVED = (None, None, None)
 # first axis) in the weight's, idle until ``W R`` is made.
 INPUT_ROTATION_BUFFERS = {"scratch": "input"}
 WEIGHT_ROTATION_BUFFERS = {"scratch": "rotated_weight", "between": "weight"}
+# The fake-quantized values of an input that sibling layers share (`hf_cpt.nn.shared_input`), read by each one's
+# float product: a buffer no single product takes, so that the values outlive the layers in between.
+SHARED_INPUT_BUFFER = "shared_input"
 
 # Autograd nodes whose backward keeps their own output (a ReLU keeps its result): a quantized layer fed that output
 # keeps a reference to it and quantizes it again in backward, instead of a second copy of it as codes.
@@ -237,7 +240,8 @@ def _weight_gradient(
         rotation = rotation.to(x.device, x.dtype)
     if x.numel() <= weight.numel():
         return layer.weight_gradient(error, rotation.apply(x, layer.input_feature_dim, transpose=True), weight)
-    return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True)
+    return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True,
+                          in_place=True)  # a fresh gradient: no second weight-sized tensor
 
 
 class QuantizedMatmul(torch.autograd.Function):

@@ -3,9 +3,9 @@ MLP's gate and up projections) rotate and quantize it once (docs/method.md §3, 
 
 With per-token ranges, what a layer does to its input depends on the input, the rotation (a function of the
 feature count and the seed), the bit-width and nothing of the layer itself. The first layer to see an input
-keeps its rotated copy, ranges and quantized value here; the next ones reuse them, so the same values feed
-every product (no recomputation that could round differently), the backward keeps one copy of the codes, and
-the input gradients of the siblings meet at the one rotated tensor and are rotated back once.
+keeps its rotated copy (in CPU training a stand-in), ranges and quantized value here; the next ones reuse them, so
+the same values feed every product (no recomputation that could round differently), the backward keeps one copy
+of the codes, and the input gradients of the siblings meet at the one rotated tensor and are rotated back once.
 
 One entry per model, replaced at every new input and dropped when the input is freed, so at most one input's
 rotated and quantized copies are held beyond their layers. This module knows nothing of the Trainer.
@@ -19,6 +19,11 @@ from typing import Any
 
 import torch
 
+from ..numerics.fake_quant import quantize_compact, token_range
+from ..numerics.rotation import Rotation
+from ..numerics.scratch import generation
+from .products import INPUT_ROTATION_BUFFERS, SHARED_INPUT_BUFFER, quantized_operand
+
 
 @dataclass
 class SharedInput:
@@ -30,6 +35,30 @@ class SharedInput:
     rotated: torch.Tensor | None
     x_range: tuple[torch.Tensor, torch.Tensor]
     quantized: tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]
+    # where the quantized value lives in a reused buffer: `hf_cpt.numerics.scratch.generation` of it when made
+    buffer_generation: int | None = None
+
+
+def quantized_input(x: torch.Tensor, dim: int, rotation: Rotation | None, bits: torch.Tensor, compact: bool,
+                    keep: bool, integer: bool) -> SharedInput:
+    """``x`` rotated over ``dim``, its per-token range and its quantized operand (codes alone for products on codes,
+    ``integer``; codes kept for the backward where ``keep``). In CPU training only ``x R``'s range and codes are
+    read (the product reads the values made from them), so ``x R`` goes into a reused buffer and the graph holds a
+    stand-in (docs/method.md §3); the fake-quantized values a float product reads go into a reused buffer of their
+    own, whose generation the entry records."""
+    buffered = keep and compact and not integer and x.device.type == "cpu"
+    if rotation is not None and (integer or buffered):
+        source = rotation.apply(x.detach(), dim, **INPUT_ROTATION_BUFFERS)
+        rotated = rotation.stand_in(x, dim)
+    else:
+        rotated = None if rotation is None else rotation.apply(x, dim)
+        source = x if rotated is None else rotated
+    x_range = token_range(source, dim)
+    with torch.no_grad():
+        quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only
+                     else quantized_operand(source.detach(), *x_range, bits, compact, keep,
+                                            SHARED_INPUT_BUFFER if buffered else None))
+    return SharedInput(rotated, x_range, quantized, generation(SHARED_INPUT_BUFFER) if buffered else None)
 
 
 class SharedInputs:
@@ -42,9 +71,13 @@ class SharedInputs:
         self._entry: SharedInput | None = None
         self.reuses = 0  # inputs served from here so far (the cost meter counts their rotation once)
 
-    def get(self, x: torch.Tensor, key: tuple[Any, ...]) -> SharedInput | None:
-        """The entry of ``x`` computed under ``key``, None when another input or setting is held."""
+    def get(self, x: torch.Tensor, key: tuple[Any, ...], buffer_generation: int | None = None) -> SharedInput | None:
+        """The entry of ``x`` computed under ``key``, None when another input or setting is held, or when its value
+        lives in a reused buffer written over since (``buffer_generation``: the buffer's generation now; made again,
+        the entry has the same values)."""
         if self._entry is None or self._source is None or self._source() is not x or self._key != (x._version, *key):
+            return None
+        if self._entry.buffer_generation not in (None, buffer_generation):
             return None
         self.reuses += 1
         return self._entry

@@ -156,18 +156,20 @@ class Rotation:
             tuple(f.to(device=device, dtype=dtype, copy=True) for f in self.factors), self.kinds))
 
     def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False, scratch: str | None = None,
-              between: str | None = None) -> torch.Tensor:
+              between: str | None = None, in_place: bool = False) -> torch.Tensor:
         """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable in ``x`` (the rotation is
         fixed: its backward is ``grad R^T`` and keeps nothing but the rotation). With ``scratch`` (a role of
         `hf_cpt.numerics.scratch`; no gradient through ``x``), a CPU result and its intermediates go into reused
         buffers: for a caller that reads the result and drops it before that role is taken again (the intermediates
-        in role ``between``, one idle until the rotation returns, else in ``"<scratch>:step"``)."""
+        in role ``between``, one idle until the rotation returns, else in ``"<scratch>:step"``). With ``in_place``
+        (no gradient through ``x``, a tensor the caller owns and drops), the C kernel writes the result over ``x``
+        where it serves, the same values: no second full-size tensor. The result is what is returned, either way."""
         self._check_features(x, dim)
         if torch.is_grad_enabled() and x.requires_grad:
-            if scratch is not None:
-                raise ValueError("a rotation into a reused buffer takes no gradient: pass x.detach()")
+            if scratch is not None or in_place:
+                raise ValueError("a rotation into a reused buffer or in place takes no gradient: pass x.detach()")
             return _Rotate.apply(x, dim, transpose, self.signs, self.kinds, *self.factors)
-        return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, scratch, between)
+        return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, scratch, between, in_place)
 
     def stand_in(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """What stands for ``x R`` in the graph of a product that reads only codes made from ``x R`` elsewhere
@@ -230,7 +232,7 @@ def _build_axis_steps(
 
 def _rotate(
     x: torch.Tensor, dim: int, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...],
-    kinds: tuple[str, ...], scratch: str | None = None, between: str | None = None,
+    kinds: tuple[str, ...], scratch: str | None = None, between: str | None = None, in_place: bool = False,
 ) -> torch.Tensor:
     """``x diag(s) (F_1 ⊗ F_2 ⊗ ...)`` along ``dim`` (its transpose with ``transpose=True``).
 
@@ -245,7 +247,7 @@ def _rotate(
     if scratch is not None and (x.device.type != "cpu" or torch.compiler.is_dynamo_compiling()):
         scratch = None
     if trailing == 1:
-        rotated = _rotate_native(x, transpose, signs, factors, kinds, scratch)
+        rotated = _rotate_native(x, transpose, signs, factors, kinds, scratch, in_place)
         if rotated is not None:
             return rotated
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
@@ -289,12 +291,13 @@ def _native_library():
 
 def _rotate_native(
     x: torch.Tensor, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...],
-    scratch: str | None = None,
+    scratch: str | None = None, in_place: bool = False,
 ) -> torch.Tensor | None:
     """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``: the signs, a fast Walsh-Hadamard
     transform of the Sylvester part, the leading factor; one row at a time, in cache), or None where it does not
     serve the call: not a contiguous float32 CPU tensor, traced by torch.compile, small, or a Sylvester part
-    under 16. (Along another axis the batched products measured faster than a column-tiled C kernel.)"""
+    under 16. (Along another axis the batched products measured faster than a column-tiled C kernel.) With
+    ``in_place`` the result is written over ``x`` (the kernel reads each row, or block, before writing it)."""
     if (not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or signs.dtype != torch.float32
             or any(f.dtype != torch.float32 for f in factors)):
         return None
@@ -304,7 +307,7 @@ def _rotate_native(
     power = features // lead_size
     if power % 16 or _native_library() is None:
         return None
-    out = torch.empty_like(x) if scratch is None else take(scratch, x.shape, x.dtype)
+    out = x if in_place else torch.empty_like(x) if scratch is None else take(scratch, x.shape, x.dtype)
     signs = signs.contiguous()
     threads = _native_library().hf_cpt_rotate(x.data_ptr(), out.data_ptr(), signs.data_ptr(),
                                                None if lead is None else lead.data_ptr(), lead_size, power,

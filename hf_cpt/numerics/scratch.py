@@ -37,6 +37,7 @@ def take(role: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> 
     grown (never shrunk) to fit."""
     buffers: dict = _local.__dict__.setdefault("buffers", {})
     mappings: dict = _local.__dict__.setdefault("mappings", {})
+    _written(role)
     numel, key = math.prod(shape), (role, dtype)
     flat = buffers.get(key)
     if flat is None or flat.numel() < numel:
@@ -63,6 +64,22 @@ def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
     return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
 
 
+def _written(*roles: str) -> None:
+    """Mark ``roles`` (every role when none is given) as written over on this thread: `generation` changes."""
+    state = _local.__dict__
+    state["counter"] = counter = state.get("counter", 0) + 1
+    generations: dict = state.setdefault("generations", {})
+    for role in roles or list(generations):
+        generations[role] = counter
+
+
+def generation(role: str) -> int:
+    """A number that changes whenever the calling thread's buffers for ``role`` may have been written over (taken,
+    handed back or released): for a caller that keeps values in a buffer across other work and must know whether
+    they are still there."""
+    return _local.__dict__.get("generations", {}).get(role, -1)
+
+
 @functools.cache
 def huge_pages() -> bool:
     """Whether the kernel backs a mapping with transparent huge pages when asked to (Linux with THP set to "always"
@@ -83,6 +100,7 @@ def hand_back() -> None:
     training step 10-20% slower (docs/method.md §2, "Reused buffers")."""
     if not huge_pages():
         return
+    _written()
     for mapping in _local.__dict__.get("mappings", {}).values():
         mapping.madvise(mmap.MADV_DONTNEED)
 
@@ -96,3 +114,4 @@ def release() -> None:
     """Free the calling thread's buffers (the next `take` makes them anew)."""
     _local.__dict__.pop("buffers", None)
     _local.__dict__.pop("mappings", None)
+    _local.__dict__.pop("generations", None)
