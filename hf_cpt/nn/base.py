@@ -14,7 +14,6 @@ import weakref
 import torch
 from torch import nn
 
-from ..numerics import scratch
 from ..numerics.fake_quant import (
     channel_ranges,
     dequantize_codes,
@@ -30,7 +29,7 @@ from ..numerics.fake_quant import (
 from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PrecisionState
-from .products import SHARED_INPUT_BUFFER, WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input
+from .products import WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input
 from .shared_input import quantized_input
 
 
@@ -334,7 +333,7 @@ class QuantLayerMixin:
         rotation_key = None if rotation is None else (rotation.features, self.cpt_rotation_seed)
         key = (self.input_feature_dim, x.dtype, rotation_key, id(bits), bits._version, precision.compact_codes,
                training, keep, integer)
-        entry = precision.shared_inputs.get(x, key, scratch.generation(SHARED_INPUT_BUFFER))
+        entry = precision.shared_inputs.get(x, key)
         if entry is None:
             entry = quantized_input(x, self.input_feature_dim, rotation, bits, precision.compact_codes, keep, integer)
             precision.shared_inputs.put(x, key, entry)

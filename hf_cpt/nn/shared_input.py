@@ -71,13 +71,12 @@ class SharedInputs:
         self._entry: SharedInput | None = None
         self.reuses = 0  # inputs served from here so far (the cost meter counts their rotation once)
 
-    def get(self, x: torch.Tensor, key: tuple[Any, ...], buffer_generation: int | None = None) -> SharedInput | None:
+    def get(self, x: torch.Tensor, key: tuple[Any, ...]) -> SharedInput | None:
         """The entry of ``x`` computed under ``key``, None when another input or setting is held, or when its value
-        lives in a reused buffer written over since (``buffer_generation``: the buffer's generation now; made again,
-        the entry has the same values)."""
+        lived in a reused buffer written over since (made again, the entry has the same values)."""
         if self._entry is None or self._source is None or self._source() is not x or self._key != (x._version, *key):
             return None
-        if self._entry.buffer_generation not in (None, buffer_generation):
+        if self._entry.buffer_generation not in (None, generation(SHARED_INPUT_BUFFER)):
             return None
         self.reuses += 1
         return self._entry
