@@ -115,3 +115,9 @@ def test_without_huge_pages_the_buffers_stay_resident(monkeypatch):
     before = _resident_kib(buffer.data_ptr())
     scratch.hand_back()
     assert _resident_kib(buffer.data_ptr()) >= before >= 4096 and buffer.eq(1.0).all()
+
+
+def test_holds_tells_a_buffers_tensor_from_any_other():
+    taken = scratch.take("input", (64, 64), torch.float32)
+    assert scratch.holds(taken) and scratch.holds(taken[10:])  # a view inside it too
+    assert not scratch.holds(torch.empty(64, 64)) and not scratch.holds(taken.clone())

@@ -238,8 +238,10 @@ def _weight_gradient(
         return layer.weight_gradient(error, x, weight)
     if rotation.signs.dtype != x.dtype:
         rotation = rotation.to(x.device, x.dtype)
-    if x.numel() <= weight.numel():
-        return layer.weight_gradient(error, rotation.apply(x, layer.input_feature_dim, transpose=True), weight)
+    if x.numel() <= weight.numel():  # x rebuilt in a reused buffer is read no more: rotated back in place there
+        in_place = not torch.compiler.is_compiling() and scratch.holds(x)  # a traced tensor has no address
+        x = rotation.apply(x, layer.input_feature_dim, transpose=True, in_place=in_place)
+        return layer.weight_gradient(error, x, weight)
     return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True,
                           in_place=True)  # a fresh gradient: no second weight-sized tensor
 

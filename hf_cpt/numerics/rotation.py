@@ -1,21 +1,19 @@
 """Fixed orthogonal rotations of a layer's input features (docs/method.md, "Rotation").
 
-Pretrained transformers carry a few feature channels hundreds of times larger than the rest; a
-quantization range set by them leaves the other values almost no levels. Rotating the input
-features by an orthogonal ``R`` (``x -> x R``, ``W -> W R``, so ``x R (W R)^T = x W^T``) spreads each
-outlier over every channel before quantizing, as QuaRot / SpinQuant do for inference.
+Pretrained transformers carry a few feature channels hundreds of times larger than the rest; a quantization range set
+by them leaves the other values almost no levels. Rotating the input features by an orthogonal ``R`` (``x -> x R``,
+``W -> W R``, so ``x R (W R)^T = x W^T``) spreads each outlier over every channel before quantizing, as QuaRot /
+SpinQuant do for inference.
 
-``R = diag(s) (H_1 ⊗ H_2 ⊗ ...) / sqrt(d)`` with random signs ``s`` and small Hadamard factors
-(entries ±1): a power of two split into factors of at most `MAX_FACTOR`, and for feature sizes with
-an odd part (384 = 12 x 32, 1536 = 12 x 128, 3072 = 12 x 256) a Paley Hadamard matrix of order
-``q + 1`` (``q`` a prime, ``q = 3 mod 4``). An odd part with no such matrix gets a dense random
-orthogonal factor. The rotation is applied over its factors (the trailing ones merged into one block
-of at most 256, each other factor on its own axis: far fewer operations per value than ``d`` for a
-dense matrix) and is a deterministic function of ``(d, seed)``, so a
-reloaded checkpoint rebuilds the same one (packed checkpoints also store the tensors themselves, so a
-loaded layer computes with the very rotation it trained with). Every tensor is built on an explicit CPU
-device: transformers builds models under a meta-device context before loading weights, and a rotation
-built there would have no data. This module knows nothing about layers or training.
+``R = diag(s) (H_1 ⊗ H_2 ⊗ ...) / sqrt(d)`` with random signs ``s`` and small Hadamard factors (entries ±1): a power of
+two split into factors of at most `MAX_FACTOR`, and for feature sizes with an odd part (384 = 12 x 32, 1536 = 12 x 128,
+3072 = 12 x 256) a Paley Hadamard matrix of order ``q + 1`` (``q`` a prime, ``q = 3 mod 4``). An odd part with no such
+matrix gets a dense random orthogonal factor. The rotation is applied over its factors (the trailing ones merged into
+one block of at most 256, each other factor on its own axis: far fewer operations per value than ``d`` for a dense
+matrix) and is a deterministic function of ``(d, seed)``, so a reloaded checkpoint rebuilds the same one (packed
+checkpoints also store the tensors, so a loaded layer computes with its very rotation). Every tensor is built on an
+explicit CPU device: transformers builds models under a meta-device context before loading weights, and a rotation built
+there would have no data. This module knows nothing about layers or training.
 """
 
 from __future__ import annotations
@@ -161,9 +159,9 @@ class Rotation:
         fixed: its backward is ``grad R^T`` and keeps nothing but the rotation). With ``scratch`` (a role of
         `hf_cpt.numerics.scratch`; no gradient through ``x``), a CPU result and its intermediates go into reused
         buffers: for a caller that reads the result and drops it before that role is taken again (the intermediates
-        in role ``between``, one idle until the rotation returns, else in ``"<scratch>:step"``). With ``in_place``
-        (no gradient through ``x``, a tensor the caller owns and drops), the C kernel writes the result over ``x``
-        where it serves, the same values: no second full-size tensor. The result is what is returned, either way."""
+        in role ``between``, one idle until the rotation returns, else in ``"<scratch>:step"``). ``in_place``: the C
+        kernel, where it serves, writes the result over ``x`` (no gradient; the caller's to drop); the result is
+        what is returned."""
         self._check_features(x, dim)
         if torch.is_grad_enabled() and x.requires_grad:
             if scratch is not None or in_place:
@@ -296,8 +294,8 @@ def _rotate_native(
     """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``: the signs, a fast Walsh-Hadamard
     transform of the Sylvester part, the leading factor; one row at a time, in cache), or None where it does not
     serve the call: not a contiguous float32 CPU tensor, traced by torch.compile, small, or a Sylvester part
-    under 16. (Along another axis the batched products measured faster than a column-tiled C kernel.) With
-    ``in_place`` the result is written over ``x`` (the kernel reads each row, or block, before writing it)."""
+    under 16. (Along another axis the batched products measured faster than a column-tiled C kernel.)
+    ``in_place``: over ``x`` (the kernel reads each row, or block, before it writes it)."""
     if (not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or signs.dtype != torch.float32
             or any(f.dtype != torch.float32 for f in factors)):
         return None
@@ -335,10 +333,10 @@ class _Rotate(torch.autograd.Function):
         ctx.dim, ctx.transpose, ctx.signs, ctx.kinds, ctx.factors = dim, transpose, signs, kinds, factors
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, in_place: bool = False):
         # The gradient's dtype rules (bf16 when the forward ran under autocast; autograd casts it to x's).
         signs, factors = _in_dtype(ctx.signs, grad.dtype), tuple(_in_dtype(f, grad.dtype) for f in ctx.factors)
-        rotated = _rotate(grad, ctx.dim, not ctx.transpose, signs, factors, ctx.kinds)
+        rotated = _rotate(grad, ctx.dim, not ctx.transpose, signs, factors, ctx.kinds, in_place=in_place)
         return (rotated, None, None, None, None, *(None for _ in ctx.factors))
 
 
@@ -348,12 +346,16 @@ def _values_never_formed(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RotationStandIn(_Rotate):
-    """`_Rotate` whose forward forms no values (`Rotation.stand_in`); the same backward."""
+    """`_Rotate` forming no values (`Rotation.stand_in`); its gradient, its products' fresh sum, rotated in place."""
 
     @staticmethod
     def forward(ctx, x, dim, transpose, signs, kinds, *factors):
         _Rotate.keep(ctx, dim, transpose, signs, kinds, factors)
         return _values_never_formed(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Rotate.backward(ctx, grad, in_place=not grad.requires_grad)
 
 
 def _orthonormal(kind: str, size: int, generator: torch.Generator) -> torch.Tensor:

@@ -105,6 +105,13 @@ def hand_back() -> None:
         mapping.madvise(mmap.MADV_DONTNEED)
 
 
+def holds(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in one of the calling thread's buffers."""
+    address = t.data_ptr()
+    return any(b.data_ptr() <= address < b.data_ptr() + b.numel() * b.element_size()
+               for b in _local.__dict__.get("buffers", {}).values())
+
+
 def held_bytes() -> int:
     """Bytes the calling thread's buffers hold."""
     return sum(t.numel() * t.element_size() for t in _local.__dict__.get("buffers", {}).values())
