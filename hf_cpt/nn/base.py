@@ -29,8 +29,7 @@ from ..numerics.fake_quant import (
 from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PrecisionState
-from .products import WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input
-from .shared_input import quantized_input
+from .products import WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input, quantized_input
 
 
 def input_features(layer: nn.Module) -> int:

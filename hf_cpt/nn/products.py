@@ -4,7 +4,8 @@ backward as integer codes, not float copies.
 `QuantizedProducts` is a quantized layer's (used by `QuantLayerMixin.forward`; the layer supplies its product,
 ``compute``, and its gradient products): it also quantizes the error once and forms both gradient products.
 `QuantizedMatmul` is the attention's two products (``Q Kᵀ`` and ``P V``, `hf_cpt.nn.attention`), whose errors
-are quantized by their own node.
+are quantized by their own node. `quantized_input` forms the input operand that sibling layers share
+(`hf_cpt.nn.shared_input`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import torch
 
 from ..numerics import scratch
 from ..numerics.errors import quantize_error
-from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact
+from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact, token_range
 from ..numerics.rotation import Rotation
 from .recompute import mark_recomputable
 from .relu_masks import hand_over_input
 from .saved import same_view, saved_as_is
+from .shared_input import SHARED_INPUT_BUFFER, SharedInput
 
 NOT_SAVED = (None, None, None)
 
@@ -30,9 +32,6 @@ NOT_SAVED = (None, None, None)
 # first axis) in the weight's, idle until ``W R`` is made.
 INPUT_ROTATION_BUFFERS = {"scratch": "input"}
 WEIGHT_ROTATION_BUFFERS = {"scratch": "rotated_weight", "between": "weight"}
-# The fake-quantized values of an input that sibling layers share (`hf_cpt.nn.shared_input`), read by each one's
-# float product: a buffer no single product takes, so that the values outlive the layers in between.
-SHARED_INPUT_BUFFER = "shared_input"
 
 # Autograd nodes whose backward keeps their own output (a ReLU keeps its result): a quantized layer fed that output
 # keeps a reference to it and quantizes it again in backward, instead of a second copy of it as codes.
@@ -73,6 +72,28 @@ def quantized_operand(
         return fake_quantize_compact(t, minimum, maximum, bits, scratch)
     value = fake_quantize(t, minimum, maximum, bits)
     return value, ((value, None, None) if keep else NOT_SAVED)
+
+
+def quantized_input(x: torch.Tensor, dim: int, rotation: Rotation | None, bits: torch.Tensor, compact: bool,
+                    keep: bool, integer: bool) -> SharedInput:
+    """``x`` rotated over ``dim``, its per-token range and its quantized operand (codes alone for products on codes,
+    ``integer``; codes kept for the backward where ``keep``). In CPU training only ``x R``'s range and codes are
+    read (the product reads the values made from them), so ``x R`` goes into a reused buffer and the graph holds a
+    stand-in (docs/method.md §3); the fake-quantized values a float product reads go into a reused buffer of their
+    own, whose generation the entry records."""
+    buffered = keep and compact and not integer and x.device.type == "cpu"
+    if rotation is not None and (integer or buffered):
+        source = rotation.apply(x.detach(), dim, **INPUT_ROTATION_BUFFERS)
+        rotated = rotation.stand_in(x, dim)
+    else:
+        rotated = None if rotation is None else rotation.apply(x, dim)
+        source = x if rotated is None else rotated
+    x_range = token_range(source, dim)
+    with torch.no_grad():
+        quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only
+                     else quantized_operand(source.detach(), *x_range, bits, compact, keep,
+                                            SHARED_INPUT_BUFFER if buffered else None))
+    return SharedInput(rotated, x_range, quantized, scratch.generation(SHARED_INPUT_BUFFER) if buffered else None)
 
 
 def _not_a_view(t: torch.Tensor) -> torch.Tensor:

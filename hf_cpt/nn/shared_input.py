@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from ..numerics.fake_quant import quantize_compact, token_range
-from ..numerics.rotation import Rotation
 from ..numerics.scratch import generation
-from .products import INPUT_ROTATION_BUFFERS, SHARED_INPUT_BUFFER, quantized_operand
+
+# The reused buffer of the fake-quantized values of an input that sibling layers share, read by each one's float
+# product (`hf_cpt.numerics.scratch`): no single product takes it, so the values outlive the layers in between.
+SHARED_INPUT_BUFFER = "shared_input"
 
 
 @dataclass
@@ -37,28 +38,6 @@ class SharedInput:
     quantized: tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]
     # where the quantized value lives in a reused buffer: `hf_cpt.numerics.scratch.generation` of it when made
     buffer_generation: int | None = None
-
-
-def quantized_input(x: torch.Tensor, dim: int, rotation: Rotation | None, bits: torch.Tensor, compact: bool,
-                    keep: bool, integer: bool) -> SharedInput:
-    """``x`` rotated over ``dim``, its per-token range and its quantized operand (codes alone for products on codes,
-    ``integer``; codes kept for the backward where ``keep``). In CPU training only ``x R``'s range and codes are
-    read (the product reads the values made from them), so ``x R`` goes into a reused buffer and the graph holds a
-    stand-in (docs/method.md §3); the fake-quantized values a float product reads go into a reused buffer of their
-    own, whose generation the entry records."""
-    buffered = keep and compact and not integer and x.device.type == "cpu"
-    if rotation is not None and (integer or buffered):
-        source = rotation.apply(x.detach(), dim, **INPUT_ROTATION_BUFFERS)
-        rotated = rotation.stand_in(x, dim)
-    else:
-        rotated = None if rotation is None else rotation.apply(x, dim)
-        source = x if rotated is None else rotated
-    x_range = token_range(source, dim)
-    with torch.no_grad():
-        quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only
-                     else quantized_operand(source.detach(), *x_range, bits, compact, keep,
-                                            SHARED_INPUT_BUFFER if buffered else None))
-    return SharedInput(rotated, x_range, quantized, generation(SHARED_INPUT_BUFFER) if buffered else None)
 
 
 class SharedInputs:
