@@ -210,6 +210,9 @@ def peak_phases_section(phases: dict) -> list[str]:
     return lines
 
 
+FLOAT_PRODUCTS_RUN = "overhead_float_products.json"  # bench/overhead.py on a CPU with no int8 dot products
+
+
 def hand_back_section(results: dict) -> list[str]:
     """docs/benchmarks.md's table of what handing the reused buffers back after each backward costs in time, from a
     run of `bench/overhead.py --compare-resident`."""
@@ -415,6 +418,15 @@ def main() -> None:
     overhead = results_page.load(args.results, "overhead.json")
     if overhead:
         replace_block(args.readme, "overhead-summary", overhead_summary(overhead))
+    # The same bench on a CPU without int8 dot products (float products), beside the README's run on whichever CPU
+    # ran it last: the two kinds of CPU give ratios that compare only with their own kind.
+    float_products = results_page.load(args.results, FLOAT_PRODUCTS_RUN)
+    if float_products:
+        if float_products.get("integer_products"):
+            raise SystemExit(f"{FLOAT_PRODUCTS_RUN} holds a run on a CPU with int8 dot products: its place is "
+                             "overhead.json (the README's table)")
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "overhead-float-products",
+                      overhead_summary(float_products))
     kept = results_page.load(args.results, "kept_memory.json")
     if kept:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory", kept_memory_section(kept))

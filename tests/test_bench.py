@@ -378,6 +378,23 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     hand_back = report.hand_back_section(overhead)
     assert hand_back[-1] == (f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} | "
                              f"{row['resident_ratio']:.3f} |")
+    # A run on a CPU without int8 dot products renders into docs/benchmarks.md beside the README's table; a run with
+    # them is refused there (its place is overhead.json).
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    results.mkdir(), docs.mkdir()
+    block = "<!-- overhead-float-products:start -->\n<!-- overhead-float-products:end -->\n"
+    (docs / "benchmarks.md").write_text("a\n" + block)
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- results-summary:start -->\n<!-- results-summary:end -->\n")
+    arguments = [os.path.join(ROOT, "bench", "report.py"), "--results", str(results), "--docs", str(docs),
+                 "--readme", str(readme)]
+    (results / report.FLOAT_PRODUCTS_RUN).write_text(json.dumps({**overhead, "integer_products": False}))
+    run_python(arguments, check=True, timeout=300)
+    page = (docs / "benchmarks.md").read_text()
+    assert "float products (no int8 dot products on this CPU)" in page and f"| {row['case']} | " in page
+    (results / report.FLOAT_PRODUCTS_RUN).write_text(json.dumps({**overhead, "integer_products": True}))
+    refused = run_python(arguments, timeout=300)
+    assert refused.returncode != 0 and "int8 dot products" in refused.stderr
     # The renderer judges each figure against its own target: a memory ratio above its case's target, a first
     # step within its target and an import above it (figures chosen here to exercise each branch).
     row.update(memory_ratio_kept_inputs=0.97, kept_inputs_saved_mib=36.0, memory_ratio_kept_inputs_default=0.99)

@@ -2,7 +2,7 @@
  * (how they split work over threads: native_threads.h).
  *
  * GCC / clang vector extensions: 16 floats are one AVX-512 register or two AVX2 ones, the compiler splits them
- * for the target. Included by error_kernels.c, code_kernels.c and rotation_kernels.c; native.py keys each built
+ * for the target; `lanes` is one register's width. Included by error_kernels.c, code_kernels.c and rotation_kernels.c; native.py keys each built
  * library on this file too, so a change here rebuilds them all.
  */
 #ifndef HF_CPT_NATIVE_VECTORS_H
@@ -14,6 +14,17 @@
 typedef float vec __attribute__((vector_size(64)));
 typedef float unaligned_vec __attribute__((vector_size(64), aligned(4)));
 typedef int32_t mask __attribute__((vector_size(64)));
+
+/* The target's own vector width, for loops that keep several sums in registers: there a 16-float vector on AVX2
+ * (two registers each) spills, and a product ran six times slower than with 8-float vectors (docs/method.md §3,
+ * "Rotation"). */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float lanes __attribute__((vector_size(LANES * 4)));
+typedef float unaligned_lanes __attribute__((vector_size(LANES * 4), aligned(4)));
 
 /* Lane-wise a < b ? a : b (and a > b ? a : b): b where a is NaN, as the scalar loops of row_bounds. */
 static inline vec lower(vec a, vec b) {

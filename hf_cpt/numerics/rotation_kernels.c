@@ -57,36 +57,38 @@ static void walsh_hadamard(const float *source, const float *signs, float *targe
     }
 }
 
-/* Outputs summed together by lead_product: independent sums keep the adder busy while each waits for its last. */
-#define OUT_BLOCK 4
-
 /* y = (t (C ⊗ I_power)) * norm (times `signs` after, when given), C = A or A^T as row-major n x n `coefficients`
- * (C[in][out]): 16 columns at a time, OUT_BLOCK output blocks' sums in registers. Per value the same operations
- * in the same order as a plain loop: 0, + c * t for each input block in turn, * norm, * sign. */
+ * (C[in][out]): one register's width of columns at a time (`lanes`), four output blocks' sums in registers
+ * (independent sums keep the adder busy while each waits for its last). Per value the same operations in the same
+ * order as a plain loop: 0, + c * t for each input block in turn, * norm, * sign. */
 static void lead_product(const float *t, float *y, const float *coefficients, int64_t n, int64_t power, float norm,
                          const float *signs) {
-    for (int64_t j = 0; j < power; j += 16) {
+    for (int64_t j = 0; j < power; j += LANES) {
         int64_t out = 0;
-        for (; out + OUT_BLOCK <= n; out += OUT_BLOCK) {
-            vec sum[OUT_BLOCK] = {{0}};
+        for (; out + 4 <= n; out += 4) {
+            lanes s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
             for (int64_t in = 0; in < n; in++) {
-                const vec v = *(const unaligned_vec *)(t + in * power + j);
+                const lanes v = *(const unaligned_lanes *)(t + in * power + j);
                 const float *c = coefficients + in * n + out;
-                for (int k = 0; k < OUT_BLOCK; k++) sum[k] = sum[k] + c[k] * v;
+                s0 = s0 + c[0] * v;
+                s1 = s1 + c[1] * v;
+                s2 = s2 + c[2] * v;
+                s3 = s3 + c[3] * v;
             }
-            for (int k = 0; k < OUT_BLOCK; k++) {
-                vec value = sum[k] * norm;
-                if (signs) value = value * *(const unaligned_vec *)(signs + (out + k) * power + j);
-                *(unaligned_vec *)(y + (out + k) * power + j) = value;
+            const lanes sums[4] = {s0, s1, s2, s3};
+            for (int k = 0; k < 4; k++) {
+                lanes value = sums[k] * norm;
+                if (signs) value = value * *(const unaligned_lanes *)(signs + (out + k) * power + j);
+                *(unaligned_lanes *)(y + (out + k) * power + j) = value;
             }
         }
         for (; out < n; out++) {
-            vec sum = {0};
+            lanes sum = {0};
             for (int64_t in = 0; in < n; in++)
-                sum = sum + coefficients[in * n + out] * *(const unaligned_vec *)(t + in * power + j);
+                sum = sum + coefficients[in * n + out] * *(const unaligned_lanes *)(t + in * power + j);
             sum = sum * norm;
-            if (signs) sum = sum * *(const unaligned_vec *)(signs + out * power + j);
-            *(unaligned_vec *)(y + out * power + j) = sum;
+            if (signs) sum = sum * *(const unaligned_lanes *)(signs + out * power + j);
+            *(unaligned_lanes *)(y + out * power + j) = sum;
         }
     }
 }
