@@ -1,6 +1,7 @@
 """Rotation (hf_cpt.rotation) and the activation schemes of the layers, against independent references."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -293,6 +294,46 @@ def test_native_rotation_matches_the_dense_matrix_at_every_thread_count(features
         error = (results[0].double() - expected).abs().max() / expected.abs().max()
         assert error < 1e-6
         assert torch.equal(rotation.apply(x, transpose=transpose), results[0])  # what the layers call
+
+
+def _kernel_order_reference(x, rotation, transpose):
+    """``x R`` (``x R^T``) in float32 with the C kernel's operations in its order: the signs (first, or last for the
+    transpose), butterflies of distance 1, 2, 4, ... as (a + b, a - b), then each output block of the leading factor
+    as 0 + c * t for each input block in turn, times 1 / sqrt(P)."""
+    lead = None if rotation.kinds[0] == "sylvester" else rotation.factors[0]
+    n = 1 if lead is None else lead.shape[0]
+    rows, power = x.numel() // rotation.features, rotation.features // n
+    t = (x if transpose else x * rotation.signs).reshape(rows, n, power)
+    distance = 1
+    while distance < power:
+        pairs = t.reshape(rows, n, power // (2 * distance), 2, distance)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        t = torch.stack((a + b, a - b), -2).reshape(rows, n, power)
+        distance *= 2
+    norm = torch.tensor(1 / math.sqrt(power), dtype=torch.float32)
+    if lead is not None:
+        coefficients = lead.t() if transpose else lead  # [in, out]
+        outputs = []
+        for out in range(n):
+            total = torch.zeros(rows, power)
+            for block in range(n):
+                total = total + coefficients[block, out] * t[:, block]
+            outputs.append(total)
+        t = torch.stack(outputs, 1)
+    y = (t * norm).reshape(x.shape)
+    return y * rotation.signs if transpose else y
+
+
+# Paley 12 x 32, Paley 12 x 256, Sylvester 512, dense 7 x 16 (a leading factor not a multiple of four)
+@pytest.mark.parametrize("features", [384, 3072, 512, 112])
+def test_native_rotation_makes_the_values_of_its_operations_in_order(features):
+    """The C kernel's values bit for bit, whatever vector width the CPU gives it (docs/method.md §3, "Rotation")."""
+    if rotation_module._native_library() is None:
+        pytest.skip("no C compiler on this machine")
+    rotation = get_rotation(features)
+    x = torch.randn(max(64, (1 << 15) // features + 1), features)
+    for transpose in (False, True):
+        assert torch.equal(_native_served(x, rotation, transpose), _kernel_order_reference(x, rotation, transpose))
 
 
 def test_calls_the_native_rotation_does_not_serve_keep_the_products():

@@ -23,16 +23,18 @@ typedef struct {
     int transpose;
 } rotate_args;
 
-/* One butterfly stage of distance h < 16 inside each vector: (a, b) -> (a + b, a - b) as swap(v) + v * (+1 | -1). */
+/* One butterfly stage of distance h inside each vector: (a, b) -> (a + b, a - b) as swap(v) + v * (+1 | -1). */
 #define STAGE(v, sign, ...) (__builtin_shufflevector(v, v, __VA_ARGS__) + (v) * (sign))
 
+#if LANES == 16
 static const vec SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
 static const vec SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
 static const vec SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
 static const vec SIGN8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
 
 /* The unnormalized fast Walsh-Hadamard transform of `power` (a multiple of 16) values of `source`, each times
- * `signs` first when given, into `target` (which may be `source`). */
+ * `signs` first when given, into `target` (which may be `source`): four stages inside each 16-float register, the
+ * rest across registers. */
 static void walsh_hadamard(const float *source, const float *signs, float *target, int64_t power) {
     const unaligned_vec *s = (const unaligned_vec *)source;
     const unaligned_vec *sign = (const unaligned_vec *)signs;
@@ -56,6 +58,55 @@ static void walsh_hadamard(const float *source, const float *signs, float *targe
         }
     }
 }
+#else
+static const lanes SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1};
+static const lanes SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1};
+static const lanes SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1};
+
+static inline lanes in_register_stages(lanes w) {
+    w = STAGE(w, SIGN1, 1, 0, 3, 2, 5, 4, 7, 6);
+    w = STAGE(w, SIGN2, 2, 3, 0, 1, 6, 7, 4, 5);
+    return STAGE(w, SIGN4, 4, 5, 6, 7, 0, 1, 2, 3);
+}
+
+/* As above with 8-float registers (AVX2): three stages inside each register, the fourth between a pair of them,
+ * the rest across registers two stages a pass (the same additions in the same order: the same values as the
+ * 16-float form, about twice as fast on AVX2 as that form split by the compiler). */
+static void walsh_hadamard(const float *source, const float *signs, float *target, int64_t power) {
+    const unaligned_lanes *s = (const unaligned_lanes *)source;
+    const unaligned_lanes *sign = (const unaligned_lanes *)signs;
+    unaligned_lanes *v = (unaligned_lanes *)target;
+    const int64_t count = power / 8;
+    for (int64_t i = 0; i < count; i += 2) {
+        const lanes a = in_register_stages(signs ? s[i] * sign[i] : s[i]);
+        const lanes b = in_register_stages(signs ? s[i + 1] * sign[i + 1] : s[i + 1]);
+        v[i] = a + b;
+        v[i + 1] = a - b;
+    }
+    int64_t h = 2;
+    for (; h * 2 < count; h <<= 2) {
+        for (int64_t i = 0; i < count; i += h << 2) {
+            for (int64_t j = i; j < i + h; j++) {
+                const lanes a = v[j], b = v[j + h], c = v[j + 2 * h], d = v[j + 3 * h];
+                const lanes sum_ab = a + b, difference_ab = a - b, sum_cd = c + d, difference_cd = c - d;
+                v[j] = sum_ab + sum_cd;
+                v[j + h] = difference_ab + difference_cd;
+                v[j + 2 * h] = sum_ab - sum_cd;
+                v[j + 3 * h] = difference_ab - difference_cd;
+            }
+        }
+    }
+    for (; h < count; h <<= 1) {
+        for (int64_t i = 0; i < count; i += h << 1) {
+            for (int64_t j = i; j < i + h; j++) {
+                const lanes a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+        }
+    }
+}
+#endif
 
 /* y = (t (C ⊗ I_power)) * norm (times `signs` after, when given), C = A or A^T as row-major n x n `coefficients`
  * (C[in][out]): one register's width of columns at a time (`lanes`), four output blocks' sums in registers
