@@ -2,8 +2,8 @@
  * (how they split work over threads: native_threads.h).
  *
  * GCC / clang vector extensions: 16 floats are one AVX-512 register or two AVX2 ones, the compiler splits them
- * for the target; `lanes` is one register's width. Included by error_kernels.c, code_kernels.c and rotation_kernels.c; native.py keys each built
- * library on this file too, so a change here rebuilds them all.
+ * for the target; `lanes` is one register's width. Included by error_kernels.c, code_kernels.c and
+ * rotation_kernels.c; native.py keys each built library on this file too, so a change here rebuilds them all.
  */
 #ifndef HF_CPT_NATIVE_VECTORS_H
 #define HF_CPT_NATIVE_VECTORS_H
