@@ -229,6 +229,28 @@ def hand_back_section(results: dict) -> list[str]:
     return lines
 
 
+def kernels_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of what each C kernel costs per value, from `bench/kernels.py`: one column pair per
+    run (ns a value, and copies of its input timed beside it, marked where over the kind's target)."""
+    runs = results["runs"]
+    lines = []
+    for label, run in runs.items():
+        lines.append(f"- {label}: `{run['command']}` (torch {run['torch']}, {run['cpu']}, {run['threads']} "
+                     f"threads, medians of {run['repeats']} interleaved repeats)")
+    header = "| kernel | target (copies) | " + " | ".join(f"{label}: ns a value (copies)" for label in runs) + " |"
+    lines += ["", header, "|---|---:|" + "---:|" * len(runs)]
+    by_case = {row["case"]: row for row in next(iter(runs.values()))["rows"]}
+    for case, first in by_case.items():
+        cells = []
+        for run in runs.values():
+            row = next((r for r in run["rows"] if r["case"] == case), None)
+            missed = row is not None and row["ratio"] > row["target"]
+            cells.append("-" if row is None else
+                         f"{row['ns_per_value']:.3f} ({row['ratio']:.2f}{' missed' if missed else ''})")
+        lines.append(f"| {case} | {first['target']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _earlier_runs_text(overhead: dict) -> str:
     """Which rows a resumed run took from earlier runs of the command (`--resume`), with their load averages."""
     runs = overhead.get("earlier_runs", [])
@@ -436,6 +458,9 @@ def main() -> None:
     hand_back = results_page.load(args.results, "hand_back.json")
     if hand_back:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "hand-back", hand_back_section(hand_back))
+    kernels = results_page.load(args.results, "kernels.json")
+    if kernels:
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "kernels", kernels_section(kernels))
     counts = results_page.load(args.results, "op_counts.json")
     if counts:
         replace_block(args.readme, "op-counts", op_counts_summary(counts))

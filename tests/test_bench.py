@@ -790,3 +790,26 @@ def test_peak_phases_reset_the_peak_between_phases_and_the_report_marks_the_step
     assert "resident until the last quantized layer of each backward is done, then handed back" in lines[0]
     assert lines[-2] == "| bert | default glibc | plain | 100 | **150** | 120 |  |  |"
     assert lines[-1] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 | 66 |"
+
+
+def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a_missed_target(tmp_path):
+    output = tmp_path / "kernels.json"
+    command = [os.path.join(ROOT, "bench", "kernels.py"), "--repeats", "3", "--output", str(output)]
+    run_python(command, check=True)
+    run_python(command + ["--label", "again"], check=True)
+    runs = json.loads(output.read_text())["runs"]
+    assert list(runs) == ["now", "again"]  # one run per label, kept side by side
+    rows = runs["now"]["rows"]
+    assert {row["kind"] for row in rows} == {"ranges", "codes", "restore", "error", "rotation"}
+    assert all(row["ns_per_value"] > 0 and row["copy_ns_per_value"] > 0 for row in rows)
+    assert all(row["ratio"] == pytest.approx(row["ns_per_value"] / row["copy_ns_per_value"]) for row in rows)
+
+    spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    rows[0].update(ns_per_value=1.0, ratio=9.0, target=1.5)
+    del runs["again"]["rows"][1]  # a case a run lacks shows as "-"
+    table = report.kernels_section({"runs": runs})
+    assert f"| {rows[0]['case']} | 1.5 | 1.000 (9.00 missed) | " in "\n".join(table)
+    assert table[-len(rows) + 1].endswith(" | - |")
+    assert "again: ns a value (copies)" in table[table.index("") + 1]
