@@ -3,10 +3,10 @@
 Run: ``python bench/overhead.py [--repeats N] [--no-fused]``.
 
 Each case times a quantized and a plain version of the same work, alternating between them within
-one run, and reports median times and their ratio. Cases: (a) forward + backward of a 768->3072
-Linear on 2048 tokens, with the default scheme and with the paper's, (b) forward + backward of a
-16->16 3x3 conv on a 128x16x32x32 batch, (c) one training step (forward, backward, AdamW) of a
-BERT-small-shaped classifier, (d) training steps at realistic sizes: GPT-2 small (124M,
+one run (in a fresh process of its own, unless ``--in-process``), and reports median times and their ratio.
+Cases: (a) forward + backward of a 768->3072 Linear on 2048 tokens, with the default scheme and with the
+paper's, (b) forward + backward of a 16->16 3x3 conv on a 128x16x32x32 batch, (c) one training step (forward,
+backward, AdamW) of a BERT-small-shaped classifier, (d) training steps at realistic sizes: GPT-2 small (124M,
 ``GPT2Config()``), also as one optimizer step of 4 accumulated micro-batches (each weight quantized once per
 step), BERT-base at batch 4 and 16 (also with ``quantize_attention``), ViT-S/16 (timm), the CPT paper's CIFAR
 ResNet-20 at batch 128 and the pretrained MiniLM at batch 32 (the `bench` extra), each with its peak resident
@@ -678,6 +678,9 @@ def main() -> None:
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
                         "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="time every case in this process, one after another, instead of each in a fresh process "
+                        "of its own (where the heap that earlier cases left does not slow it)")
     parser.add_argument("--published-quantizer", metavar="FILE",
                         help="the CPT repository's cpt_cifar/modules/quantize.py: adds the published quantizer's "
                         "Linear and Conv2d rows (anchors)")
@@ -805,14 +808,20 @@ def main() -> None:
     for key in selected:
         if key in done:
             continue
-        case = cases[key]()
-        result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None,
-                          args.compare_products and integer_products and case.target is not None,
-                          args.compare_native and case.target is not None,
-                          args.compare_threads and case.target is not None,
-                          args.compare_recompute and key in memory_kinds,
-                          args.compare_resident and case.target is not None)
-        rows.append({"key": key, "case": case.name, "target": case.target, **result})
+        if args.in_process or len(selected) == 1:
+            case = cases[key]()
+            result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None,
+                              args.compare_products and integer_products and case.target is not None,
+                              args.compare_native and case.target is not None,
+                              args.compare_threads and case.target is not None,
+                              args.compare_recompute and key in memory_kinds,
+                              args.compare_resident and case.target is not None)
+            case = CaseInfo(case.name, case.target, case.memory_target)
+            rows.append({"key": key, "case": case.name, "target": case.target, **result})
+        else:
+            rows.append(_timed_in_fresh_process(key, args))
+            case = CaseInfo(rows[-1]["case"], rows[-1]["target"], rows[-1].get("memory_target", 1.0))
+            result = rows[-1]
         if key in memory_kinds:
             rows[-1]["memory_target"] = case.memory_target
         ok = "-" if case.target is None else "yes" if result["ratio"] <= case.target else "NO"
@@ -834,8 +843,7 @@ def main() -> None:
         if "resident_ratio" in result:
             print(f"{'  same, reused buffers kept resident':<44}{'':>10}{'':>10}{result['resident_ratio']:>8.3f}")
         memory_target = case.memory_target
-        del case  # its models and optimizer states: the fresh processes below need the memory
-        _release_freed_memory()
+        _release_freed_memory()  # the case's models and optimizer states: the fresh processes below need the memory
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             # the ⊘ arm: every activation and dropout keeping what autograd's keeps
@@ -901,6 +909,38 @@ def main() -> None:
     if args.output:
         write()
         print(f"results: {args.output}")
+
+
+@dataclass
+class CaseInfo:
+    """What the table says of a case beside its figures."""
+    name: str
+    target: float | None
+    memory_target: float
+
+
+def _timed_in_fresh_process(key: str, args: argparse.Namespace) -> dict:
+    """The row of case ``key`` (its timing arms only) measured by this script in a fresh process with the same
+    settings: a user's process trains one model, while the heap that earlier cases leave in this one (fragmented,
+    partly handed back) slowed the plain and quantized steps of a later case alike, the quantized more."""
+    import subprocess
+    import tempfile
+
+    flags = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+             if value is True and name not in ("resume", "no_memory", "no_startup", "in_process")]
+    with tempfile.TemporaryDirectory() as folder:
+        output = os.path.join(folder, "case.json")
+        command = [sys.executable, os.path.abspath(__file__), "--only", key, "--in-process", "--no-memory",
+                   "--no-startup", "--repeats", str(args.repeats), "--quant-scheme", args.quant_scheme,
+                   "--bert-batch", str(args.bert_batch), "--output", output, *flags]
+        command += ["--threads", str(args.threads)] if args.threads else []
+        command += ["--published-quantizer", args.published_quantizer] if args.published_quantizer else []
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"case {key} failed in its process ({' '.join(command)}):\n{run.stderr[-4000:]}")
+        with open(output) as f:
+            (row,) = json.load(f)["rows"]
+    return row
 
 
 def _release_freed_memory() -> None:
