@@ -921,8 +921,8 @@ class CaseInfo:
 
 def _timed_in_fresh_process(key: str, args: argparse.Namespace) -> dict:
     """The row of case ``key`` (its timing arms only) measured by this script in a fresh process with the same
-    settings: a user's process trains one model, while the heap that earlier cases leave in this one (fragmented,
-    partly handed back) slowed the plain and quantized steps of a later case alike, the quantized more."""
+    settings: a user's process trains one model, while a case timed here would run on the heap that earlier cases
+    left (fragmented, partly handed back; docs/benchmarks.md)."""
     import subprocess
     import tempfile
 

@@ -15,9 +15,9 @@ typedef float vec __attribute__((vector_size(64)));
 typedef float unaligned_vec __attribute__((vector_size(64), aligned(4)));
 
 /* The target's own vector width, for loops that keep several vectors in registers or compare them: there a 16-float
- * vector on AVX2 (two registers each) spills, and GCC lowers a comparison of two into scalar code. A product ran six
- * times slower, and a row's bounds twenty times slower, than with 8-float vectors (docs/method.md §2, "Codes in one
- * pass", and §3, "Rotation"). */
+ * vector on AVX2 (two registers each) spills, and GCC lowers a comparison of two into scalar code: a product and a
+ * row's bounds ran several times slower than with 8-float vectors (docs/method.md §2, "Codes in one pass", and §3,
+ * "Rotation"). */
 #ifdef __AVX512F__
 #define LANES 16
 #else
