@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_cpt.numerics import code_kernels, error_kernels, native
+from hf_cpt.numerics import code_kernels, error_kernels, mask_kernels, native
 from hf_cpt.numerics.rotation import _rotate_native, get_rotation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,9 +30,9 @@ from harness import load_results, save_results  # noqa: E402
 
 TOKENS, FEATURES, WIDE = 2048, 768, 3072
 # kernel / float32 copy of its input, at most: a range reads its input (no write); codes and rebuilt values write one
-# or two outputs; the error kernel hashes a noise per value; a rotation makes log2 P additions and a leading factor's
-# multiply-adds per value.
-TARGETS = {"ranges": 1.5, "codes": 3.0, "restore": 2.5, "error": 4.0, "rotation": 8.0}
+# or two outputs; the error kernel hashes a noise per value; a mask's backward reads a bit a value besides; a
+# rotation makes log2 P additions and a leading factor's multiply-adds per value.
+TARGETS = {"ranges": 1.5, "codes": 3.0, "restore": 2.5, "error": 4.0, "masks": 2.5, "rotation": 8.0}
 
 
 def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
@@ -62,6 +62,12 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
         ("error, a min/max grid per token", "error", x, lambda: errors["token"](x, levels, seed, into_values)),
         ("error, a zero-centred grid per token", "error", x, lambda: errors["zero"](x, levels, seed, into_values)),
         ("error, one grid for the tensor", "error", x, lambda: errors["tensor"](x, levels, seed, into_values)),
+    ]
+    bits = mask_kernels.pack_flags(torch.rand(TOKENS, FEATURES, generator=generator) > 0.1)
+    cases += [
+        ("an error masked by a ReLU's packed mask", "masks", x, lambda: mask_kernels.masked_bits(x, bits)),
+        ("a dropout's backward from its packed mask", "masks", x,
+         lambda: mask_kernels.dropout_backward_bits(x, bits, 1 / 0.9)),
     ]
     for features in (768, 1024, 3072):
         rotation = get_rotation(features)

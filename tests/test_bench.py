@@ -800,7 +800,7 @@ def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a
     runs = json.loads(output.read_text())["runs"]
     assert list(runs) == ["now", "again"]  # one run per label, kept side by side
     rows = runs["now"]["rows"]
-    assert {row["kind"] for row in rows} == {"ranges", "codes", "restore", "error", "rotation"}
+    assert {row["kind"] for row in rows} == {"ranges", "codes", "restore", "error", "masks", "rotation"}
     assert all(row["ns_per_value"] > 0 and row["copy_ns_per_value"] > 0 for row in rows)
     assert all(row["ratio"] == pytest.approx(row["ns_per_value"] / row["copy_ns_per_value"]) for row in rows)
 

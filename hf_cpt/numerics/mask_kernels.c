@@ -179,7 +179,13 @@ typedef struct {
 static int dropout_bits_bytes(const void *arguments, int64_t first, int64_t last) {
     const dropout_bits_args *args = (const dropout_bits_args *)arguments;
     const int64_t end = 8 * last < args->count ? 8 * last : args->count;
-    for (int64_t i = 8 * first; i < end; i++)
+    const ints8 scale = (ints8)((floats8){0} + args->scale);
+    int64_t j = first;
+    for (; j < last && 8 * j + 8 <= args->count; j++) { /* 8 elements a byte: each one's factor, scale or +0 */
+        const ints8 kept = (((ints8){0} + args->bits[j]) & PLACES) != 0;
+        *(floats8 *)(args->out + 8 * j) = *(const floats8 *)(args->grad + 8 * j) * (floats8)(kept & scale);
+    }
+    for (int64_t i = 8 * j; i < end; i++)
         args->out[i] = args->grad[i] * (((args->bits[i / 8] >> (i % 8)) & 1) ? args->scale : 0.0f);
     return 0;
 }
