@@ -1,4 +1,4 @@
-"""What each C kernel costs per value on this CPU, against a float32 copy of the same tensor timed beside it.
+"""What each C kernel costs per value on this CPU, against a copy of the same tensor timed beside it.
 
 The per-value work of the default scheme runs in small C kernels on CPU (docs/method.md §2-3). A kernel that reads
 its operand once is bound by memory, as a copy is; one that the compiler failed to vectorize for this CPU (a
@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 from harness import load_results, save_results  # noqa: E402
 
 TOKENS, FEATURES, WIDE = 2048, 768, 3072
-# kernel / float32 copy of its input, at most: a range reads its input (no write); codes and rebuilt values write one
+# kernel / copy of its input, at most: a range reads its input (no write); codes and rebuilt values write one
 # or two outputs; the error kernel hashes a noise per value; a mask's backward reads a bit a value besides; a
 # rotation makes log2 P additions and a leading factor's multiply-adds per value.
 TARGETS = {"ranges": 1.5, "codes": 3.0, "restore": 2.5, "error": 4.0, "masks": 2.5, "rotation": 8.0}
@@ -63,9 +63,11 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
         ("error, a zero-centred grid per token", "error", x, lambda: errors["zero"](x, levels, seed, into_values)),
         ("error, one grid for the tensor", "error", x, lambda: errors["tensor"](x, levels, seed, into_values)),
     ]
+    half = x.bfloat16()
     bits = mask_kernels.pack_flags(torch.rand(TOKENS, FEATURES, generator=generator) > 0.1)
     cases += [
         ("an error masked by a ReLU's packed mask", "masks", x, lambda: mask_kernels.masked_bits(x, bits)),
+        ("the same, a bfloat16 error", "masks", half, lambda: mask_kernels.masked_bits(half, bits)),
         ("a dropout's backward from its packed mask", "masks", x,
          lambda: mask_kernels.dropout_backward_bits(x, bits, 1 / 0.9)),
     ]

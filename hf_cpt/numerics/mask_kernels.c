@@ -61,6 +61,8 @@ int hf_cpt_masked(const void *error, const uint8_t *zeroed, void *out, int64_t c
 typedef float floats8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t ints8 __attribute__((vector_size(32), aligned(4)));
 static const ints8 PLACES = {1, 2, 4, 8, 16, 32, 64, 128};
+typedef int16_t shorts8 __attribute__((vector_size(16), aligned(2))); /* 8 half-precision values' bits */
+static const shorts8 SHORT_PLACES = {1, 2, 4, 8, 16, 32, 64, 128};
 
 /* What a packing kernel reads (float32 values, or a bool tensor's bytes) and writes. */
 typedef struct {
@@ -111,13 +113,18 @@ static int mask_bits_bytes(const void *arguments, int64_t first, int64_t last) {
     const mask_bits_args *args = (const mask_bits_args *)arguments;
     const int64_t end = 8 * last < args->count ? 8 * last : args->count;
     switch (args->width) {
-    case 2: {
+    case 2: { /* 8 elements a byte, as one vector: all bits kept where the element's bit is clear, none where set */
         const int16_t *error = (const int16_t *)args->error;
         int16_t *out = (int16_t *)args->out;
-        MASK_BITS_SCALAR(int16_t, 8 * first, end)
+        int64_t j = first;
+        for (; j < last && 8 * j + 8 <= args->count; j++) {
+            const shorts8 kept = (((shorts8){0} + args->bits[j]) & SHORT_PLACES) == 0;
+            *(shorts8 *)(out + 8 * j) = *(const shorts8 *)(error + 8 * j) & kept;
+        }
+        MASK_BITS_SCALAR(int16_t, 8 * j, end)
         return 0;
     }
-    case 4: { /* 8 elements a byte, as one vector: all bits kept where the element's bit is clear, none where set */
+    case 4: { /* as case 2, with 32-bit elements */
         const int32_t *error = (const int32_t *)args->error;
         int32_t *out = (int32_t *)args->out;
         int64_t j = first;
