@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from hf_cpt.numerics import code_kernels, error_kernels, mask_kernels, native
-from hf_cpt.numerics.rotation import _rotate_native, get_rotation
+from hf_cpt.numerics.rotation import get_rotation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -46,7 +46,7 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
     values = torch.empty_like(x)
     codes = code_kernels.quantize_codes_native(x, low, scale, levels, False)[0]
     seed = torch.tensor(7)
-    errors = {name: error_kernels._native_kernel(granularity, grid)
+    errors = {name: error_kernels.fused_kernel(torch.device("cpu"), granularity, grid)
               for name, (granularity, grid) in {"token": ("token", "minmax"), "zero": ("token", "symmetric"),
                                                 "tensor": ("tensor", "minmax")}.items()}
     into_values = lambda shape, dtype: values  # noqa: E731  (the kernels' ``out``: a buffer reused as in training)
@@ -75,7 +75,7 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
         rotation = get_rotation(features)
         rows = torch.randn(TOKENS * FEATURES // features, features, generator=generator)
         cases.append((f"rotation of {features} features", "rotation", rows,
-                      lambda r=rotation, t=rows: _rotate_native(t, False, r.signs, r.factors, r.kinds, in_place=True)))
+                      lambda r=rotation, t=rows: r.apply(t, in_place=True)))
     return cases
 
 

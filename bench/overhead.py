@@ -816,17 +816,16 @@ def main() -> None:
                               args.compare_threads and case.target is not None,
                               args.compare_recompute and key in memory_kinds,
                               args.compare_resident and case.target is not None)
-            case = CaseInfo(case.name, case.target, case.memory_target)
             rows.append({"key": key, "case": case.name, "target": case.target, **result})
-        else:
+            if key in memory_kinds:
+                rows[-1]["memory_target"] = case.memory_target
+            del case  # its models and optimizer states: the fresh processes below need the memory
+        else:  # the child's row, its memory target included
             rows.append(_timed_in_fresh_process(key, args))
-            case = CaseInfo(rows[-1]["case"], rows[-1]["target"], rows[-1].get("memory_target", 1.0))
-            result = rows[-1]
-        if key in memory_kinds:
-            rows[-1]["memory_target"] = case.memory_target
-        ok = "-" if case.target is None else "yes" if result["ratio"] <= case.target else "NO"
-        target = "anchor" if case.target is None else f"{case.target:.2f}"
-        print(f"{case.name:<44}{result['plain_ms']:>10.1f}{result['quant_ms']:>10.1f}{result['ratio']:>8.3f}"
+        result = rows[-1]
+        ok = "-" if result["target"] is None else "yes" if result["ratio"] <= result["target"] else "NO"
+        target = "anchor" if result["target"] is None else f"{result['target']:.2f}"
+        print(f"{result['case']:<44}{result['plain_ms']:>10.1f}{result['quant_ms']:>10.1f}{result['ratio']:>8.3f}"
               f"{result['paired']:>8.3f}{target:>8}  {ok:<4}{result['warmup_s']:>10.2f}", flush=True)
         if "compiled_kernel_ratio" in result:
             print(f"{'  same, torch.compile error kernel':<44}{'':>10}{'':>10}{result['compiled_kernel_ratio']:>8.3f}")
@@ -842,8 +841,8 @@ def main() -> None:
                   f"{result['kept_inputs_ratio']:>8.3f}")
         if "resident_ratio" in result:
             print(f"{'  same, reused buffers kept resident':<44}{'':>10}{'':>10}{result['resident_ratio']:>8.3f}")
-        memory_target = case.memory_target
-        _release_freed_memory()  # the case's models and optimizer states: the fresh processes below need the memory
+        memory_target = result.get("memory_target")
+        _release_freed_memory()
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             # the ⊘ arm: every activation and dropout keeping what autograd's keeps
@@ -909,14 +908,6 @@ def main() -> None:
     if args.output:
         write()
         print(f"results: {args.output}")
-
-
-@dataclass
-class CaseInfo:
-    """What the table says of a case beside its figures."""
-    name: str
-    target: float | None
-    memory_target: float
 
 
 def _timed_in_fresh_process(key: str, args: argparse.Namespace) -> dict:

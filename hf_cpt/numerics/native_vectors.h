@@ -1,9 +1,9 @@
 /* What the package's C kernels share for their arithmetic: vector types and the bounds of a row of floats (how
  * they split work over threads: native_threads.h).
  *
- * GCC / clang vector extensions: `vec` is 16 floats, one AVX-512 register or two AVX2 ones, which the compiler
- * splits for the target; `lanes` is one register's width. Included by error_kernels.c, code_kernels.c and
- * rotation_kernels.c; native.py keys each built library on this file too, so a change here rebuilds them all.
+ * GCC / clang vector extensions: `lanes` is one register of the target, 16 floats with AVX-512, else 8. Included by
+ * error_kernels.c, code_kernels.c and rotation_kernels.c; native.py keys each built library on this file too, so a
+ * change here rebuilds them all.
  */
 #ifndef HF_CPT_NATIVE_VECTORS_H
 #define HF_CPT_NATIVE_VECTORS_H
@@ -11,13 +11,10 @@
 #include <math.h>
 #include <stdint.h>
 
-typedef float vec __attribute__((vector_size(64)));
-typedef float unaligned_vec __attribute__((vector_size(64), aligned(4)));
-
-/* The target's own vector width, for loops that keep several vectors in registers or compare them: there a 16-float
- * vector on AVX2 (two registers each) spills, and GCC lowers a comparison of two into scalar code: a product and a
- * row's bounds ran several times slower than with 8-float vectors (docs/method.md §2, "Codes in one pass", and §3,
- * "Rotation"). */
+/* The target's own vector width: a wider vector (16 floats on AVX2, two registers each) spills in loops that keep
+ * several of them in registers, and GCC lowers a comparison of two into scalar code: a product and a row's bounds ran
+ * several times slower with 16-float vectors on AVX2 than with 8-float ones (docs/method.md §2, "Codes in one pass",
+ * and §3, "Rotation"). */
 #ifdef __AVX512F__
 #define LANES 16
 #else

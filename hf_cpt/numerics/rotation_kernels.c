@@ -26,37 +26,43 @@ typedef struct {
 /* One butterfly stage of distance h inside each vector: (a, b) -> (a + b, a - b) as swap(v) + v * (+1 | -1). */
 #define STAGE(v, sign, ...) (__builtin_shufflevector(v, v, __VA_ARGS__) + (v) * (sign))
 
+/* The butterfly stages of distance h, 2h, ... across registers of the `count` registers at `v`: (a, b) -> (a + b,
+ * a - b) between register j and register j + h. */
+static void register_stages(unaligned_lanes *v, int64_t count, int64_t h) {
+    for (; h < count; h <<= 1) {
+        for (int64_t i = 0; i < count; i += h << 1) {
+            for (int64_t j = i; j < i + h; j++) {
+                const lanes a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+        }
+    }
+}
+
 #if LANES == 16
-static const vec SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
-static const vec SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
-static const vec SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
-static const vec SIGN8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+static const lanes SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+static const lanes SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+static const lanes SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+static const lanes SIGN8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
 
 /* The unnormalized fast Walsh-Hadamard transform of `power` (a multiple of 16) values of `source`, each times
  * `signs` first when given, into `target` (which may be `source`): four stages inside each 16-float register, the
  * rest across registers. */
 static void walsh_hadamard(const float *source, const float *signs, float *target, int64_t power) {
-    const unaligned_vec *s = (const unaligned_vec *)source;
-    const unaligned_vec *sign = (const unaligned_vec *)signs;
-    unaligned_vec *v = (unaligned_vec *)target;
+    const unaligned_lanes *s = (const unaligned_lanes *)source;
+    const unaligned_lanes *sign = (const unaligned_lanes *)signs;
+    unaligned_lanes *v = (unaligned_lanes *)target;
     const int64_t count = power / 16;
     for (int64_t i = 0; i < count; i++) {
-        vec w = signs ? s[i] * sign[i] : s[i];
+        lanes w = signs ? s[i] * sign[i] : s[i];
         w = STAGE(w, SIGN1, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
         w = STAGE(w, SIGN2, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
         w = STAGE(w, SIGN4, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
         w = STAGE(w, SIGN8, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
         v[i] = w;
     }
-    for (int64_t h = 1; h < count; h <<= 1) {
-        for (int64_t i = 0; i < count; i += h << 1) {
-            for (int64_t j = i; j < i + h; j++) {
-                const vec a = v[j], b = v[j + h];
-                v[j] = a + b;
-                v[j + h] = a - b;
-            }
-        }
-    }
+    register_stages(v, count, 1);
 }
 #else
 static const lanes SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1};
@@ -70,8 +76,8 @@ static inline lanes in_register_stages(lanes w) {
 }
 
 /* As above with 8-float registers (AVX2): three stages inside each register, the fourth between a pair of them,
- * the rest across registers two stages a pass (the same additions in the same order: the same values as the
- * 16-float form, about twice as fast on AVX2 as that form split by the compiler). */
+ * then across registers two stages a pass while two remain, and the last one alone (the same additions in the same
+ * order: the same values as the 16-float form, about twice as fast on AVX2 as that form split by the compiler). */
 static void walsh_hadamard(const float *source, const float *signs, float *target, int64_t power) {
     const unaligned_lanes *s = (const unaligned_lanes *)source;
     const unaligned_lanes *sign = (const unaligned_lanes *)signs;
@@ -96,15 +102,7 @@ static void walsh_hadamard(const float *source, const float *signs, float *targe
             }
         }
     }
-    for (; h < count; h <<= 1) {
-        for (int64_t i = 0; i < count; i += h << 1) {
-            for (int64_t j = i; j < i + h; j++) {
-                const lanes a = v[j], b = v[j + h];
-                v[j] = a + b;
-                v[j + h] = a - b;
-            }
-        }
-    }
+    register_stages(v, count, h);
 }
 #endif
 
@@ -174,9 +172,9 @@ static int rotate_rows(const void *args, int64_t first_row, int64_t last_row) {
         if (a->lead) {
             lead_product(t, y, coefficients, n, power, norm, after);
         } else {
-            const unaligned_vec *sign = (const unaligned_vec *)after;
-            unaligned_vec *v = (unaligned_vec *)y;
-            for (int64_t k = 0; k < d / 16; k++) v[k] = after ? v[k] * norm * sign[k] : v[k] * norm;
+            const unaligned_lanes *sign = (const unaligned_lanes *)after;
+            unaligned_lanes *v = (unaligned_lanes *)y;
+            for (int64_t k = 0; k < d / LANES; k++) v[k] = after ? v[k] * norm * sign[k] : v[k] * norm;
         }
     }
     free(t);
