@@ -292,7 +292,8 @@ def overhead_summary(overhead: dict) -> list[str]:
                            f"{row['kept_inputs_saved_mib'] / row['plain_saved_mib']:.3f} ⊘")
         anchor = row["target"] is None  # another implementation's overhead on the same layer
         ok = "" if anchor or row["ratio"] <= row["target"] else " (missed)"
-        compiled = f" ({row['compiled_kernel_ratio']:.3f} ¶)" if "compiled_kernel_ratio" in row else ""
+        compiled = f" ({row['paired']:.3f} ⇄)" if "paired" in row else ""
+        compiled += f" ({row['compiled_kernel_ratio']:.3f} ¶)" if "compiled_kernel_ratio" in row else ""
         compiled += f" ({row['float_product_ratio']:.3f} ∥)" if "float_product_ratio" in row else ""
         compiled += f" ({row['torch_formula_ratio']:.3f} ※)" if "torch_formula_ratio" in row else ""
         compiled += f" ({row['one_thread_ratio']:.3f} ⁑)" if "one_thread_ratio" in row else ""
@@ -311,6 +312,10 @@ def overhead_summary(overhead: dict) -> list[str]:
         lines += ["", f"Peak memory: the median VmHWM of {', '.join(map(str, sorted(processes)))} fresh processes per "
                   "side, interleaved (where glibc places each block, and so which freed holes of its heap stay "
                   f"resident, varies from one process to the next); ‡ and § one process each.{settled}"]
+    if any("paired" in row for row in overhead["rows"]):
+        lines += ["", "⇄ the median of the per-repeat ratios (each repeat times the two sides back to back): where the "
+                  "machine's speed drifts within a run, it parts from the ratio of the two medians, on which the "
+                  "target is judged."]
     if any("memory_ratio_fixed_mmap" in row for row in overhead["rows"]):
         lines += ["", "‡ the same two processes with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=131072`): "
                   "freed large blocks go back to the system, so the peak follows the memory alive rather than the "

@@ -401,7 +401,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     row.update(plain_peak_mib=100.0, quant_peak_mib=95.0, memory_ratio=0.95, memory_target=0.9,
                memory_ratio_fixed_mmap=0.85, memory_ratio_eager_errors=0.8, ratio=1.2, compiled_kernel_ratio=1.234,
                plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4, torch_formula_ratio=1.1,
-               one_thread_ratio=1.3, plain_peaks_mib=[100.0, 101.0, 99.0], quant_peaks_mib=[95.0, 94.0, 97.0])
+               one_thread_ratio=1.3, plain_peaks_mib=[100.0, 101.0, 99.0], quant_peaks_mib=[95.0, 94.0, 97.0],
+               paired=1.15)
     overhead["integer_products"] = True
     overhead["startup"] = {"first_step_kind": "minilm", "processes": 3, "first_step_s": 4.0, "second_step_s": 3.0,
                            "first_step_extra_s": 1.0, "first_step_extras_s": [1.0, 2.5, 0.5],
@@ -414,7 +415,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     assert "◊ what one training forward keeps for its backward" in table
     assert "Peak memory: the median VmHWM of 3 fresh processes per side, interleaved" in table
     assert "MALLOC_MMAP_THRESHOLD_=131072" in table and "§ as ‡, with the eager error quantizer" in table
-    assert "| 1.200 (1.234 ¶) (1.400 ∥) (1.100 ※) (1.300 ⁑) | 1.50 |" in table
+    assert "| 1.200 (1.150 ⇄) (1.234 ¶) (1.400 ∥) (1.100 ※) (1.300 ⁑) | 1.50 |" in table
+    assert "⇄ the median of the per-repeat ratios" in table
     assert "⁑ the same quantized step with each C kernel on one thread of its own" in table
     assert "※ the same quantized step with the torch formulas instead of the C kernels" in table
     assert "¶ the same quantized step with the `torch.compile`" in table
