@@ -1,5 +1,6 @@
 import copy
 import io
+import weakref
 
 import pytest
 import torch
@@ -652,8 +653,11 @@ def test_reused_buffers_are_handed_back_once_no_quantized_product_awaits_its_bac
     backward has run (`scratch.hand_back`): before the layers in full precision under them (GPT-2's embeddings), and
     after every graph alive, so two forwards summed into one loss hand them back once. A graph freed without a
     backward does not hold the next one's hand-back back."""
+    from hf_cpt.nn import products
     from hf_cpt.numerics import scratch
 
+    # Graphs an earlier test on this worker keeps alive unrun would await their backward: this test's own set.
+    monkeypatch.setattr(products, "_awaiting_backward", weakref.WeakSet())
     torch.manual_seed(0)
     quantized, x = _two_layers("linear")
     model = nn.Sequential(nn.Linear(256, 256), quantized)  # a full-precision layer first: its backward comes last

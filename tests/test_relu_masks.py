@@ -12,7 +12,7 @@ from torch import nn
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
 from hf_cpt.nn.precision import PrecisionState
-from hf_cpt.nn.relu_masks import hand_over_input, kept_output_of, relu_handing_over
+from hf_cpt.nn.relu_masks import FunctionalReLUs, hand_over_input, kept_output_of, relu_handing_over
 from hf_cpt.numerics import mask_kernels
 
 HANDING_OVER = "_ReLUHandingOverBackward"
@@ -290,6 +290,24 @@ def test_relus_called_as_functions_keep_masks_from_the_first_step_bit_for_bit():
     assert plain_names == [["ReluBackward0"] * 5] * 3 and not plain.convs[0].cpt_precision.functional_relus
     for got, want in zip(gradients, expected):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_relu_functions_mode_catches_the_models_calls_and_none_of_a_quantized_layers_own(monkeypatch):
+    """`FunctionalReLUs` sees the model's ReLU calls, and none of the calls a quantized layer's forward makes (its
+    product, ranges and codes), each of which would otherwise pass through the mode's Python handler."""
+    seen = []
+    handler = FunctionalReLUs.__torch_function__
+
+    def recording(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return handler(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(FunctionalReLUs, "__torch_function__", recording)
+    model, names, _ = _functional_steps(True, steps=2)
+    assert names == [[HANDING_OVER] * 5] * 2  # the mode was on and caught every ReLU
+    assert {torch.relu, nn.functional.relu, torch.Tensor.relu, torch.relu_} <= set(seen)
+    assert nn.functional.batch_norm in seen  # the model's own calls between the layers pass through it
+    assert nn.functional.conv2d not in seen and torch.Tensor.detach not in seen  # the layers' calls do not
 
 
 def test_a_first_forward_that_runs_autograds_relus_turns_the_masks_on_from_the_next():

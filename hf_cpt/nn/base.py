@@ -30,6 +30,7 @@ from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PrecisionState
 from .products import WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input, quantized_input
+from .relu_masks import outside_functional_relus
 
 
 def input_features(layer: nn.Module) -> int:
@@ -230,6 +231,10 @@ class QuantLayerMixin:
         self.__dict__["_act_range_initialized"] = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with outside_functional_relus():  # a model's ReLU functions are caught around the layer, not in it
+            return self._quantized_forward(x)
+
+    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         precision = self.cpt_precision
         bits = self.forward_bits()
         quantize_backward = (

@@ -24,6 +24,7 @@ quantized layer (`hand_over_input`), and the hooks come off where none did.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import weakref
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
 from ..numerics.mask_kernels import masked, masked_bits, pack_nonpositive
 from .saved import same_view, saved_as_is
@@ -190,6 +191,15 @@ class FunctionalReLUs(TorchFunctionMode):
                     inplace = bool(args[1] if len(args) > 1 else kwargs.get("inplace", False))
                 return relu_handing_over(x, inplace, functional=True)
         return func(*args, **kwargs)
+
+
+def outside_functional_relus() -> contextlib.AbstractContextManager:
+    """A context with `FunctionalReLUs` off where it is the innermost torch-function mode: for a quantized layer's
+    forward, which calls no ReLU and whose own tensor calls would each pass through the mode's Python handler
+    (about three thousand in a CIFAR ResNet-20 training forward)."""
+    if torch.compiler.is_compiling() or not isinstance(_get_current_function_mode(), FunctionalReLUs):
+        return contextlib.nullcontext()
+    return _pop_mode_temporarily()
 
 
 class FunctionalReLUScope:
