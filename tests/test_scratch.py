@@ -82,6 +82,21 @@ def _resident_kib(pointer: int) -> int:
     return int(_mapping_field(pointer, "Rss").split()[0])
 
 
+def _resident_kib_of(*pointers: int) -> int:
+    """Resident KiB of the mappings that hold ``pointers``, each counted once (the kernel merges adjacent anonymous
+    mappings of the same flags into one area, whichever thread made them)."""
+    areas = {}
+    with open("/proc/self/smaps") as f:
+        low = high = None
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+            elif head == "Rss:" and any(low <= pointer < high for pointer in pointers):
+                areas[low] = int(line.split()[1])
+    return sum(areas.values())
+
+
 @pytest.mark.skipif(not scratch.huge_pages(), reason="needs transparent huge pages (Linux)")
 def test_handed_back_buffers_leave_the_resident_set_read_as_zeros_and_serve_again():
     error = scratch.take("error", (1024, 1024), torch.float32)
@@ -89,16 +104,18 @@ def test_handed_back_buffers_leave_the_resident_set_read_as_zeros_and_serve_agai
     assert "hg" in _mapping_field(error.data_ptr(), "VmFlags").split()  # asked for huge pages
     error.fill_(1.0)
     kept.fill_(1.0)
-    before = _resident_kib(error.data_ptr()) + _resident_kib(kept.data_ptr())  # one area, if the kernel merged them
-    assert before >= 4096
     others = []
     thread = threading.Thread(target=lambda: others.append(scratch.take("error", (1024, 1024), torch.float32)))
     thread.start()
     thread.join()
     others[0].fill_(2.0)  # another thread's buffer: not this thread's to hand back
+    pointers = (error.data_ptr(), kept.data_ptr(), others[0].data_ptr())
+    before = _resident_kib_of(*pointers)
+    assert before >= 3 * 4096 - 64
     scratch.hand_back()
-    after = _resident_kib(error.data_ptr()) + _resident_kib(kept.data_ptr())
+    after = _resident_kib_of(*pointers)
     assert before - after >= 2 * 4096 - 64  # both roles' pages went (KiB; the mappings' own pages aside)
+    assert after >= 4096 - 64  # the other thread's stayed
     assert error.eq(0.0).all() and kept.eq(0.0).all()
     assert others[0].eq(2.0).all()
     again = scratch.take("error", (1024, 1024), torch.float32)
