@@ -64,18 +64,27 @@ def test_a_forked_child_writes_its_own_copy_of_the_pages():
     assert buffer.tolist() == [2.0, 2.0, 2.0, 2.0]
 
 
-def _mapping_field(pointer: int, field: str) -> str:
-    """A field of /proc/self/smaps for the mapping that holds address ``pointer``."""
-    inside = False
+def _mapping(pointer: int) -> tuple[int, dict[str, str]]:
+    """(the start address, the fields) of the /proc/self/smaps entry for the mapping that holds address ``pointer``."""
+    start, fields = None, {}
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
+                if start is not None:
+                    break
                 low, high = (int(part, 16) for part in head.split("-"))
-                inside = low <= pointer < high
-            elif inside and head == f"{field}:":
-                return line.split(":", 1)[1].strip()
-    raise AssertionError("no mapping holds the buffer")
+                start = low if low <= pointer < high else None
+            elif start is not None:
+                fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    if start is None:
+        raise AssertionError("no mapping holds the buffer")
+    return start, fields
+
+
+def _mapping_field(pointer: int, field: str) -> str:
+    """A field of /proc/self/smaps for the mapping that holds address ``pointer``."""
+    return _mapping(pointer)[1][field]
 
 
 def _resident_kib(pointer: int) -> int:
@@ -85,16 +94,8 @@ def _resident_kib(pointer: int) -> int:
 def _resident_kib_of(*pointers: int) -> int:
     """Resident KiB of the mappings that hold ``pointers``, each counted once (the kernel merges adjacent anonymous
     mappings of the same flags into one area, whichever thread made them)."""
-    areas = {}
-    with open("/proc/self/smaps") as f:
-        low = high = None
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(part, 16) for part in head.split("-"))
-            elif head == "Rss:" and any(low <= pointer < high for pointer in pointers):
-                areas[low] = int(line.split()[1])
-    return sum(areas.values())
+    areas = dict(_mapping(pointer) for pointer in pointers)
+    return sum(int(fields["Rss"].split()[0]) for fields in areas.values())
 
 
 @pytest.mark.skipif(not scratch.huge_pages(), reason="needs transparent huge pages (Linux)")
