@@ -194,18 +194,22 @@ def peak_phases_section(phases: dict) -> list[str]:
         resident += "each backward"
     lines = [f"`{phases['command']}` ({machine}peak resident MiB of each phase of a training step, the highest over "
              f"{phases['steps']} steps after a first one; a fresh process per side and allocator; reused buffers: "
-             f"the MiB the quantized layers' reused buffers map, {resident}):", "",
+             f"the MiB the quantized layers' reused buffers map, {resident}; a heap trim is `malloc_trim(0)`, the "
+             "same policy on both sides, applied by the bench, not by hf_cpt; s a step: the process's median, "
+             "processes run one after another, not interleaved, so an indication only):", "",
              "| case | allocator | side | forward | backward | optimizer step | CPT / plain, step peak "
-             "| reused buffers |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             "| reused buffers | s a step |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in phases["rows"]:
         for allocator, sides in row["peaks"].items():
             ratio = max(sides["quant"].values()) / max(sides["plain"].values())
+            seconds = row.get("step_seconds", {}).get(allocator, {})  # not recorded before 2026-11-29
             for side, label in (("plain", "plain"), ("quant", "CPT 8/8")):
                 top = max(sides[side].values())
                 cells = [f"**{mib:,.0f}**" if mib == top else f"{mib:,.0f}" for mib in sides[side].values()]
                 last = [f"{ratio:.3f}", f"{row['reused_buffers_mib']:.0f}" if "reused_buffers_mib" in row else "-"]
                 cells += last if side == "quant" else ["", ""]
+                cells.append(f"{seconds[side]:.2f}" if side in seconds else "-")
                 lines.append(f"| {row['key']} | {allocator} | {label} | " + " | ".join(cells) + " |")
     return lines
 

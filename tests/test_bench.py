@@ -785,13 +785,61 @@ def test_peak_phases_reset_the_peak_between_phases_and_the_report_marks_the_step
 
     plain = {"forward": 100.0, "backward": 150.0, "optimizer step": 120.0}
     quant = {"forward": 90.0, "backward": 110.0, "optimizer step": 135.0}
+    trimmed = "default glibc, heap trimmed after each backward"
     lines = _load_report().peak_phases_section(
         {"command": "python bench/peak_phases.py", "steps": 5, "huge_pages": True,
-         "rows": [{"key": "bert", "peaks": {"default glibc": {"plain": plain, "quant": quant}},
-                   "reused_buffers_mib": 66.4}]})
+         "rows": [{"key": "bert", "peaks": {"default glibc": {"plain": plain, "quant": quant},
+                                            trimmed: {"plain": quant, "quant": plain}},
+                   "step_seconds": {trimmed: {"plain": 1.234, "quant": 2.5}}, "reused_buffers_mib": 66.4}]})
     assert "resident until the last quantized layer of each backward is done, then handed back" in lines[0]
-    assert lines[-2] == "| bert | default glibc | plain | 100 | **150** | 120 |  |  |"
-    assert lines[-1] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 | 66 |"
+    assert lines[-4] == "| bert | default glibc | plain | 100 | **150** | 120 |  |  | - |"
+    assert lines[-3] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 | 66 | - |"
+    assert lines[-2] == f"| bert | {trimmed} | plain | 90 | 110 | **135** |  |  | 1.23 |"
+    assert lines[-1] == f"| bert | {trimmed} | CPT 8/8 | 100 | **150** | 120 | 1.111 | 66 | 2.50 |"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_peak_phases_trims_hand_the_heaps_free_pages_back_and_refuse_an_unknown_place():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import peak_phases
+
+    with pytest.raises(ValueError, match="trim must be"):
+        peak_phases.phase_peaks(_KeepsABigTensor(), {"x": torch.zeros(())}, steps=1, trim="optimizer")
+    try:
+        peak_phases.trim_heap()
+    except RuntimeError:
+        pytest.skip("this C library has no malloc_trim")
+    # 64 MiB of 64 KiB blocks (below glibc's mmap threshold: in the heap), every other one freed: resident holes
+    blocks = [torch.ones(16 * 1024) for _ in range(1024)]
+    del blocks[::2]
+    before = _resident_mib()
+    peak_phases.trim_heap()
+    assert before - _resident_mib() > 16  # most of the 32 MiB of holes went back
+
+    seconds = []
+    calls = []
+    layer = torch.nn.Linear(4, 4)
+    with peak_phases.trimmed_before_products():
+        original, peak_phases.trim_heap = peak_phases.trim_heap, lambda: calls.append(1)
+        try:
+            peak_phases.phase_peaks(_LinearLoss(layer), {"x": torch.zeros(2, 4)}, steps=2, step_seconds=seconds)
+        finally:
+            peak_phases.trim_heap = original
+    assert len(calls) == 3 and len(seconds) == 2  # one Linear forward in each of the 3 steps; the 2 after the first
+
+
+class _LinearLoss(torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"loss": self.layer(x).sum()}
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a_missed_target(tmp_path):
