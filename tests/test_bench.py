@@ -799,7 +799,7 @@ def test_peak_phases_reset_the_peak_between_phases_and_the_report_marks_the_step
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-def test_peak_phases_trims_hand_the_heaps_free_pages_back_and_refuse_an_unknown_place():
+def test_peak_phases_trims_hand_the_heaps_free_pages_back_where_asked_and_refuse_an_unknown_place(monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import peak_phases
 
@@ -816,25 +816,25 @@ def test_peak_phases_trims_hand_the_heaps_free_pages_back_and_refuse_an_unknown_
     peak_phases.trim_heap()
     assert before - _resident_mib() > 16  # most of the 32 MiB of holes went back
 
-    seconds = []
     calls = []
-    layer = torch.nn.Linear(4, 4)
-    with peak_phases.trimmed_before_products():
-        original, peak_phases.trim_heap = peak_phases.trim_heap, lambda: calls.append(1)
-        try:
-            peak_phases.phase_peaks(_LinearLoss(layer), {"x": torch.zeros(2, 4)}, steps=2, step_seconds=seconds)
-        finally:
-            peak_phases.trim_heap = original
-    assert len(calls) == 3 and len(seconds) == 2  # one Linear forward in each of the 3 steps; the 2 after the first
+    monkeypatch.setattr(peak_phases, "trim_heap", lambda: calls.append(1))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    for trim, expected in ((None, 0), ("backward", 3), ("products", 6)):  # 3 steps: 1 backward, 2 Linears each
+        calls.clear()
+        seconds = []
+        peak_phases.phase_peaks(_LinearLoss(model), {"x": torch.zeros(2, 4)}, steps=2, trim=trim,
+                                step_seconds=seconds)
+        assert len(calls) == expected, trim
+        assert len(seconds) == 2 and all(s > 0 for s in seconds)  # the steps after the first
 
 
 class _LinearLoss(torch.nn.Module):
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        self.layer = layer
+        self.model = model
 
     def forward(self, x: torch.Tensor) -> dict:
-        return {"loss": self.layer(x).sum()}
+        return {"loss": self.model(x).sum()}
 
 
 def _resident_mib() -> float:
