@@ -12,6 +12,7 @@ from transformers.pytorch_utils import Conv1D
 from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
 from hf_cpt.nn.layers import QuantConv1D, QuantConv2d, QuantLinear
 from hf_cpt.numerics.errors import quantize_error_eager
+from hf_cpt.utils import ConfigError
 
 # The CPT paper's scheme (per-tensor running ranges, no rotation): bit-exact to the published quantizer.
 PAPER = CPTConfig(quant_scheme="paper")
@@ -684,6 +685,37 @@ def test_reused_buffers_are_handed_back_once_no_quantized_product_awaits_its_bac
     checkpoint(model[1], model[0](x), use_reentrant=False).sum().backward()
     assert events == ["handed back", "full-precision layer's gradient"]
     scratch.release()
+
+
+def test_hand_back_buffers_false_never_hands_the_reused_buffers_back_and_changes_no_gradient(monkeypatch):
+    """``CPTConfig(hand_back_buffers=False)``: no pass hands the buffers back (`scratch.hand_back` is never called;
+    the buffers stay mapped either way), and the gradients are those of the default, bit for bit; a non-bool is
+    refused."""
+    from hf_cpt.nn import products
+    from hf_cpt.numerics import scratch
+
+    with pytest.raises(ConfigError, match="hand_back_buffers"):
+        CPTConfig(hand_back_buffers="no")
+    monkeypatch.setattr(products, "_awaiting_backward", weakref.WeakSet())
+    handed_back = []
+    hand_back = scratch.hand_back
+    monkeypatch.setattr(scratch, "hand_back", lambda: handed_back.append(1) or hand_back())
+    gradients = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model, x = _two_layers("linear")
+        quantize_model(model, CPTConfig(hand_back_buffers=not keep))
+        set_precision(model, 6, 8)
+        handed_back.clear()
+        for _ in range(2):
+            model.zero_grad()
+            model(x).square().sum().backward()
+        assert len(handed_back) == (0 if keep else 2)
+        assert scratch.held_bytes() > 0  # the buffers stay mapped either way
+        gradients[keep] = [p.grad.clone() for p in model.parameters()]
+        scratch.release()
+    for kept, handed in zip(gradients[True], gradients[False]):
+        assert torch.equal(kept, handed)
 
 
 class _Siblings(nn.Module):

@@ -214,10 +214,18 @@ class ActivationConfig:
         "less (docs/method.md §2)."
     )
 
+    hand_back_buffers: bool = setting(
+        True,
+        "In CPU training, once a backward pass is past its last quantized layer, the pages of the layers' reused "
+        "buffers go back to the system until the next pass writes them: a lower peak where the step peaks after that "
+        "point (the optimizer step, a last embedding gradient), at the time it takes to fault them in again, which "
+        "some virtual machines make several percent of a small model's step (docs/benchmarks.md)."
+    )
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
-        for name in ("recompute_activation_inputs", "relu_masks", "dropout_masks"):
+        for name in ("recompute_activation_inputs", "relu_masks", "dropout_masks", "hand_back_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
         if self.integer_matmul not in (True, False, "auto"):

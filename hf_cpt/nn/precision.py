@@ -30,6 +30,7 @@ class PrecisionState:
         recompute_activation_inputs: bool = True,
         relu_masks: bool = True,
         dropout_masks: bool = True,
+        hand_back_buffers: bool = True,
     ) -> None:
         self.bits = torch.zeros(())
         self.compact_codes = False
@@ -62,6 +63,8 @@ class PrecisionState:
         self.functional_relu_scope = None  # those hooks (`quantize_model` makes them)
         # CPU training dropout keeps a bool mask, not a float32 one (`hf_cpt.nn.dropout_masks`).
         self.dropout_masks = dropout_masks
+        # The reused buffers' pages go back to the system after each backward pass (`hf_cpt.nn.products`).
+        self.hand_back_buffers = hand_back_buffers
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
@@ -78,7 +81,7 @@ class PrecisionState:
         return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors,
                    getattr(settings, "integer_matmul", "auto"),  # a checkpoint's settings store neither
                    getattr(settings, "recompute_activation_inputs", True), getattr(settings, "relu_masks", True),
-                   getattr(settings, "dropout_masks", True))
+                   getattr(settings, "dropout_masks", True), getattr(settings, "hand_back_buffers", True))
 
     def on_device(self, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """``bits`` (one of the 0-d bit-width tensors, kept on the CPU) on ``device``, for the layers there.

@@ -224,13 +224,13 @@ _awaiting_backward: weakref.WeakSet = weakref.WeakSet()
 
 def _backward_ran(ctx) -> None:
     """After a quantized product's backward: once no product made on this CPU awaits its backward, the pass has
-    reached its last quantized layer, and the reused buffers' pages go back to the system (`scratch.hand_back`).
-    What the backward does after it (an embedding's gradient, the largest of GPT-2's, comes last) and the optimizer
-    step then run without them resident; the next forward faults them in again (docs/method.md §2, "Reused
-    buffers")."""
+    reached its last quantized layer, and the reused buffers' pages go back to the system (`scratch.hand_back`) unless
+    the layer's settings keep them (``CPTConfig.hand_back_buffers=False``). What the backward does after it (an
+    embedding's gradient, the largest of GPT-2's, comes last) and the optimizer step then run without them resident;
+    the next forward faults them in again (docs/method.md §2, "Reused buffers")."""
     if ctx in _awaiting_backward:
         _awaiting_backward.discard(ctx)
-        if not _awaiting_backward:
+        if not _awaiting_backward and ctx.layer.cpt_precision.hand_back_buffers:
             scratch.hand_back()
 
 
