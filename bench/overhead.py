@@ -554,7 +554,8 @@ def with_kept_activation_inputs(step: Step) -> Step:
 
 def with_resident_buffers(step: Step) -> Step:
     """``step`` with the quantized layers' reused buffers kept resident between passes (`scratch.hand_back`
-    declining), as where the kernel has no transparent huge pages."""
+    declining): what ``CPTConfig(hand_back_buffers=False)`` does, and where the kernel has no transparent huge pages,
+    without a second copy of the model."""
     def run():
         original = scratch.hand_back
         scratch.hand_back = lambda: None
@@ -674,7 +675,7 @@ def main() -> None:
                         "dropout_masks=False)")
     parser.add_argument("--compare-resident", action="store_true",
                         help="also time each quantized case with its reused buffers kept resident between passes "
-                        "instead of handed back (interleaved with the others)")
+                        "instead of handed back, as hand_back_buffers=False (interleaved with the others)")
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
                         "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
