@@ -14,8 +14,9 @@ A buffer serves one use at a time: whoever takes one reads it before the next ``
 returns it or keeps it. Per thread (autograd runs one backward per device thread); CPU only (an accelerator's
 caching allocator hands out reserved memory without faults). The mappings stay until `release` (the Trainer
 integration calls it when training ends); between passes `hand_back` returns their pages to the system where
-transparent huge pages back them, so that a fault maps 2 MiB and writing them again costs little more than writing
-resident pages. They hold the largest input, weight, rotated weight and error of the quantized layers (what each
+transparent huge pages back them, so that a fault maps 2 MiB: on bare metal little more than writing resident pages,
+on some virtual machines many times more (docs/benchmarks.md, after the hand-back table), so callers may decline to
+hand back. They hold the largest input, weight, rotated weight and error of the quantized layers (what each
 bench model's hold: docs/benchmarks.md, peak-phases table). This module knows nothing about quantization.
 """
 
