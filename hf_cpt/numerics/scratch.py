@@ -14,10 +14,11 @@ A buffer serves one use at a time: whoever takes one reads it before the next ``
 returns it or keeps it. Per thread (autograd runs one backward per device thread); CPU only (an accelerator's
 caching allocator hands out reserved memory without faults). The mappings stay until `release` (the Trainer
 integration calls it when training ends); between passes `hand_back` returns their pages to the system where
-transparent huge pages back them, so that a fault maps 2 MiB: on bare metal little more than writing resident pages,
-on some virtual machines many times more (docs/benchmarks.md, after the hand-back table), so callers may decline to
-hand back. They hold the largest input, weight, rotated weight and error of the quantized layers (what each
-bench model's hold: docs/benchmarks.md, peak-phases table). This module knows nothing about quantization.
+transparent huge pages back them, so that a fault maps 2 MiB. What writing them again then costs depends on the
+machine: on this project's virtual machine, little more than writing resident pages one day and many times more the
+next (docs/benchmarks.md, after the hand-back table), so callers may decline to hand back. They hold the largest
+input, weight, rotated weight and error of the quantized layers (what each bench model's hold: docs/benchmarks.md,
+peak-phases table). This module knows nothing about quantization.
 """
 
 from __future__ import annotations
