@@ -350,8 +350,17 @@ def settled_peak(step: Step, read_peak: Callable[[], float], min_steps: int = MI
 
 def vm_hwm_mib() -> float:
     """This process's own peak resident memory (VmHWM; ru_maxrss would carry a forking parent's over exec)."""
+    return _status_mib("VmHWM")
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (VmRSS)."""
+    return _status_mib("VmRSS")
+
+
+def _status_mib(field: str) -> float:
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:")) / 1024
 
 
 def peak_memory_mib(kind: str, quantized: bool, fused: bool, env: dict | None = None,

@@ -812,9 +812,9 @@ def test_peak_phases_trims_hand_the_heaps_free_pages_back_where_asked_and_refuse
     # 64 MiB of 64 KiB blocks (below glibc's mmap threshold: in the heap), every other one freed: resident holes
     blocks = [torch.ones(16 * 1024) for _ in range(1024)]
     del blocks[::2]
-    before = _resident_mib()
+    before = peak_phases.overhead.resident_mib()
     peak_phases.trim_heap()
-    assert before - _resident_mib() > 16  # most of the 32 MiB of holes went back
+    assert before - peak_phases.overhead.resident_mib() > 16  # most of the 32 MiB of holes went back
 
     calls = []
     monkeypatch.setattr(peak_phases, "trim_heap", lambda: calls.append(1))
@@ -822,24 +822,21 @@ def test_peak_phases_trims_hand_the_heaps_free_pages_back_where_asked_and_refuse
     for trim, expected in ((None, 0), ("backward", 3), ("products", 6)):  # 3 steps: 1 backward, 2 Linears each
         calls.clear()
         seconds = []
-        peak_phases.phase_peaks(_LinearLoss(model), {"x": torch.zeros(2, 4)}, steps=2, trim=trim,
+        peak_phases.phase_peaks(_LossOf(model), {"x": torch.zeros(2, 4)}, steps=2, trim=trim,
                                 step_seconds=seconds)
         assert len(calls) == expected, trim
         assert len(seconds) == 2 and all(s > 0 for s in seconds)  # the steps after the first
 
 
-class _LinearLoss(torch.nn.Module):
+class _LossOf(torch.nn.Module):
+    """A model's summed output as a training loss, in the ``{"loss": ...}`` form the bench's steps read."""
+
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, x: torch.Tensor) -> dict:
         return {"loss": self.model(x).sum()}
-
-
-def _resident_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a_missed_target(tmp_path):
