@@ -32,7 +32,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -374,12 +374,13 @@ def peak_memory_mib(kind: str, quantized: bool, fused: bool, env: dict | None = 
 
 
 def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict | None = None,
-                      other_options: dict | None = None) -> tuple[list[tuple[float, int]], ...]:
+                      other_options: Sequence[dict] = ()) -> tuple[list[tuple[float, int]], ...]:
     """`peak_memory_mib` (peak, steps) of the plain and the quantized side of ``kind`` under the default allocator,
     in ``processes`` fresh processes each, interleaved: where glibc places each block varies from one process to the
-    next, and with it the heap's free holes that stay resident, so one process per side is a noisy figure. With
-    ``other_options``, a third list: the quantized side with those options instead, interleaved with the others."""
-    arms = [(False, options), (True, options)] + ([(True, other_options)] if other_options is not None else [])
+    next, and with it the heap's free holes that stay resident, so one process per side is a noisy figure. Then one
+    list per entry of ``other_options``: the quantized side with those options instead, interleaved with the
+    others."""
+    arms = [(False, options), (True, options)] + [(True, other) for other in other_options]
     peaks: tuple[list[tuple[float, int]], ...] = tuple([] for _ in arms)
     for _ in range(processes):
         for runs, (quantized, arm_options) in zip(peaks, arms):
@@ -684,7 +685,8 @@ def main() -> None:
                         "dropout_masks=False)")
     parser.add_argument("--compare-resident", action="store_true",
                         help="also time each quantized case with its reused buffers kept resident between passes "
-                        "instead of handed back, as hand_back_buffers=False (interleaved with the others)")
+                        "instead of handed back, as hand_back_buffers=False (interleaved with the others), and "
+                        "measure a model case's peak memory that way too")
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
                         "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
@@ -858,9 +860,13 @@ def main() -> None:
             # the ⊘ arm: every activation and dropout keeping what autograd's keeps
             kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False,
                            "dropout_masks": False}
-            other = kept_inputs if args.compare_recompute else None
-            plain_runs, quant_runs, *kept_runs = peak_memories_mib(memory_kinds[key], fused, args.memory_processes,
-                                                                   options, other)
+            # the buffers-resident arm: what `hand_back_buffers=False` keeps between passes
+            resident = {**(options or {}), "hand_back_buffers": False}
+            others = [kept_inputs] * args.compare_recompute + [resident] * args.compare_resident
+            plain_runs, quant_runs, *other_runs = peak_memories_mib(memory_kinds[key], fused, args.memory_processes,
+                                                                    options, others)
+            kept_runs = other_runs[:1] if args.compare_recompute else []
+            resident_runs = other_runs[-1:] if args.compare_resident else []
             plain_peaks, quant_peaks = [p for p, _ in plain_runs], [q for q, _ in quant_runs]
             plain_mib, quant_mib = statistics.median(plain_peaks), statistics.median(quant_peaks)
             print(f"{'  peak memory (MiB, fresh processes, median)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
@@ -898,6 +904,17 @@ def main() -> None:
                 print(f"{'  same, activations and dropouts keep their own':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
                       f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed; kept for backward {kept:.0f} MiB)", flush=True)
                 rows[-1].update(memory_ratio_kept_inputs=peak / fixed[0], kept_inputs_saved_mib=kept)
+            if args.compare_resident:  # what handing the reused buffers back saves
+                resident_peaks = [p for p, _ in resident_runs[0]]
+                resident_mib = statistics.median(resident_peaks)
+                print(f"{'  same, reused buffers kept resident':<44}{plain_mib:>10.0f}{resident_mib:>10.0f}"
+                      f"{resident_mib / plain_mib:>8.3f}  (default glibc, fresh processes interleaved with the above: "
+                      f"{', '.join(f'{p:.0f}' for p in resident_peaks)})", flush=True)
+                peak = peak_memory_mib(memory_kinds[key], True, fused, env=FIXED_MMAP_THRESHOLD, options=resident)[0]
+                print(f"{'  same, reused buffers kept resident':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
+                      f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed)", flush=True)
+                rows[-1].update(memory_ratio_resident_default=resident_mib / plain_mib,
+                                resident_peaks_mib=resident_peaks, memory_ratio_resident=peak / fixed[0])
         write()
     if not args.no_startup and not startup:
         kind = FIRST_STEP_KIND if minilm_path() is not None else "gpt2_small"

@@ -224,12 +224,22 @@ def hand_back_section(results: dict) -> list[str]:
     lines = [f"`{results['command']}` (torch {results['torch']}, {results['threads']} threads, {products}, medians of "
              f"{results['repeats']} interleaved repeats; load average {results['load_average'][0]:.1f} at the start, "
              f"{results['load_average'][1]:.1f} at the end):", "",
-             "| case | plain ms | CPT 8/8 ms, buffers handed back | ratio | CPT 8/8, buffers kept resident: ratio |",
-             "|---|---:|---:|---:|---:|"]
+             "| case | plain ms | CPT 8/8 ms, buffers handed back | time ratio, handed back / kept resident | "
+             "peak memory ratio, handed back / kept resident | the same, mmap threshold fixed |",
+             "|---|---:|---:|---:|---:|---:|"]
     for row in results["rows"]:
         if "resident_ratio" in row:
-            lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} | "
-                         f"{row['resident_ratio']:.3f} |")
+            memory = fixed = "-"
+            if "memory_ratio_resident_default" in row:
+                memory = f"{row['memory_ratio']:.3f} / {row['memory_ratio_resident_default']:.3f}"
+                fixed = f"{row['memory_ratio_fixed_mmap']:.3f} / {row['memory_ratio_resident']:.3f}"
+            lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} / "
+                         f"{row['resident_ratio']:.3f} | {memory} | {fixed} |")
+    processes = {len(row["resident_peaks_mib"]) for row in results["rows"] if "resident_peaks_mib" in row}
+    if processes:
+        lines += ["", f"Peak memory: CPT / plain VmHWM under glibc's default, the median of "
+                  f"{' or '.join(map(str, sorted(processes)))} fresh processes per arm, interleaved; with the mmap "
+                  "threshold fixed, one process each (the README table's rules)."]
     return lines
 
 

@@ -376,8 +376,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     hand_back = report.hand_back_section(overhead)
-    assert hand_back[-1] == (f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} | "
-                             f"{row['resident_ratio']:.3f} |")
+    assert hand_back[-1] == (f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} / "
+                             f"{row['resident_ratio']:.3f} | - | - |")  # a layer case: no peak memory
     # A run on a CPU without int8 dot products renders into docs/benchmarks.md beside the README's table; a run with
     # them is refused there (its place is overhead.json).
     results, docs = tmp_path / "results", tmp_path / "docs"
@@ -444,11 +444,12 @@ def test_peak_memory_is_measured_in_interleaved_fresh_processes(monkeypatch):
     plain, quant = overhead.peak_memories_mib("vit_small", True, processes=3)
     assert calls == [False, True] * 3  # one process per side in turn, so no side always follows the other's load
     assert plain == [(101.0, 3), (103.0, 3), (105.0, 3)] and quant == [(102.0, 3), (104.0, 3), (106.0, 3)]
-    calls.clear()  # a third arm (the ⊘ step under the default allocator) joins the same rotation
+    calls.clear()  # more arms (the ⊘ step, the buffers kept resident) join the same rotation, in the order given
     monkeypatch.setattr(overhead, "peak_memory_mib",
                         lambda kind, quantized, fused, options=None: calls.append((quantized, options)) or (1.0, 3))
-    runs = overhead.peak_memories_mib("vit_small", True, processes=2, other_options={"relu_masks": False})
-    assert calls == [(False, None), (True, None), (True, {"relu_masks": False})] * 2 and len(runs) == 3
+    others = [{"relu_masks": False}, {"hand_back_buffers": False}]
+    runs = overhead.peak_memories_mib("vit_small", True, processes=2, other_options=others)
+    assert calls == [(False, None), (True, None), (True, others[0]), (True, others[1])] * 2 and len(runs) == 4
 
 
 def test_peak_memory_is_read_once_it_stops_rising():
