@@ -355,6 +355,21 @@ def test_overhead_benchmark_resumes_the_cases_it_wrote(tmp_path):
     assert third["rows"][0]["plain_ms"] != first["rows"][0]["plain_ms"]  # timed anew
 
 
+def test_hand_back_table_shows_a_model_case_peak_memory_both_ways():
+    """A model case measured with --compare-resident carries its peak memory with the buffers handed back and kept
+    resident, under glibc's default (fresh processes) and with the mmap threshold fixed: the table shows both pairs."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import report
+
+    row = {"case": "GPT-2 small", "plain_ms": 100.0, "quant_ms": 120.0, "ratio": 1.2, "resident_ratio": 1.1,
+           "memory_ratio": 0.99, "memory_ratio_resident_default": 1.01, "resident_peaks_mib": [1.0, 2.0, 3.0],
+           "memory_ratio_fixed_mmap": 0.95, "memory_ratio_resident": 0.97}
+    results = {"command": "c", "torch": "t", "threads": 2, "repeats": 7, "load_average": [0.5, 1.5], "rows": [row]}
+    lines = report.hand_back_section(results)
+    assert "| GPT-2 small | 100.0 | 120.0 | 1.200 / 1.100 | 0.990 / 1.010 | 0.950 / 0.970 |" in lines
+    assert lines[-1].startswith("Peak memory: CPT / plain VmHWM under glibc's default, the median of 3 fresh processes")
+
+
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1", "--no-startup",
