@@ -5,7 +5,9 @@ nodes that hold each tensor (a softmax's output, a LayerNorm's input, a quantize
 README's peak-memory ratios can be read against what the quantization owns and what stays the model's own. A tensor
 held by several nodes (a ReLU's output, which the convolution after it reads too) counts once, for the first group
 of `GROUPS` that holds it. Read from the autograd graph after one forward, like `saved_activation_mib`; no allocator
-enters. Resumable: a case already in the output file is skipped. ``python bench/report.py`` renders the JSON into
+enters. What a forward keeps depends on whether the CPU runs the layers' products on integer codes (recorded; a file
+holds one kind: `bench/results/kept_memory_float_products.json` is the run on a CPU without int8 dot products).
+Resumable: a case already in the output file is skipped. ``python bench/report.py`` renders the JSON into
 docs/benchmarks.md.
 """
 
@@ -16,6 +18,8 @@ import os
 import sys
 
 import torch
+
+from hf_cpt.numerics.integer_matmul import integer_matmul_supported
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -91,6 +95,14 @@ def main() -> None:
     args = parser.parse_args()
     results = load_results(args.output)
     results.setdefault("rows", [])
+    # What a forward keeps depends on the CPU: where the layers multiply integer codes, an activation after one
+    # recomputes its input from them (docs/method.md §2); with float products it keeps the input. One kind a file.
+    integer_products = integer_matmul_supported()
+    if results["rows"] and results.get("integer_products", integer_products) != integer_products:
+        sys.exit(f"{args.output} holds columns measured where the layers' products run "
+                 f"{'on integer codes' if results['integer_products'] else 'on floats'}; this CPU's products run "
+                 f"{'on integer codes' if integer_products else 'on floats'}: give another --output")
+    results["integer_products"] = integer_products
     # The command that makes the whole table: a resumed run with --cases adds columns to the earlier ones.
     results.update(command="python " + " ".join(_without_cases(sys.argv)), torch=torch.__version__)
     done = {row["key"] for row in results["rows"]}

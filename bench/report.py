@@ -162,9 +162,11 @@ def kept_memory_section(kept: dict) -> list[str]:
     `bench/kept_memory.py`'s JSON."""
     rows = kept["rows"]
     groups = list(dict.fromkeys(group for row in rows for side in ("plain", "quant") for group in row[side]))
-    lines = [f"`{kept['command']}` (torch {kept['torch']}; MiB that one training forward keeps for its backward, "
-             "parameters excluded, plain / CPT 8/8; a tensor that several nodes keep counts once, in the first "
-             "group here that keeps it):", "",
+    products = {True: "products on integer codes (this CPU has int8 dot products); ",
+                False: "float products (no int8 dot products on this CPU); "}.get(kept.get("integer_products"), "")
+    lines = [f"`{kept['command']}` (torch {kept['torch']}; {products}MiB that one training forward keeps for its "
+             "backward, parameters excluded, plain / CPT 8/8; a tensor that several nodes keep counts once, in the "
+             "first group here that keeps it):", "",
              "| kept by | " + " | ".join(row["key"] for row in rows) + " |",
              "|---|" + "---:|" * len(rows)]
     for group in groups + ["total"]:
@@ -215,6 +217,7 @@ def peak_phases_section(phases: dict) -> list[str]:
 
 
 FLOAT_PRODUCTS_RUN = "overhead_float_products.json"  # bench/overhead.py on a CPU with no int8 dot products
+KEPT_FLOAT_PRODUCTS_RUN = "kept_memory_float_products.json"  # bench/kept_memory.py on such a CPU
 
 
 def hand_back_section(results: dict) -> list[str]:
@@ -471,6 +474,13 @@ def main() -> None:
     kept = results_page.load(args.results, "kept_memory.json")
     if kept:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory", kept_memory_section(kept))
+    kept = results_page.load(args.results, KEPT_FLOAT_PRODUCTS_RUN)
+    if kept:  # what a forward keeps where the layers multiply floats (no product on codes to recompute from)
+        if kept.get("integer_products") is not False:
+            raise SystemExit(f"{KEPT_FLOAT_PRODUCTS_RUN} must hold a run on a CPU without int8 dot products (its "
+                             "integer_products is not false): a run with them belongs in kept_memory.json")
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory-float-products",
+                      kept_memory_section(kept))
     phases = results_page.load(args.results, "peak_phases.json")
     if phases:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "peak-phases", peak_phases_section(phases))

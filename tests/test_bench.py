@@ -739,6 +739,21 @@ def test_op_counts_of_a_quantized_step_take_the_gpu_path_and_the_readme_table_re
     assert " | - | - | - | " in lines[-1]
 
 
+def test_kept_memory_refuses_to_add_columns_of_the_other_kind_of_cpu(tmp_path, monkeypatch):
+    """What a forward keeps depends on whether the layers multiply integer codes: a file holds one kind, and a run
+    on the other kind of CPU is refused before it measures anything, naming the file."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import kept_memory
+
+    output = tmp_path / "kept.json"
+    other = not kept_memory.integer_matmul_supported()
+    output.write_text(json.dumps({"integer_products": other, "rows": [{"key": "gpt2", "plain": {}, "quant": {}}]}))
+    monkeypatch.setattr(sys, "argv", ["kept_memory.py", "--cases", "resnet20", "--output", str(output)])
+    monkeypatch.setattr(kept_memory.overhead, "model_pair", lambda *a, **k: pytest.fail("measured anyway"))
+    with pytest.raises(SystemExit, match="kept.json holds columns measured where"):
+        kept_memory.main()
+
+
 def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
     """A ReLU's output, read by the convolution after it too, counts once, for the activation; the quantized convs
     keep codes of the first input only; the groups add up to the bench's total; the report renders a row per
@@ -763,6 +778,10 @@ def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
          "rows": [{"key": "convs", "plain": plain, "quant": quantized}]})
     assert lines[-1].startswith("| **total** | ") and lines[-1].count("/") == 1
     assert sum(line.startswith("| activations") for line in lines) == 1
+    assert "products" not in lines[0]  # a run that did not record its CPU's products says nothing of them
+    float_run = {"command": "c", "torch": "t", "integer_products": False,
+                 "rows": [{"key": "convs", "plain": plain, "quant": quantized}]}
+    assert "float products (no int8 dot products on this CPU)" in _load_report().kept_memory_section(float_run)[0]
     # a ReLU module's mask counts for the activation too, and the codes kept in place of its output for the layer
     masked = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH)
     assert masked["activations (their input or output)"] == _relu_mask_bytes() / mib
