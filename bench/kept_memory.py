@@ -33,9 +33,11 @@ GROUPS = {
                                             "TanhBackward0", "SigmoidBackward0", "SiluBackward0", "PowBackward0"),
     "normalizations (their input)": ("NativeLayerNormBackward0", "NativeBatchNormBackward0"),
     "softmax outputs": ("SoftmaxBackward0", "SafeSoftmaxBackward0"),
-    # On CPU F.dropout multiplies by a float32 mask, which the product keeps (on an accelerator, and in a CPT model
-    # with `dropout_masks`: a bool mask); an activation written as products (GPT-2's GELU) keeps its factors there too.
-    "dropout masks and elementwise products (GPT-2's GELU)": ("MulBackward0", "NativeDropoutBackward0"),
+    # On CPU F.dropout multiplies by a float32 mask, which the product keeps (on an accelerator: a bool mask; in a
+    # CPT model with `dropout_masks`: one bit a value); an activation written as products (GPT-2's GELU) keeps its
+    # factors there too.
+    "dropout masks and elementwise products (GPT-2's GELU)": ("MulBackward0", "NativeDropoutBackward0",
+                                                              "_DropoutKeepingBitsBackward"),
     "attention products, float operands (or SDPA's inputs)": (
         "BmmBackward0", "ScaledDotProductFlashAttentionForCpuBackward0", "ScaledDotProductFlashAttentionBackward0",
         "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0"),

@@ -739,6 +739,23 @@ def test_op_counts_of_a_quantized_step_take_the_gpu_path_and_the_readme_table_re
     assert " | - | - | - | " in lines[-1]
 
 
+def test_kept_memory_counts_a_cpt_dropouts_bits_with_the_dropout_masks():
+    """A CPT model's dropout keeps a packed mask (`dropout_masks`): the table counts it with the dropout masks, where
+    the plain model's float32 mask goes, not under "other"."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import kept_memory
+    import overhead
+    from transformers import BertForSequenceClassification
+
+    batch = {"input_ids": torch.randint(0, 128, (2, 16)), "labels": torch.tensor([0, 1])}
+    plain, quantized = overhead.model_pair(lambda: BertForSequenceClassification(tiny_bert_config()), True)
+    group = "dropout masks and elementwise products (GPT-2's GELU)"
+    plain_kept, quantized_kept = kept_memory.kept_by_group(plain, batch), kept_memory.kept_by_group(quantized, batch)
+    # a byte a value at this size (a bit in tensors as large as the native kernel packs) against float32 masks
+    assert 0 < quantized_kept[group] < plain_kept[group] / 3
+    assert quantized_kept.get("other") == plain_kept.get("other")  # the embedding's indices, on both sides
+
+
 def test_kept_memory_refuses_to_add_columns_of_the_other_kind_of_cpu(tmp_path, monkeypatch):
     """What a forward keeps depends on whether the layers multiply integer codes: a file holds one kind, and a run
     on the other kind of CPU is refused before it measures anything, naming the file."""
