@@ -157,13 +157,17 @@ def op_counts_summary(counts: dict) -> list[str]:
     return lines
 
 
+# a memory table's note of how the measuring CPU's layers multiply (a JSON's ``integer_products``)
+PRODUCTS = {True: "products on integer codes (this CPU has int8 dot products); ",
+            False: "float products (no int8 dot products on this CPU); "}
+
+
 def kept_memory_section(kept: dict) -> list[str]:
     """docs/benchmarks.md's table of what one training forward keeps for its backward, by what keeps it, from
     `bench/kept_memory.py`'s JSON."""
     rows = kept["rows"]
     groups = list(dict.fromkeys(group for row in rows for side in ("plain", "quant") for group in row[side]))
-    products = {True: "products on integer codes (this CPU has int8 dot products); ",
-                False: "float products (no int8 dot products on this CPU); "}.get(kept.get("integer_products"), "")
+    products = PRODUCTS.get(kept.get("integer_products"), "")
     lines = [f"`{kept['command']}` (torch {kept['torch']}; {products}MiB that one training forward keeps for its "
              "backward, parameters excluded, plain / CPT 8/8; a tensor that several nodes keep counts once, in the "
              "first group here that keeps it):", "",
@@ -183,8 +187,7 @@ def kept_memory_section(kept: dict) -> list[str]:
 def peak_phases_section(phases: dict) -> list[str]:
     """docs/benchmarks.md's table of where in a training step the peak memory falls, from `bench/peak_phases.py`'s
     JSON: each phase's peak, the step's highest in bold."""
-    products = {True: "products on integer codes (this CPU has int8 dot products); ",
-                False: "float products (no int8 dot products on this CPU); "}.get(phases.get("integer_products"), "")
+    products = PRODUCTS.get(phases.get("integer_products"), "")
     machine = f"torch {phases['torch']}, {products}" if "torch" in phases else ""
     if phases.get("huge_pages"):
         resident = ("resident until the last quantized layer of each backward is done, then handed back (transparent "
@@ -474,13 +477,13 @@ def main() -> None:
     kept = results_page.load(args.results, "kept_memory.json")
     if kept:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory", kept_memory_section(kept))
-    kept = results_page.load(args.results, KEPT_FLOAT_PRODUCTS_RUN)
-    if kept:  # what a forward keeps where the layers multiply floats (no product on codes to recompute from)
-        if kept.get("integer_products") is not False:
+    kept_float = results_page.load(args.results, KEPT_FLOAT_PRODUCTS_RUN)
+    if kept_float:  # what a forward keeps where the layers multiply floats (no product on codes to recompute from)
+        if kept_float.get("integer_products") is not False:
             raise SystemExit(f"{KEPT_FLOAT_PRODUCTS_RUN} must hold a run on a CPU without int8 dot products (its "
                              "integer_products is not false): a run with them belongs in kept_memory.json")
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory-float-products",
-                      kept_memory_section(kept))
+                      kept_memory_section(kept_float))
     phases = results_page.load(args.results, "peak_phases.json")
     if phases:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "peak-phases", peak_phases_section(phases))
