@@ -862,11 +862,11 @@ def main() -> None:
                            "dropout_masks": False}
             # the buffers-resident arm: what `hand_back_buffers=False` keeps between passes
             resident = {**(options or {}), "hand_back_buffers": False}
-            others = [kept_inputs] * args.compare_recompute + [resident] * args.compare_resident
+            others = {name: arm for name, arm, wanted in (("kept inputs", kept_inputs, args.compare_recompute),
+                                                          ("resident", resident, args.compare_resident)) if wanted}
             plain_runs, quant_runs, *other_runs = peak_memories_mib(memory_kinds[key], fused, args.memory_processes,
-                                                                    options, others)
-            kept_runs = other_runs[:1] if args.compare_recompute else []
-            resident_runs = other_runs[-1:] if args.compare_resident else []
+                                                                    options, list(others.values()))
+            runs_of = dict(zip(others, other_runs))
             plain_peaks, quant_peaks = [p for p, _ in plain_runs], [q for q, _ in quant_runs]
             plain_mib, quant_mib = statistics.median(plain_peaks), statistics.median(quant_peaks)
             print(f"{'  peak memory (MiB, fresh processes, median)':<44}{plain_mib:>10.0f}{quant_mib:>10.0f}"
@@ -893,7 +893,7 @@ def main() -> None:
                   f"{saved[1] / saved[0]:>8.3f}", flush=True)
             rows[-1].update(plain_saved_mib=saved[0], quant_saved_mib=saved[1])
             if args.compare_recompute:  # what recomputing activation inputs saves
-                kept_peaks = [p for p, _ in kept_runs[0]]
+                kept_peaks = [p for p, _ in runs_of["kept inputs"]]
                 kept_mib = statistics.median(kept_peaks)
                 print(f"{'  same, activations and dropouts keep their own':<44}{plain_mib:>10.0f}{kept_mib:>10.0f}"
                       f"{kept_mib / plain_mib:>8.3f}  (default glibc, fresh processes interleaved with the above: "
@@ -905,7 +905,7 @@ def main() -> None:
                       f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed; kept for backward {kept:.0f} MiB)", flush=True)
                 rows[-1].update(memory_ratio_kept_inputs=peak / fixed[0], kept_inputs_saved_mib=kept)
             if args.compare_resident:  # what handing the reused buffers back saves
-                resident_peaks = [p for p, _ in resident_runs[0]]
+                resident_peaks = [p for p, _ in runs_of["resident"]]
                 resident_mib = statistics.median(resident_peaks)
                 print(f"{'  same, reused buffers kept resident':<44}{plain_mib:>10.0f}{resident_mib:>10.0f}"
                       f"{resident_mib / plain_mib:>8.3f}  (default glibc, fresh processes interleaved with the above: "
