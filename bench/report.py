@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -246,6 +247,31 @@ def hand_back_section(results: dict) -> list[str]:
         lines += ["", f"Peak memory: CPT / plain VmHWM under glibc's default, the median of "
                   f"{' or '.join(map(str, sorted(processes)))} fresh processes per arm, interleaved; with the mmap "
                   "threshold fixed, one process each (the README table's rules)."]
+    return lines
+
+
+def errors_in_place_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of each model step's peak memory with its errors quantized in place and into a
+    reused buffer, from `bench/errors_in_place.py`'s JSON."""
+    products = PRODUCTS.get(results.get("integer_products"), "")
+    arms = ("plain", "in place", "in a buffer")
+    lines = [f"`{results['command']}` (torch {results['torch']}; {products}peak resident memory (VmHWM) of a training "
+             "step once it has settled, MiB, and CPT 8/8 / plain; errors quantized in place (`errors_in_place=True`, "
+             "the default) or into the error's reused buffer (`errors_in_place=False`); under glibc's default the "
+             f"median of {results['processes']} fresh processes per arm, interleaved, with the figure of each; with "
+             "the mmap threshold fixed one process each):", "",
+             "| case | errors of one step: in place / in the buffer | plain | in place | in a buffer | each process: "
+             "plain; in place; in a buffer | threshold fixed: plain | in place | in a buffer |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for row in results["rows"]:
+        default = {arm: statistics.median(row["default"][arm]) for arm in arms}
+        fixed = row["fixed"]
+        each = "; ".join(", ".join(f"{p:,.0f}" for p in row["default"][arm]) for arm in arms)
+        cells = [f"{row['errors']['in place']} / {row['errors']['in the buffer']}", f"{default['plain']:,.0f}",
+                 *(f"{default[arm]:,.0f} ({default[arm] / default['plain']:.3f})" for arm in arms[1:]), each,
+                 f"{fixed['plain']:,.0f}", *(f"{fixed[arm]:,.0f} ({fixed[arm] / fixed['plain']:.3f})"
+                                            for arm in arms[1:])]
+        lines.append(f"| {row['key']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -490,6 +516,9 @@ def main() -> None:
     hand_back = results_page.load(args.results, "hand_back.json")
     if hand_back:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "hand-back", hand_back_section(hand_back))
+    in_place = results_page.load(args.results, "errors_in_place.json")
+    if in_place:
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "errors-in-place", errors_in_place_section(in_place))
     kernels = results_page.load(args.results, "kernels.json")
     if kernels:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kernels", kernels_section(kernels))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import torch
 from torch import nn
 
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
@@ -62,3 +63,16 @@ def build_word_tokenizer(words: list[str], save_dir: str | None = None):
     with open(path, "w") as f:
         f.write("\n".join(vocab) + "\n")
     return BertTokenizerFast.from_pretrained(directory, do_lower_case=True)
+
+
+def two_quantizable_layers(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """Two quantized layers in a row, large enough for the native kernels (16K values) and the fused error kernel
+    (64K), so that both backwards take the reused buffers in turn."""
+    from transformers.pytorch_utils import Conv1D
+
+    if kind == "conv2d":
+        layers = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+        return layers, torch.randn(4, 8, 32, 32)
+    first, second = (nn.Linear(256, 512), nn.Linear(512, 256)) if kind == "linear" else (Conv1D(512, 256),
+                                                                                        Conv1D(256, 512))
+    return nn.Sequential(first, nn.GELU(), second), torch.randn(2, 64, 256)

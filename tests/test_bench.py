@@ -370,6 +370,29 @@ def test_hand_back_table_shows_a_model_case_peak_memory_both_ways():
     assert lines[-1].startswith("Peak memory: CPT / plain VmHWM under glibc's default, the median of 3 fresh processes")
 
 
+def test_errors_in_place_counts_each_layers_error_and_its_table_shows_each_arm_against_plain():
+    """`bench/errors_in_place.py` counts where one step's errors went: in a ResNet-20, every quantized layer's error
+    is held by nothing else and goes in place. Its table shows each arm's median and ratio to the plain model under
+    both allocators, and every process's figure."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import errors_in_place
+    import report
+
+    from hf_cpt.nn import QuantLayerMixin
+
+    build, _ = errors_in_place.overhead.resnet20()
+    layers = sum(isinstance(m, QuantLayerMixin) for m in errors_in_place.overhead.cpt_copy(build(), True).modules())
+    assert errors_in_place.errors_in_place("resnet20") == {"in place": layers, "in the buffer": 0}
+    row = {"key": "resnet18", "errors": {"in place": 20, "in the buffer": 1},
+           "default": {"plain": [1200.0, 1210.0, 1190.0], "in place": [1180.0, 1188.0, 1170.0],
+                       "in a buffer": [1220.0, 1221.0, 1230.0]},
+           "fixed": {"plain": 1000.0, "in place": 950.0, "in a buffer": 980.0}}
+    lines = report.errors_in_place_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
+                                            "rows": [row]})
+    assert lines[-1] == ("| resnet18 | 20 / 1 | 1,200 | 1,180 (0.983) | 1,221 (1.018) | 1,200, 1,210, 1,190; 1,180, "
+                         "1,188, 1,170; 1,220, 1,221, 1,230 | 1,000 | 950 (0.950) | 980 (0.980) |")
+
+
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1", "--no-startup",

@@ -13,6 +13,7 @@ from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
 from hf_cpt.nn.layers import QuantConv1D, QuantConv2d, QuantLinear
 from hf_cpt.numerics.errors import quantize_error_eager
 from hf_cpt.utils import ConfigError
+from tests.helpers import two_quantizable_layers
 
 # The CPT paper's scheme (per-tensor running ranges, no rotation): bit-exact to the published quantizer.
 PAPER = CPTConfig(quant_scheme="paper")
@@ -558,17 +559,6 @@ def test_conv2d_backward_forms_both_gradients_in_one_call_where_they_share_an_er
     assert separate_calls == 2 and calls == (1 if products == "both" else 2)
 
 
-def _two_layers(kind: str) -> tuple[nn.Module, torch.Tensor]:
-    """Two quantized layers in a row, large enough for the native kernels (16K values) and the fused error kernel
-    (64K), so that both backwards take the reused buffers in turn."""
-    if kind == "conv2d":
-        layers = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
-        return layers, torch.randn(4, 8, 32, 32)
-    first, second = (nn.Linear(256, 512), nn.Linear(512, 256)) if kind == "linear" else (Conv1D(512, 256),
-                                                                                        Conv1D(256, 512))
-    return nn.Sequential(first, nn.GELU(), second), torch.randn(2, 64, 256)
-
-
 @pytest.mark.parametrize("kind,scheme,integer", [("conv2d", "auto", False), ("linear", "paper", False),
                                                  ("linear", "auto", False), ("conv1d", "per-token", False),
                                                  ("conv1d", "auto", False), ("linear", "auto", True),
@@ -578,12 +568,14 @@ def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kin
     a rotated weight with its intermediates, and a rotated input) go into reused buffers (`hf_cpt.numerics.scratch`):
     the same gradients bit for bit as with a fresh tensor each time, and no gradient handed to autograd lives in a
     buffer. No rotation takes a buffer of its own beyond the rotated weight's: ``x R`` goes into the input's buffer,
-    a Conv1D weight's intermediates into the weight's."""
+    a Conv1D weight's intermediates into the weight's. (The errors go into their buffer with ``errors_in_place=False``;
+    quantized in place: `test_errors_quantized_in_place_give_the_gradients_of_the_buffer_and_take_none`.)"""
     from hf_cpt.numerics import errors, fake_quant, rotation, scratch
 
     torch.manual_seed(0)
-    model, x = _two_layers(kind)
-    quantize_model(model, CPTConfig(quant_scheme=scheme, integer_matmul=integer, include_modules=["0", "2"]))
+    model, x = two_quantizable_layers(kind)
+    quantize_model(model, CPTConfig(quant_scheme=scheme, integer_matmul=integer, include_modules=["0", "2"],
+                                    errors_in_place=False))
     set_precision(model, 6, 8)
 
     def gradients():
@@ -622,7 +614,7 @@ def test_weight_codes_reused_in_an_epoch_are_rebuilt_into_the_reused_buffer(kind
     from hf_cpt.numerics import fake_quant, scratch
 
     torch.manual_seed(0)
-    model, x = _two_layers(kind)
+    model, x = two_quantizable_layers(kind)
     quantize_model(model, CPTConfig(integer_matmul=False, include_modules=["0", "2"]))
     set_precision(model, 6, 8)
     reused = model[0].cpt_precision.reused_weights
@@ -660,7 +652,7 @@ def test_reused_buffers_are_handed_back_once_no_quantized_product_awaits_its_bac
     # Graphs an earlier test on this worker keeps alive unrun would await their backward: this test's own set.
     monkeypatch.setattr(products, "_awaiting_backward", weakref.WeakSet())
     torch.manual_seed(0)
-    quantized, x = _two_layers("linear")
+    quantized, x = two_quantizable_layers("linear")
     model = nn.Sequential(nn.Linear(256, 256), quantized)  # a full-precision layer first: its backward comes last
     quantize_model(model, CPTConfig(include_modules=["1.0", "1.2"]))
     set_precision(model, 6, 8)
@@ -703,7 +695,7 @@ def test_hand_back_buffers_false_never_hands_the_reused_buffers_back_and_changes
     gradients = {}
     for keep in (False, True):
         torch.manual_seed(0)
-        model, x = _two_layers("linear")
+        model, x = two_quantizable_layers("linear")
         quantize_model(model, CPTConfig(hand_back_buffers=not keep))
         set_precision(model, 6, 8)
         handed_back.clear()

@@ -198,34 +198,38 @@ class ActivationConfig:
 
     relu_masks: bool = setting(
         True,
-        "A ReLU whose output a quantized layer keeps as codes keeps a mask of where that output is positive for its "
-        "backward, one bit a value (a bool tensor where the native kernel does not serve), not the float output it "
-        "shared with the layer: the same gradients bit for bit, about three bytes a value less (a CNN's convolutions; "
-        "docs/method.md §2). A ReLU module or a ReLU called as a function (torch.relu, F.relu) alike. nn.MaxPool2d "
-        "modules then keep only their indices in CPU training, so that the ReLU before them (a CNN's stem) keeps a "
-        "mask too."
+        "A ReLU whose output a quantized layer keeps as codes keeps a mask of where that output is positive, one bit "
+        "a value (a bool tensor where the native kernel does not serve), not the float output it shared with the "
+        "layer: the same gradients bit for bit, about three bytes a value less (docs/method.md §2). ReLU modules and "
+        "calls (torch.relu, F.relu) alike; nn.MaxPool2d modules then keep only their indices in CPU training, so that "
+        "the ReLU before them (a CNN's stem) keeps a mask too."
     )
 
     dropout_masks: bool = setting(
         True,
-        "In CPU training, dropout (nn.Dropout modules, and full-precision SDPA attention in float32) keeps a mask of "
-        "one bit a value for its backward (a bool tensor where the native kernel does not serve) instead of "
-        "PyTorch's float32 one: the same outputs, gradients and random numbers bit for bit, nearly four bytes a value "
-        "less (docs/method.md §2)."
+        "In CPU training, dropout (nn.Dropout modules, full-precision SDPA attention in float32) keeps a mask of one "
+        "bit a value (a bool tensor where the native kernel does not serve), not PyTorch's float32 one: the same "
+        "outputs, gradients and random numbers bit for bit, nearly four bytes a value less (docs/method.md §2)."
     )
 
     hand_back_buffers: bool = setting(
         True,
-        "In CPU training, once a backward pass is past its last quantized layer, the pages of the layers' reused "
-        "buffers go back to the system until the next pass writes them: a lower peak where the step peaks after that "
-        "point (the optimizer step, a last embedding gradient), at the time it takes to fault them in again, which "
-        "some virtual machines make several percent of a small model's step (docs/benchmarks.md)."
+        "In CPU training, once a backward is past its last quantized layer, the layers' reused buffers' pages go back "
+        "to the system until the next pass: a lower peak where a step peaks after that point (an optimizer step, a "
+        "last embedding gradient), at the cost of faulting them in again (docs/benchmarks.md)."
+    )
+
+    errors_in_place: bool = setting(
+        True,
+        "In CPU training, a quantized layer quantizes its error over the gradient autograd hands it where nothing "
+        "else holds that gradient: the same values bit for bit, no second error-sized tensor (docs/method.md §2)."
     )
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
-        for name in ("recompute_activation_inputs", "relu_masks", "dropout_masks", "hand_back_buffers"):
+        for name in ("recompute_activation_inputs", "relu_masks", "dropout_masks", "hand_back_buffers",
+                     "errors_in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
         if self.integer_matmul not in (True, False, "auto"):

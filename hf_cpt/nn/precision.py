@@ -31,6 +31,7 @@ class PrecisionState:
         relu_masks: bool = True,
         dropout_masks: bool = True,
         hand_back_buffers: bool = True,
+        errors_in_place: bool = True,
     ) -> None:
         self.bits = torch.zeros(())
         self.compact_codes = False
@@ -65,6 +66,8 @@ class PrecisionState:
         self.dropout_masks = dropout_masks
         # The reused buffers' pages go back to the system after each backward pass (`hf_cpt.nn.products`).
         self.hand_back_buffers = hand_back_buffers
+        # A layer's error is quantized over the gradient autograd hands it where nothing else holds that gradient.
+        self.errors_in_place = errors_in_place
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
@@ -81,7 +84,8 @@ class PrecisionState:
         return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors,
                    getattr(settings, "integer_matmul", "auto"),  # a checkpoint's settings store neither
                    getattr(settings, "recompute_activation_inputs", True), getattr(settings, "relu_masks", True),
-                   getattr(settings, "dropout_masks", True), getattr(settings, "hand_back_buffers", True))
+                   getattr(settings, "dropout_masks", True), getattr(settings, "hand_back_buffers", True),
+                   getattr(settings, "errors_in_place", True))
 
     def on_device(self, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """``bits`` (one of the 0-d bit-width tensors, kept on the CPU) on ``device``, for the layers there.

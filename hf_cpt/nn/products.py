@@ -18,6 +18,7 @@ from ..numerics import scratch
 from ..numerics.errors import quantize_error
 from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact, token_range
 from ..numerics.rotation import Rotation
+from .error_ownership import error_held_alone
 from .recompute import mark_recomputable
 from .relu_masks import hand_over_input
 from .saved import same_view, saved_as_is
@@ -189,12 +190,16 @@ class QuantizedProducts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, error):
+        held_alone = error_held_alone(error)  # first: each name given to the error is one more reference to it
         saved = ctx.saved_tensors
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
         layer, errors = ctx.layer, ctx.errors
         input_error = weight_error = error
         if ctx.grad_bits is not None:
-            quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error")
+            # Over the error itself where nothing else holds it and no product reads it unquantized.
+            overwrite = held_alone and errors.products == "both" and layer.cpt_precision.errors_in_place
+            quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error",
+                                       overwrite=overwrite)
             input_error = quantized if errors.quantizes_input_gradient else error
             weight_error = quantized if errors.quantizes_weight_gradient else error
         compute_dtype = error.dtype

@@ -166,7 +166,7 @@ def quantize_error_per_row(grad: torch.Tensor, bits: torch.Tensor, feature_dim: 
 
 def quantize_error(
     grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1,
-    scratch: str | None = None,
+    scratch: str | None = None, overwrite: bool = False,
 ) -> torch.Tensor:
     """Quantization of an error tensor at ``bits`` with ``scheme`` (docs/method.md §2).
 
@@ -176,7 +176,9 @@ def quantize_error(
     ``scheme.fused`` runs one fused kernel (hashed noise, clamp, rounding; `error_kernels.fused_kernel`) for large
     tensors and falls back to the eager path, with one warning, if no fused kernel can be built. With ``scratch`` (a
     role of `hf_cpt.numerics.scratch`), the native kernel writes the result into that reused buffer: for a caller
-    that reads it and drops it before that role is taken again.
+    that reads it and drops it before that role is taken again. With ``overwrite`` (``grad`` is the caller's, read by
+    nothing after), it writes the result over ``grad`` instead: no second error-sized tensor (docs/method.md §2,
+    "Errors quantized in place"); a float32 copy the kernel makes of ``grad`` it overwrites in any case.
     """
     if scheme.granularity not in ERROR_GRANULARITIES or scheme.range not in ERROR_RANGES:
         raise ValueError(f"error granularity and range must be one of {ERROR_GRANULARITIES} and {ERROR_RANGES} when "
@@ -185,13 +187,14 @@ def quantize_error(
     if grad.numel() == 0:
         return grad
     if scheme.rotation == "none":
-        return _quantize_error_unrotated(grad, bits, scheme, feature_dim, scratch)
+        return _quantize_error_unrotated(grad, bits, scheme, feature_dim, scratch, overwrite)
     rotated, rotated_dim, back = rotate_error(grad, scheme.rotation, feature_dim)
-    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim, scratch))
+    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim, scratch))  # a rotated copy
 
 
 def _quantize_error_unrotated(
-    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int, scratch: str | None = None
+    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int, scratch: str | None = None,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     per_row, symmetric = scheme.granularity == "token", scheme.range == "symmetric"
     if scheme.rounding == "nearest":
@@ -204,23 +207,27 @@ def _quantize_error_unrotated(
     # on CPU, a compiled one elsewhere). (Not torch.compiler.is_compiling(): a process-wide flag, also set while
     # another thread compiles.)
     in_graph = torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
-    kernel, levels_of = None, KERNEL_SOURCES[scheme.granularity, scheme.range][1]
+    kernel, levels_of, fused = None, KERNEL_SOURCES[scheme.granularity, scheme.range][1], False
     if in_graph:
         kernel = KERNEL_SOURCES[scheme.granularity, scheme.range][0]
     elif scheme.fused and grad.numel() >= FUSED_MIN_NUMEL:
-        kernel = error_kernels.fused_kernel(grad.device, scheme.granularity, scheme.range)
-        if scratch is not None:  # the C kernel writes into the reused buffer; the others make their own
-            kernel = functools.partial(kernel, out=functools.partial(take, scratch))
+        kernel, fused = error_kernels.fused_kernel(grad.device, scheme.granularity, scheme.range), True
     if kernel is not None:
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
         levels = levels_on(bits, grad.device, bits.dtype, levels_of)
         try:
-            if per_row:  # as (rows, features): one kernel serves every rank and layout
-                rows = grad.movedim(feature_dim, -1)
-                flat = kernel(rows.reshape(-1, rows.shape[-1]), levels, seed)
-                return flat.view(rows.shape).movedim(-1, feature_dim)
-            # Flat input: one kernel serves tensors of every rank.
-            return kernel(grad.contiguous().view(-1), levels, seed).view(grad.shape)
+            # Per row as (rows, features), else flat: one kernel serves every rank and layout.
+            rows = grad.movedim(feature_dim, -1) if per_row else grad
+            source = rows.reshape(-1, rows.shape[-1]) if per_row else grad.contiguous().view(-1)
+            # Where the C kernel writes (the others make their own result): over its input where that is the
+            # caller's to overwrite or a copy made here, else into the reused buffer.
+            where = {}
+            if fused and (overwrite or source.data_ptr() != grad.data_ptr()):
+                where["overwrite"] = True
+            elif fused and scratch is not None:
+                where["out"] = functools.partial(take, scratch)
+            result = kernel(source, levels, seed, **where).view(rows.shape)
+            return result.movedim(-1, feature_dim) if per_row else result
         except Exception as error:  # compiler missing or failing: keep training, eagerly
             if in_graph:
                 raise

