@@ -7,8 +7,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.nn import products
-from hf_cpt.nn.error_ownership import error_held_alone
 from hf_cpt.numerics import scratch
+from hf_cpt.numerics.error_ownership import error_held_alone
 from hf_cpt.numerics.errors import ErrorQuantization, quantize_error
 from hf_cpt.utils import ConfigError
 from tests.helpers import two_quantizable_layers
@@ -129,3 +129,34 @@ def test_a_kept_layer_output_gradient_stays_full_precision_and_its_layer_uses_th
     assert overwrites == [False, True]  # the last layer's backward runs first
     assert torch.equal(kept[0], 2 * output.detach())
     scratch.release()
+
+
+def test_attention_errors_are_quantized_in_place_with_the_gradients_of_a_new_tensor(monkeypatch):
+    """Under quantize_attention the scores' error, made by the softmax's backward alone, is quantized over itself (the
+    output's, which arrives as a view, is not): the gradients of q, k and v are those of ``errors_in_place=False`` bit
+    for bit."""
+    from torch import nn
+
+    from hf_cpt.nn.attention import AttentionQuantizer, cpt_attention_forward
+    from hf_cpt.nn.precision import PrecisionState
+    from hf_cpt.numerics import errors
+
+    overwrites = []
+    quantize = errors.quantize_error
+    monkeypatch.setattr(errors, "quantize_error",
+                        lambda *a, **k: overwrites.append(k.get("overwrite")) or quantize(*a, **k))
+    gradients = {}
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 128, 32, requires_grad=True) for _ in range(3))  # scores: 128K values
+        precision = PrecisionState(errors=ErrorQuantization("auto"), errors_in_place=in_place)
+        precision.set(8, 6)
+        module = nn.Module().train()
+        module.cpt_attention = AttentionQuantizer(precision, True, "token")
+        overwrites.clear()
+        out, _ = cpt_attention_forward(module, q, k, v, torch.zeros(2, 1, 128, 128))
+        out.square().sum().backward()
+        # the output's error, a view (the output is transposed from heads), then the scores'
+        assert overwrites == [False, in_place]
+        gradients[in_place] = [t.grad for t in (q, k, v)]
+    assert all(torch.equal(a, b) for a, b in zip(gradients[True], gradients[False]))

@@ -128,7 +128,7 @@ class PrecisionState:
         (``attention=True``: the attention products' settings) for activations quantized with ``granularity``."""
         scheme = self.attention_errors if attention else self.errors
         return quantize_error_on_backward(output, self.on_device(self.grad_bits, output.device),
-                                          scheme.for_activations(granularity), feature_dim)
+                                          scheme.for_activations(granularity), feature_dim, self.errors_in_place)
 
     def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""

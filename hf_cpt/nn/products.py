@@ -15,10 +15,10 @@ import weakref
 import torch
 
 from ..numerics import scratch
+from ..numerics.error_ownership import error_held_alone
 from ..numerics.errors import quantize_error
 from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact, token_range
 from ..numerics.rotation import Rotation
-from .error_ownership import error_held_alone
 from .recompute import mark_recomputable
 from .relu_masks import hand_over_input
 from .saved import same_view, saved_as_is

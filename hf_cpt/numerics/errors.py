@@ -21,6 +21,7 @@ import torch
 from ..utils import check_choice, setting
 from . import error_kernels
 from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_round
+from .error_ownership import error_held_alone
 from .error_rotation import ERROR_ROTATIONS, rotate_error
 from .fake_quant import _compute_dtype, fake_quantize, levels_on, quantization_scale, tensor_range, token_range
 from .scratch import take
@@ -240,25 +241,31 @@ def _quantize_error_unrotated(
 
 
 class _QuantizeErrorOnBackward(torch.autograd.Function):
-    """Identity in forward; quantizes the gradient flowing back through it."""
+    """Identity in forward; quantizes the gradient flowing back through it (over it, with ``in_place``, where
+    nothing else holds it: `error_held_alone`)."""
 
     @staticmethod
-    def forward(ctx, x, bits, scheme, feature_dim):
+    def forward(ctx, x, bits, scheme, feature_dim, in_place=False):
         ctx.bits = bits.detach().clone()
-        ctx.scheme, ctx.feature_dim = scheme, feature_dim
+        ctx.scheme, ctx.feature_dim, ctx.in_place = scheme, feature_dim, in_place
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return quantize_error(grad_output, ctx.bits, ctx.scheme, ctx.feature_dim), None, None, None
+        held_alone = error_held_alone(grad_output)  # first: each name given to the error is one more reference to it
+        quantized = quantize_error(grad_output, ctx.bits, ctx.scheme, ctx.feature_dim,
+                                   overwrite=held_alone and ctx.in_place)
+        return quantized, None, None, None, None
 
 
 def quantize_error_on_backward(
-    output: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1
+    output: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """Mark ``output`` so that the error arriving at it is quantized once at ``bits`` (see `quantize_error`).
+    """Mark ``output`` so that the error arriving at it is quantized once at ``bits`` (see `quantize_error`); with
+    ``in_place``, over that error where nothing else holds it (docs/method.md §2, "Errors quantized in place").
 
     Placed on a layer's output, the quantized error then drives both the input and weight gradient;
     ``feature_dim`` is the output's feature dimension (rows are taken across it with ``granularity="token"``).
     """
-    return _QuantizeErrorOnBackward.apply(output, bits, scheme, feature_dim)
+    return _QuantizeErrorOnBackward.apply(output, bits, scheme, feature_dim, in_place)

@@ -1,5 +1,6 @@
 """Whether the error (output gradient) autograd hands a backward is held by nothing else, so that the backward may
 quantize it in place instead of into a second error-sized tensor (docs/method.md §2, "Errors quantized in place").
+This module knows nothing about quantization.
 
 Autograd itself reuses a gradient in place when only one reference to it remains (accumulating two gradients of one
 tensor, or a parameter's first gradient). A backward sees three counts of what holds its error: the Python
