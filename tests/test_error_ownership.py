@@ -1,6 +1,8 @@
 """`hf_cpt.nn.error_ownership`, and the layers' errors quantized over the gradient autograd hands them where it allows
 (`CPTConfig.errors_in_place`)."""
 
+import os
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -160,3 +162,20 @@ def test_attention_errors_are_quantized_in_place_with_the_gradients_of_a_new_ten
         assert overwrites == [False, in_place]
         gradients[in_place] = [t.grad for t in (q, k, v)]
     assert all(torch.equal(a, b) for a, b in zip(gradients[True], gradients[False]))
+
+
+def test_a_fresh_process_calibrates_within_its_first_backward_and_quantizes_in_place():
+    """In a fresh process the counts of an error held alone are first measured inside a layer's backward (a nested
+    backward of the probe's own); that first step's errors already go in place: no error buffer is made."""
+    from tests.fresh_python import run_python
+
+    script = (
+        "import torch; from tests.helpers import two_quantizable_layers; "
+        "from hf_cpt import CPTConfig, quantize_model, set_precision; from hf_cpt.numerics import error_ownership, "
+        "scratch; model, x = two_quantizable_layers('conv2d'); "
+        "quantize_model(model, CPTConfig(include_modules=['0', '2'])); set_precision(model, 6, 8); "
+        "assert not error_ownership._calibrated; model(x).square().sum().backward(); "
+        "print(error_ownership._calibrated, sorted({role for role, _ in scratch._local.buffers}))"
+    )
+    result = run_python(["-c", script], cwd=os.path.join(os.path.dirname(__file__), ".."), check=True)
+    assert result.stdout.split("\n")[-2] == "True ['input']"

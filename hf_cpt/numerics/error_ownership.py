@@ -23,6 +23,7 @@ _calibrated = False
 _baseline: tuple[int, int, int] | None = None  # None once calibrated: this PyTorch cannot tell
 _calibrating_thread: int | None = None  # the thread whose backward is the probe's
 _probe_counts: tuple[int, int, int] | None = None
+_NEVER = object()  # what no counts equal
 
 
 def error_held_alone(error: torch.Tensor) -> bool:
@@ -78,6 +79,3 @@ def _measured_baseline() -> tuple[int, int, int] | object:
                     _calibrating_thread = None
                 _baseline, _calibrated = _probe_counts, True
     return _NEVER if _baseline is None else _baseline
-
-
-_NEVER = object()

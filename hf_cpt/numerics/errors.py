@@ -190,7 +190,7 @@ def quantize_error(
     if scheme.rotation == "none":
         return _quantize_error_unrotated(grad, bits, scheme, feature_dim, scratch, overwrite)
     rotated, rotated_dim, back = rotate_error(grad, scheme.rotation, feature_dim)
-    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim, scratch))  # a rotated copy
+    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim, scratch))
 
 
 def _quantize_error_unrotated(
