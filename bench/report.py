@@ -261,8 +261,13 @@ def errors_in_place_section(results: dict) -> list[str]:
              f"median of {results['processes']} fresh processes per arm, interleaved, with the figure of each; with "
              "the mmap threshold fixed one process each):", "",
              "| case | errors of one step: in place / in the buffer | plain | in place | in a buffer | each process: "
-             "plain; in place; in a buffer | threshold fixed: plain | in place | in a buffer |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "plain; in place; in a buffer | threshold fixed: plain | in place | in a buffer | ms a step: plain | "
+             "in place | in a buffer |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    if "time_command" in results:
+        lines[0:0] = [f"Times: `{results['time_command']}` (medians of {results['repeats']} interleaved repeats in "
+                      f"one process; load average {results['load_average'][0]:.1f} at the start, "
+                      f"{results['load_average'][-1]:.1f} at the end, on this machine's 2 cores). Memory:", ""]
     for row in results["rows"]:
         default = {arm: statistics.median(row["default"][arm]) for arm in arms}
         fixed = row["fixed"]
@@ -271,6 +276,10 @@ def errors_in_place_section(results: dict) -> list[str]:
                  *(f"{default[arm]:,.0f} ({default[arm] / default['plain']:.3f})" for arm in arms[1:]), each,
                  f"{fixed['plain']:,.0f}", *(f"{fixed[arm]:,.0f} ({fixed[arm] / fixed['plain']:.3f})"
                                             for arm in arms[1:])]
+        times = row.get("time_ms")
+        cells += (["-"] * 3 if times is None else
+                  [f"{times['plain']:,.0f}", *(f"{times[arm]:,.0f} ({times[arm] / times['plain']:.3f})"
+                                               for arm in arms[1:])])
         lines.append(f"| {row['key']} | " + " | ".join(cells) + " |")
     return lines
 
