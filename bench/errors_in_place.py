@@ -1,8 +1,9 @@
 """What quantizing errors in place saves: each model step's peak memory with its layers' errors quantized over the
 gradient autograd hands them (`CPTConfig.errors_in_place`, the default) and into a reused buffer instead.
 
-For each model case: how many of one step's quantized errors go in place (a gradient that arrives as a view, or that
-a hook keeps, goes into the buffer), then the peak resident memory (VmHWM) of the plain model and of the CPT 8/8
+For each model case: how many of one step's quantized errors go in place (not: a gradient that another node reads too,
+or that a hook keeps, or that arrives as a view: it goes into the buffer, or over the copy the kernel makes of a
+non-contiguous one), then the peak resident memory (VmHWM) of the plain model and of the CPT 8/8
 model both ways, in fresh processes that train until the peak settles, as `bench/overhead.py` measures it: under
 glibc's default allocator (``--processes`` per arm, interleaved) and with its mmap threshold fixed (one each); with
 ``--repeats``, each step's time both ways beside the plain step's (in one process, interleaved repeats, medians).
@@ -36,13 +37,12 @@ IN_A_BUFFER = {"errors_in_place": False}
 
 
 def errors_in_place(kind: str) -> dict[str, int]:
-    """How many of one training step's quantized errors (the second step's) go in place, and how many into the
-    reused buffer."""
+    """How many of one training step's quantized errors (the second step's) go in place, and how many do not."""
     counts: collections.Counter = collections.Counter()
     quantize = products.quantize_error
 
     def counting(*args, **kwargs):
-        counts["in place" if kwargs.get("overwrite") else "in the buffer"] += 1
+        counts["in place" if kwargs.get("overwrite") else "not in place"] += 1
         return quantize(*args, **kwargs)
 
     build, batch = getattr(overhead, kind)()
@@ -54,12 +54,12 @@ def errors_in_place(kind: str) -> dict[str, int]:
         step()
     finally:
         products.quantize_error = quantize
-    return {"in place": counts["in place"], "in the buffer": counts["in the buffer"]}
+    return {"in place": counts["in place"], "not in place": counts["not in place"]}
 
 
 def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
     """Median milliseconds a training step takes: the plain model, the CPT 8/8 copy with its errors in place, and the
-    same copy with every error in the buffer (as ``errors_in_place=False``, without a second copy of the model),
+    same copy with no error quantized in place (as ``errors_in_place=False``, without a second copy of the model),
     interleaved, the order alternating."""
     build, batch = getattr(overhead, kind)()
     plain, quantized = overhead.model_pair(build, True)

@@ -260,7 +260,7 @@ def errors_in_place_section(results: dict) -> list[str]:
              "the default) or into the error's reused buffer (`errors_in_place=False`); under glibc's default the "
              f"median of {results['processes']} fresh processes per arm, interleaved, with the figure of each; with "
              "the mmap threshold fixed one process each):", "",
-             "| case | errors of one step: in place / in the buffer | plain | in place | in a buffer | each process: "
+             "| case | errors of one step: in place / not | plain | in place | in a buffer | each process: "
              "plain; in place; in a buffer | threshold fixed: plain | in place | in a buffer | ms a step: plain | "
              "in place | in a buffer |",
              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -272,7 +272,7 @@ def errors_in_place_section(results: dict) -> list[str]:
         default = {arm: statistics.median(row["default"][arm]) for arm in arms}
         fixed = row["fixed"]
         each = "; ".join(", ".join(f"{p:,.0f}" for p in row["default"][arm]) for arm in arms)
-        cells = [f"{row['errors']['in place']} / {row['errors']['in the buffer']}", f"{default['plain']:,.0f}",
+        cells = [f"{row['errors']['in place']} / {row['errors']['not in place']}", f"{default['plain']:,.0f}",
                  *(f"{default[arm]:,.0f} ({default[arm] / default['plain']:.3f})" for arm in arms[1:]), each,
                  f"{fixed['plain']:,.0f}", *(f"{fixed[arm]:,.0f} ({fixed[arm] / fixed['plain']:.3f})"
                                             for arm in arms[1:])]

@@ -382,8 +382,8 @@ def test_errors_in_place_counts_each_layers_error_and_its_table_shows_each_arm_a
 
     build, _ = errors_in_place.overhead.resnet20()
     layers = sum(isinstance(m, QuantLayerMixin) for m in errors_in_place.overhead.cpt_copy(build(), True).modules())
-    assert errors_in_place.errors_in_place("resnet20") == {"in place": layers, "in the buffer": 0}
-    row = {"key": "resnet18", "errors": {"in place": 20, "in the buffer": 1},
+    assert errors_in_place.errors_in_place("resnet20") == {"in place": layers, "not in place": 0}
+    row = {"key": "resnet18", "errors": {"in place": 20, "not in place": 1},
            "default": {"plain": [1200.0, 1210.0, 1190.0], "in place": [1180.0, 1188.0, 1170.0],
                        "in a buffer": [1220.0, 1221.0, 1230.0]},
            "fixed": {"plain": 1000.0, "in place": 950.0, "in a buffer": 980.0}}
