@@ -13,7 +13,8 @@ from hf_cpt.numerics import scratch
 from hf_cpt.numerics.error_ownership import error_held_alone
 from hf_cpt.numerics.errors import ErrorQuantization, quantize_error
 from hf_cpt.utils import ConfigError
-from tests.helpers import two_quantizable_layers
+
+from .helpers import two_quantizable_layers
 
 
 class _Seen(torch.autograd.Function):

@@ -13,7 +13,8 @@ from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
 from hf_cpt.nn.layers import QuantConv1D, QuantConv2d, QuantLinear
 from hf_cpt.numerics.errors import quantize_error_eager
 from hf_cpt.utils import ConfigError
-from tests.helpers import two_quantizable_layers
+
+from .helpers import two_quantizable_layers
 
 # The CPT paper's scheme (per-tensor running ranges, no rotation): bit-exact to the published quantizer.
 PAPER = CPTConfig(quant_scheme="paper")
