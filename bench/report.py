@@ -264,10 +264,11 @@ def errors_in_place_section(results: dict) -> list[str]:
              "plain; in place; in a buffer | threshold fixed: plain | in place | in a buffer | ms a step: plain | "
              "in place | in a buffer |",
              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-    if "time_command" in results:
-        lines[0:0] = [f"Times: `{results['time_command']}` (medians of {results['repeats']} interleaved repeats in "
-                      f"one process; load average {results['load_average'][0]:.1f} at the start, "
-                      f"{results['load_average'][-1]:.1f} at the end, on this machine's 2 cores). Memory:", ""]
+    if results.get("time_runs"):
+        runs = "; ".join(f"`{run['command']}` (medians of {run['repeats']} interleaved repeats in one process; load "
+                         f"average {run['load_average'][0]:.1f} at the start, {run['load_average'][-1]:.1f} at the "
+                         "end)" for run in results["time_runs"])
+        lines[0:0] = [f"Times, on this machine's 2 cores: {runs}. Memory:", ""]
     for row in results["rows"]:
         default = {arm: statistics.median(row["default"][arm]) for arm in arms}
         fixed = row["fixed"]

@@ -392,10 +392,10 @@ def test_errors_in_place_counts_each_layers_error_and_its_table_shows_each_arm_a
     assert lines[-1] == ("| resnet18 | 20 / 1 | 1,200 | 1,180 (0.983) | 1,221 (1.018) | 1,200, 1,210, 1,190; 1,180, "
                          "1,188, 1,170; 1,220, 1,221, 1,230 | 1,000 | 950 (0.950) | 980 (0.980) | - | - | - |")
     row["time_ms"] = {"plain": 500.0, "in place": 600.0, "in a buffer": 610.0}
-    lines = report.errors_in_place_section({"command": "c", "time_command": "t", "repeats": 5, "torch": "t",
-                                            "load_average": [0.5, 1.0], "integer_products": False, "processes": 3,
-                                            "rows": [row]})
-    assert lines[0].startswith("Times: `t` (medians of 5 interleaved repeats")
+    runs = [{"command": "t", "repeats": 5, "load_average": [0.5, 1.0]}]
+    lines = report.errors_in_place_section({"command": "c", "time_runs": runs, "torch": "t", "integer_products": False,
+                                            "processes": 3, "rows": [row]})
+    assert lines[0].startswith("Times, on this machine's 2 cores: `t` (medians of 5 interleaved repeats")
     assert lines[-1].endswith("| 980 (0.980) | 500 | 600 (1.200) | 610 (1.220) |")
 
 
