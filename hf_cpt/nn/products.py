@@ -190,14 +190,17 @@ class QuantizedProducts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, error):
-        held_alone = error_held_alone(error)  # first: each name given to the error is one more reference to it
+        errors = ctx.errors
+        # Quantized over the error itself where nothing else holds it and no product reads it unquantized; asked
+        # first: each name given to the error is one more reference to it.
+        overwrite = (ctx.grad_bits is not None and ctx.layer.cpt_precision.errors_in_place
+                     and errors.quantizes_input_gradient and errors.quantizes_weight_gradient
+                     and error_held_alone(error))
         saved = ctx.saved_tensors
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        layer, errors = ctx.layer, ctx.errors
+        layer = ctx.layer
         input_error = weight_error = error
         if ctx.grad_bits is not None:
-            # Over the error itself where nothing else holds it and no product reads it unquantized.
-            overwrite = held_alone and errors.products == "both" and layer.cpt_precision.errors_in_place
             quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error",
                                        overwrite=overwrite)
             input_error = quantized if errors.quantizes_input_gradient else error

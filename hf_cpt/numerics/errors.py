@@ -252,9 +252,8 @@ class _QuantizeErrorOnBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        held_alone = error_held_alone(grad_output)  # first: each name given to the error is one more reference to it
-        quantized = quantize_error(grad_output, ctx.bits, ctx.scheme, ctx.feature_dim,
-                                   overwrite=held_alone and ctx.in_place)
+        overwrite = ctx.in_place and error_held_alone(grad_output)  # before the error is named again
+        quantized = quantize_error(grad_output, ctx.bits, ctx.scheme, ctx.feature_dim, overwrite=overwrite)
         return quantized, None, None, None, None
 
 
