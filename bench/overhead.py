@@ -64,6 +64,10 @@ class Case:
 
 
 QUANT_SCHEME = "auto"  # --quant-scheme
+# AdamW's settings in the model steps: torch's default on the CPU (one tensor at a time), or {"fused": True}, the
+# optimizer transformers' Trainer makes by default (optim="adamw_torch_fused"), which makes no parameter-sized
+# temporaries (bench/embedding_rows.py measures both).
+ADAMW_OPTIONS: dict = {}
 CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16",
          "bert-base-16-attention", "vit-s", "resnet18", "resnet20", "resnet20-functional", "minilm", "linear-torchao",
          "linear-published", "conv-published")
@@ -185,7 +189,7 @@ def training_step(model: nn.Module, batch: dict, micro_batches: int = 1) -> Step
     integration advances it (`hf_cpt.nn.reused_weights`), so the micro-batches share one quantized copy of each
     weight and what a Trainer run keeps is measured."""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **ADAMW_OPTIONS)
     reused = find_precision_state(model).reused_weights if is_quantized(model) else None
 
     def step() -> None:
@@ -317,7 +321,8 @@ def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: st
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         f"import json, sys, time, torch; sys.path.insert(0, {here!r}); import overhead as o; "
-        f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; build, batch = o.{kind}(); torch.manual_seed(0); model = build(); "
+        f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; o.ADAMW_OPTIONS = {ADAMW_OPTIONS!r}; "
+        f"build, batch = o.{kind}(); torch.manual_seed(0); model = build(); "
         f"model = o.cpt_copy(model, {fused}, **{options or {}!r}) if {quantized} else model; "
         "step = o.training_step(model, batch)\n"
         + body

@@ -253,17 +253,37 @@ def hand_back_section(results: dict) -> list[str]:
 def errors_in_place_section(results: dict) -> list[str]:
     """docs/benchmarks.md's table of each model step's peak memory with its errors quantized in place and into a
     reused buffer, from `bench/errors_in_place.py`'s JSON."""
+    return _peaks_against_plain(
+        results, ("in place", "in a buffer"), "errors quantized in place (`errors_in_place=True`, the default) or into "
+        "the error's reused buffer (`errors_in_place=False`)", "errors of one step: in place / not",
+        lambda row: f"{row['errors']['in place']} / {row['errors']['not in place']}")
+
+
+def embedding_rows_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of each model step's peak memory with its embedding tables' gradients handed over
+    as rows and formed dense, from `bench/embedding_rows.py`'s JSON."""
+    return _peaks_against_plain(
+        results, ("as rows", "dense"), "embedding gradients that add to another part handed to autograd as the "
+        "looked-up rows (`embedding_row_gradients=True`, the default) or formed as dense tables "
+        "(`embedding_row_gradients=False`); AdamW as torch makes it on the CPU, or fused (`fused=True`, the "
+        "Trainer's default)", "AdamW | tables / lookups of one step as rows",
+        lambda row: f"{'fused' if row['adamw'].get('fused') else 'torch default'} | "
+                    f"{row['lookups']['tables']} / {row['lookups']['as rows']}")
+
+
+def _peaks_against_plain(results: dict, arms: tuple[str, str], description: str, count_header: str,
+                         count_cells) -> list[str]:
+    """A table of each case's peak memory on two arms of CPT 8/8 beside the plain model's (under glibc's default,
+    per process, and with the mmap threshold fixed), with each step's time where measured."""
     products = PRODUCTS.get(results.get("integer_products"), "")
-    arms = ("plain", "in place", "in a buffer")
+    arms = ("plain", *arms)
     lines = [f"`{results['command']}` (torch {results['torch']}; {products}peak resident memory (VmHWM) of a training "
-             "step once it has settled, MiB, and CPT 8/8 / plain; errors quantized in place (`errors_in_place=True`, "
-             "the default) or into the error's reused buffer (`errors_in_place=False`); under glibc's default the "
-             f"median of {results['processes']} fresh processes per arm, interleaved, with the figure of each; with "
-             "the mmap threshold fixed one process each):", "",
-             "| case | errors of one step: in place / not | plain | in place | in a buffer | each process: "
-             "plain; in place; in a buffer | threshold fixed: plain | in place | in a buffer | ms a step: plain | "
-             "in place | in a buffer |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             f"step once it has settled, MiB, and CPT 8/8 / plain; {description}; under glibc's default the median "
+             f"of {results['processes']} fresh processes per arm, interleaved, with the figure of each; with the mmap "
+             "threshold fixed one process each):", "",
+             f"| case | {count_header} | {arms[0]} | {arms[1]} | {arms[2]} | each process: {'; '.join(arms)} | "
+             f"threshold fixed: {arms[0]} | {arms[1]} | {arms[2]} | ms a step: {arms[0]} | {arms[1]} | {arms[2]} |",
+             "|---|" + "---:|" * (count_header.count("|") + 4) + "---|" + "---:|" * 6]
     if results.get("time_runs"):
         runs = "; ".join(f"`{run['command']}` (medians of {run['repeats']} interleaved repeats in one process; load "
                          f"average {run['load_average'][0]:.1f} at the start, {run['load_average'][-1]:.1f} at the "
@@ -273,7 +293,7 @@ def errors_in_place_section(results: dict) -> list[str]:
         default = {arm: statistics.median(row["default"][arm]) for arm in arms}
         fixed = row["fixed"]
         each = "; ".join(", ".join(f"{p:,.0f}" for p in row["default"][arm]) for arm in arms)
-        cells = [f"{row['errors']['in place']} / {row['errors']['not in place']}", f"{default['plain']:,.0f}",
+        cells = [count_cells(row), f"{default['plain']:,.0f}",
                  *(f"{default[arm]:,.0f} ({default[arm] / default['plain']:.3f})" for arm in arms[1:]), each,
                  f"{fixed['plain']:,.0f}", *(f"{fixed[arm]:,.0f} ({fixed[arm] / fixed['plain']:.3f})"
                                             for arm in arms[1:])]
@@ -529,6 +549,9 @@ def main() -> None:
     in_place = results_page.load(args.results, "errors_in_place.json")
     if in_place:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "errors-in-place", errors_in_place_section(in_place))
+    rows = results_page.load(args.results, "embedding_rows.json")
+    if rows:
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "embedding-rows", embedding_rows_section(rows))
     kernels = results_page.load(args.results, "kernels.json")
     if kernels:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kernels", kernels_section(kernels))

@@ -19,6 +19,7 @@ from .config import CPTConfig
 from .nn.attention import attention_support, install_attention, uninstall_attention
 from .nn.base import QuantLayerMixin, input_features
 from .nn.dropout_masks import convert_dropout, restore_dropout
+from .nn.embedding_rows import convert_embedding, restore_embedding
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.pool_indices import convert_max_pool, restore_max_pool
 from .nn.precision import PrecisionState
@@ -50,6 +51,8 @@ class QuantizationReport:
     dropout_masks: list[str] = field(default_factory=list)
     # nn.MaxPool2d modules that keep only their indices and hand their input to its ReLU (`hf_cpt.nn.pool_indices`)
     max_pools: list[str] = field(default_factory=list)
+    # nn.Embedding tables whose gradient adds to another's as rows (`hf_cpt.nn.embedding_rows`)
+    embedding_rows: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
@@ -69,6 +72,9 @@ class QuantizationReport:
             lines.append(f"  dropouts that keep a bool mask in CPU training: {len(self.dropout_masks)}")
         if self.max_pools:
             lines.append(f"  max-pools that keep only their indices in CPU training: {len(self.max_pools)}")
+        if self.embedding_rows:
+            lines.append(f"  embeddings whose gradient adds to another's as rows in CPU training: "
+                         f"{len(self.embedding_rows)}")
         return "\n".join(lines)
 
 
@@ -210,6 +216,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             report.dropout_masks.append(name)
         elif config.relu_masks and convert_max_pool(module, precision):
             report.max_pools.append(name)
+        elif config.embedding_row_gradients and convert_embedding(module, model):
+            report.embedding_rows.append(name)
     if config.relu_masks:  # ReLUs called as functions (`hf_cpt.nn.relu_masks`): hooks while one may feed a layer
         precision.functional_relu_scope = FunctionalReLUScope(model)
         precision.functional_relu_scope.probe()
@@ -301,6 +309,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
         restore_activation(module)
         restore_dropout(module)
         restore_max_pool(module)
+        restore_embedding(module, model)
     return model
 
 

@@ -399,6 +399,35 @@ def test_errors_in_place_counts_each_layers_error_and_its_table_shows_each_arm_a
     assert lines[-1].endswith("| 980 (0.980) | 500 | 600 (1.200) | 610 (1.220) |")
 
 
+def test_embedding_rows_counts_the_tied_tables_lookups_and_its_table_names_the_optimizer(monkeypatch):
+    """`bench/embedding_rows.py` counts which lookups handed their gradient over as rows: in a tied GPT-2's single
+    micro-batch, the token table's alone (the position table has no other part). Its table names the AdamW each case
+    ran with beside the arms' peaks."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import embedding_rows
+    import report
+    from transformers import GPT2LMHeadModel
+
+    from .helpers import tiny_gpt2_config
+
+    ids = torch.randint(0, 100, (2, 16))
+    monkeypatch.setattr(embedding_rows.overhead, "tiny_gpt2", lambda: (lambda: GPT2LMHeadModel(tiny_gpt2_config()),
+                                                                       {"input_ids": ids, "labels": ids}),
+                        raising=False)
+    assert embedding_rows.lookups_as_rows("tiny_gpt2") == {"as rows": 1, "tables": 2}
+    row = {"key": "gpt2-fused-adamw", "adamw": {"fused": True}, "lookups": {"as rows": 1, "tables": 2},
+           "default": {"plain": [3400.0, 3380.0, 3390.0], "as rows": [3250.0, 3260.0, 3240.0],
+                       "dense": [3410.0, 3400.0, 3420.0]},
+           "fixed": {"plain": 3000.0, "as rows": 2760.0, "dense": 3003.0}}
+    lines = report.embedding_rows_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
+                                           "rows": [row]})
+    assert lines[2].startswith("| case | AdamW | tables / lookups of one step as rows | plain | as rows | dense |")
+    assert lines[3].count("|") == lines[2].count("|")
+    assert lines[-1] == ("| gpt2-fused-adamw | fused | 2 / 1 | 3,390 | 3,250 (0.959) | 3,410 (1.006) | 3,400, 3,380, "
+                         "3,390; 3,250, 3,260, 3,240; 3,410, 3,400, 3,420 | 3,000 | 2,760 (0.920) | 3,003 (1.001) | "
+                         "- | - | - |")
+
+
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1", "--no-startup",

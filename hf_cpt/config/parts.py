@@ -175,10 +175,8 @@ class ActivationConfig:
     )
     rotation_seed: int = setting(0, "Seed of the random signs of the Hadamard rotation (rotated schemes).")
     activation_momentum: float = setting(0.9, "Momentum of the running activation min/max used in eval mode.")
-    activation_ema_init: str = setting(
-        "zeros",
-        "Start of the running activation range: 'zeros' (CPT code) or 'first_batch'."
-    )
+    activation_ema_init: str = setting("zeros", "Start of the running activation range: 'zeros' (CPT code) or "
+                                                "'first_batch'.")
     integer_matmul: bool | str = setting(
         "auto",
         "Training forward of Linear / GPT-2 Conv1D layers at 8 bits or fewer: the product computed on the operands' "
@@ -190,19 +188,15 @@ class ActivationConfig:
 
     recompute_activation_inputs: bool = setting(
         True,
-        "Activations (GELU, SiLU, ReLU, ...) fed by a product on integer codes keep a reference to the codes that "
-        "layer keeps anyway, not their float input, and recompute the input in backward: the same gradients bit for "
-        "bit, one more product on codes per such layer and step, and a full-size float tensor less per layer "
-        "(docs/method.md §2)."
+        "Activations (GELU, SiLU, ReLU, ...) fed by a product on integer codes recompute their input from the codes "
+        "that layer keeps: the same gradients bit for bit, a float tensor less per layer (docs/method.md §2)."
     )
 
     relu_masks: bool = setting(
         True,
-        "A ReLU whose output a quantized layer keeps as codes keeps a mask of where that output is positive, one bit "
-        "a value (a bool tensor where the native kernel does not serve), not the float output it shared with the "
-        "layer: the same gradients bit for bit, about three bytes a value less (docs/method.md §2). ReLU modules and "
-        "calls (torch.relu, F.relu) alike; nn.MaxPool2d modules then keep only their indices in CPU training, so that "
-        "the ReLU before them (a CNN's stem) keeps a mask too."
+        "A ReLU (module or call) whose output a quantized layer keeps as codes keeps a mask of one bit a value, not "
+        "its float output: the same gradients bit for bit (docs/method.md §2). nn.MaxPool2d modules then keep only "
+        "their indices in CPU training, so that the ReLU before them (a CNN's stem) keeps a mask too."
     )
 
     dropout_masks: bool = setting(
@@ -225,11 +219,17 @@ class ActivationConfig:
         "else holds that gradient: the same values bit for bit, no second error-sized tensor (docs/method.md §2)."
     )
 
+    embedding_row_gradients: bool = setting(
+        True,
+        "In CPU training, an nn.Embedding whose gradient adds to another (a tied head's, an earlier micro-batch's) "
+        "hands autograd its looked-up rows alone: the same gradient bit for bit, no table-sized tensor (method.md §2)."
+    )
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
         for name in ("recompute_activation_inputs", "relu_masks", "dropout_masks", "hand_back_buffers",
-                     "errors_in_place"):
+                     "errors_in_place", "embedding_row_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
         if self.integer_matmul not in (True, False, "auto"):
