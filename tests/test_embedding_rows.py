@@ -68,6 +68,35 @@ def test_a_tied_table_and_accumulated_micro_batches_get_the_same_gradients_bit_f
             assert torch.equal(a.grad, b.grad), name
 
 
+class TiedLanguageModel(nn.Module):
+    """A table and an output layer that shares it, outside transformers."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = nn.Embedding(50, 16, dtype=dtype)
+        self.head = nn.Linear(16, 50, bias=False, dtype=dtype)
+        self.head.weight = self.table.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.table(ids))).float().logsumexp(-1).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_table_shared_by_a_plain_module_gets_its_rows_added_in_each_dtype(rows_calls, dtype):
+    """`convert_embedding` finds the module that shares the table by its weight; in each float dtype the gradient
+    is the dense one's bit for bit."""
+    torch.manual_seed(0)
+    plain = TiedLanguageModel(dtype)
+    converted = copy.deepcopy(plain)
+    assert convert_embedding(converted.table, converted)
+    ids = torch.randint(0, 12, (6, 9))
+    for model in (plain, converted):
+        model(ids).backward()
+    assert rows_calls == [50]
+    grad = converted.table.weight.grad
+    assert grad.dtype == dtype and torch.equal(grad, plain.table.weight.grad)
+
+
 def test_a_padding_row_gets_no_gradient_as_with_the_dense_backward(rows_calls):
     """A padding id's row takes no gradient: as aten's dense backward, with the padding id among the looked-up ones
     and absent from them."""
@@ -178,3 +207,99 @@ def test_cpt_trainer_with_gradient_accumulation_trains_the_same_either_way(tmp_p
 def test_embedding_row_gradients_must_be_a_bool():
     with pytest.raises(ConfigError, match="embedding_row_gradients"):
         CPTConfig(embedding_row_gradients="yes")
+
+
+def _tied_worker(rank: int, world: int, port: int, mode: str, as_rows: bool, out_dir: str) -> None:
+    """One rank of a tied GPT-2 trained with accumulated micro-batches under DDP (the first micro-batch in
+    ``no_sync``) or FSDP2, with or without row gradients."""
+    import contextlib
+    import gc
+    import os
+
+    import torch.distributed as dist
+    from transformers import GPT2LMHeadModel
+
+    from tests.helpers import tiny_gpt2_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    wrapped, calls = None, []
+    rows_of = embedding_rows.rows_gradient
+    embedding_rows.rows_gradient = lambda *args: calls.append(args[2]) or rows_of(*args)
+    try:
+        torch.manual_seed(0)
+        config = tiny_gpt2_config()
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        model = GPT2LMHeadModel(config)
+        quantize_model(model, CPTConfig(embedding_row_gradients=as_rows, fused_error_quantizer=False))
+        set_precision(model, 8, 8)
+        if mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            wrapped = fully_shard(model)
+        else:
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(100 + rank)
+        for step in range(2):
+            for micro_batch in range(2):
+                ids = torch.randint(0, 60, (2, 12), generator=generator)
+                syncing = micro_batch == 1
+                if mode == "fsdp":
+                    wrapped.set_requires_gradient_sync(syncing)
+                    context = contextlib.nullcontext()
+                else:
+                    context = contextlib.nullcontext() if syncing else wrapped.no_sync()
+                torch.manual_seed(1000 * step + 10 * micro_batch + rank)  # the error quantizer's noise
+                with context:
+                    wrapped(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if rank == 0:
+            torch.save({"state": state, "rows": sorted(calls)}, os.path.join(out_dir, f"{mode}-{as_rows}.pt"))
+    finally:
+        del wrapped
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_ddp_and_fsdp2_train_a_tied_model_the_same_with_row_gradients(tmp_path, mode):
+    """Two gloo ranks, a tied GPT-2, two accumulated micro-batches a step: the rows are added before the gradients
+    are reduced, and the trained weights are those of the dense gradients bit for bit."""
+    import concurrent.futures
+    import os
+
+    from .fresh_python import run_python
+    from .test_distributed import ROOT, _free_port
+
+    for as_rows in (True, False):
+        port = _free_port()
+        commands = [["-c", f"from tests.test_embedding_rows import _tied_worker; _tied_worker({rank}, 2, {port}, "
+                           f"{mode!r}, {as_rows}, {str(tmp_path)!r})"] for rank in range(2)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            runs = list(pool.map(lambda command: run_python(command, cwd=ROOT, timeout=300), commands))
+        for rank, run in enumerate(runs):
+            assert run.returncode == 0, f"rank {rank}:\n{run.stderr[-3000:]}"
+    rows, dense = (torch.load(os.path.join(tmp_path, f"{mode}-{as_rows}.pt")) for as_rows in (True, False))
+    # each step: the token table's gradient as rows in both micro-batches, the position table's in the second
+    assert rows["rows"] == [64] * 2 + [128] * 4 and dense["rows"] == []
+    rows, dense = rows["state"], dense["state"]
+    for name, value in dense.items():
+        assert torch.equal(rows[name], value), name
+    assert not torch.equal(rows["transformer.wte.weight"], _initial_token_table())
+
+
+def _initial_token_table() -> torch.Tensor:
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(tiny_gpt2_config()).transformer.wte.weight.detach()

@@ -33,7 +33,7 @@ class _Pass:
         self.head_gradient = False
 
 
-def runs_here(module: nn.Embedding, ids: torch.Tensor) -> bool:
+def runs_here(module: nn.Embedding) -> bool:
     """Whether a lookup can hand its gradient over as rows: CPU training with grad enabled, a plain float table (no
     tensor subclass, no ``max_norm`` renormalization, no frequency scaling, not sparse already), not traced."""
     weight = module.weight
@@ -96,7 +96,7 @@ class EmbeddingAddingRows(nn.Embedding):
     to another (`_LookupAddingRows`); the same outputs and gradients bit for bit."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if not runs_here(self, ids):
+        if not runs_here(self):
             return super().forward(ids)
         lookup_pass = self.__dict__["_cpt_pass"] = _Pass()
         return _LookupAddingRows.apply(ids, self.weight, self.padding_idx, lookup_pass)
