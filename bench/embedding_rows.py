@@ -2,14 +2,15 @@
 gradient adds to another's handing autograd only their looked-up rows (`CPTConfig.embedding_row_gradients`, the
 default) and with aten's dense table gradient instead, beside the plain model's.
 
-GPT-2 ties its output head to its token table, so the table's gradient has two parts in every backward. Each case runs
+GPT-2 ties its output head to its token table, so the table's gradient has two parts in every backward. Its step runs
 with torch's AdamW as the other benches do (on the CPU one parameter at a time, with temporaries the size of each
-parameter) and with the fused AdamW that transformers' Trainer makes by default (``optim="adamw_torch_fused"``, no
-such temporaries). Peak resident memory (VmHWM) in fresh processes that train until the peak settles, as
-`bench/overhead.py` measures it: under glibc's default allocator (``--processes`` per arm, interleaved) and with its
-mmap threshold fixed (one each); with ``--repeats``, each step's time both ways beside the plain step's (one process,
-interleaved repeats, medians). Resumable: a case already in the output file is skipped (one measured without times gets
-them). ``python bench/report.py`` renders the JSON into docs/benchmarks.md.
+parameter), with the fused AdamW that transformers' Trainer makes by default (``optim="adamw_torch_fused"``, no such
+temporaries), and as 4 accumulated micro-batches (where the untied position table's gradient adds to ``.grad`` too).
+Peak resident memory (VmHWM) in fresh processes that train until the peak settles, as `bench/overhead.py` measures
+it: under glibc's default allocator (``--processes`` per arm, interleaved) and with its mmap threshold fixed (one
+each); with ``--repeats``, each step's time both ways beside the plain step's (one process, interleaved repeats,
+medians). Resumable: a case already in the output file is skipped (one measured without times gets them). ``python
+bench/report.py`` renders the JSON into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from harness import load_results, save_results  # noqa: E402
 from hf_cpt.nn import embedding_rows  # noqa: E402
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported  # noqa: E402
 
-CASES = {  # key -> (the bench's model builder, AdamW's settings)
-    "gpt2": ("gpt2_small", {}), "gpt2-fused-adamw": ("gpt2_small", {"fused": True}),
+CASES = {  # key -> (the bench's model builder, AdamW's settings, micro-batches a step)
+    "gpt2": ("gpt2_small", {}, 1), "gpt2-fused-adamw": ("gpt2_small", {"fused": True}, 1),
+    "gpt2-accumulate": ("gpt2_small", {}, 4),
 }
 DENSE = {"embedding_row_gradients": False}
 
 
 def lookups_as_rows(kind: str) -> dict[str, int]:
-    """How many of one training step's embedding lookups (the second step's) hand their gradient over as rows."""
+    """How many of one training step's embedding lookups (the second step's, of all its micro-batches) hand their
+    gradient over as rows, and how many tables can."""
     counts: collections.Counter = collections.Counter()
     rows_gradient = embedding_rows.rows_gradient
 
@@ -102,8 +105,8 @@ def main() -> None:
     if args.repeats:  # each run that timed steps, with its load
         results.setdefault("time_runs", []).append(timing)
     for key in args.cases:
-        kind, adamw = CASES[key]
-        overhead.ADAMW_OPTIONS = adamw
+        kind, adamw, micro_batches = CASES[key]
+        overhead.ADAMW_OPTIONS, overhead.MICRO_BATCHES = adamw, micro_batches
         if key in done:
             if args.repeats and "time_ms" not in done[key]:
                 done[key]["time_ms"] = step_times_ms(kind, args.repeats)
@@ -116,7 +119,7 @@ def main() -> None:
         plain, as_rows, dense = overhead.peak_memories_mib(kind, True, args.processes, other_options=[DENSE])
         fixed = [overhead.peak_memory_mib(kind, quantized, True, env=overhead.FIXED_MMAP_THRESHOLD, options=arm)[0]
                  for quantized, arm in ((False, {}), (True, {}), (True, DENSE))]
-        row = {"key": key, "adamw": adamw, "lookups": counts,
+        row = {"key": key, "adamw": adamw, "micro_batches": micro_batches, "lookups": counts,
                "default": {"plain": [p for p, _ in plain], "as rows": [p for p, _ in as_rows],
                            "dense": [p for p, _ in dense]},
                "fixed": dict(zip(("plain", "as rows", "dense"), fixed))}

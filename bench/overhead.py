@@ -68,6 +68,7 @@ QUANT_SCHEME = "auto"  # --quant-scheme
 # optimizer transformers' Trainer makes by default (optim="adamw_torch_fused"), which makes no parameter-sized
 # temporaries (bench/embedding_rows.py measures both).
 ADAMW_OPTIONS: dict = {}
+MICRO_BATCHES = 1  # the model steps' forward + backward passes per optimizer step (gradient accumulation)
 CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16",
          "bert-base-16-attention", "vit-s", "resnet18", "resnet20", "resnet20-functional", "minilm", "linear-torchao",
          "linear-published", "conv-published")
@@ -183,11 +184,12 @@ def bert_steps(batch_size: int, seq_len: int, fused: bool) -> tuple[Step, Step]:
     return make(plain), make(quantized)
 
 
-def training_step(model: nn.Module, batch: dict, micro_batches: int = 1) -> Step:
+def training_step(model: nn.Module, batch: dict, micro_batches: int | None = None) -> Step:
     """One training step (forward, backward, AdamW) of ``model`` on ``batch``; with ``micro_batches`` > 1, that many
     forward + backward passes accumulate before the optimizer step. A CPT model's weight epoch advances as the Trainer
     integration advances it (`hf_cpt.nn.reused_weights`), so the micro-batches share one quantized copy of each
     weight and what a Trainer run keeps is measured."""
+    micro_batches = MICRO_BATCHES if micro_batches is None else micro_batches
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **ADAMW_OPTIONS)
     reused = find_precision_state(model).reused_weights if is_quantized(model) else None
@@ -321,7 +323,7 @@ def _run_case_in_fresh_process(kind: str, quantized: bool, fused: bool, body: st
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         f"import json, sys, time, torch; sys.path.insert(0, {here!r}); import overhead as o; "
-        f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; o.ADAMW_OPTIONS = {ADAMW_OPTIONS!r}; "
+        f"o.QUANT_SCHEME = {QUANT_SCHEME!r}; o.ADAMW_OPTIONS = {ADAMW_OPTIONS!r}; o.MICRO_BATCHES = {MICRO_BATCHES}; "
         f"build, batch = o.{kind}(); torch.manual_seed(0); model = build(); "
         f"model = o.cpt_copy(model, {fused}, **{options or {}!r}) if {quantized} else model; "
         "step = o.training_step(model, batch)\n"

@@ -266,8 +266,8 @@ def embedding_rows_section(results: dict) -> list[str]:
         results, ("as rows", "dense"), "embedding gradients that add to another part handed to autograd as the "
         "looked-up rows (`embedding_row_gradients=True`, the default) or formed as dense tables "
         "(`embedding_row_gradients=False`); AdamW as torch makes it on the CPU, or fused (`fused=True`, the "
-        "Trainer's default)", "AdamW | tables / lookups of one step as rows",
-        lambda row: f"{'fused' if row['adamw'].get('fused') else 'torch default'} | "
+        "Trainer's default)", "AdamW | micro-batches a step | tables / lookups of one step as rows",
+        lambda row: f"{'fused' if row['adamw'].get('fused') else 'torch default'} | {row.get('micro_batches', 1)} | "
                     f"{row['lookups']['tables']} / {row['lookups']['as rows']}")
 
 

@@ -415,17 +415,19 @@ def test_embedding_rows_counts_the_tied_tables_lookups_and_its_table_names_the_o
                                                                        {"input_ids": ids, "labels": ids}),
                         raising=False)
     assert embedding_rows.lookups_as_rows("tiny_gpt2") == {"as rows": 1, "tables": 2}
-    row = {"key": "gpt2-fused-adamw", "adamw": {"fused": True}, "lookups": {"as rows": 1, "tables": 2},
+    row = {"key": "gpt2-fused-adamw", "adamw": {"fused": True}, "micro_batches": 1,
+           "lookups": {"as rows": 1, "tables": 2},
            "default": {"plain": [3400.0, 3380.0, 3390.0], "as rows": [3250.0, 3260.0, 3240.0],
                        "dense": [3410.0, 3400.0, 3420.0]},
            "fixed": {"plain": 3000.0, "as rows": 2760.0, "dense": 3003.0}}
     lines = report.embedding_rows_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
                                            "rows": [row]})
-    assert lines[2].startswith("| case | AdamW | tables / lookups of one step as rows | plain | as rows | dense |")
+    assert lines[2].startswith("| case | AdamW | micro-batches a step | tables / lookups of one step as rows | plain | "
+                               "as rows | dense |")
     assert lines[3].count("|") == lines[2].count("|")
-    assert lines[-1] == ("| gpt2-fused-adamw | fused | 2 / 1 | 3,390 | 3,250 (0.959) | 3,410 (1.006) | 3,400, 3,380, "
-                         "3,390; 3,250, 3,260, 3,240; 3,410, 3,400, 3,420 | 3,000 | 2,760 (0.920) | 3,003 (1.001) | "
-                         "- | - | - |")
+    assert lines[-1] == ("| gpt2-fused-adamw | fused | 1 | 2 / 1 | 3,390 | 3,250 (0.959) | 3,410 (1.006) | 3,400, "
+                         "3,380, 3,390; 3,250, 3,260, 3,240; 3,410, 3,400, 3,420 | 3,000 | 2,760 (0.920) | 3,003 "
+                         "(1.001) | - | - | - |")
 
 
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
