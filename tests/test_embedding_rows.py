@@ -303,3 +303,16 @@ def _initial_token_table() -> torch.Tensor:
 
     torch.manual_seed(0)
     return GPT2LMHeadModel(tiny_gpt2_config()).transformer.wte.weight.detach()
+
+
+@pytest.mark.slow
+def test_a_compiled_model_looks_up_as_it_was(rows_calls):
+    """Under torch.compile the lookups and the head's hook step aside: the traced graph trains with dense table
+    gradients."""
+    rows, _, _ = tiny_gpt2_pair()
+    compiled = torch.compile(rows, backend="eager")  # dynamo traces the lookups and hooks; no kernel compiled
+    ids = torch.randint(0, 40, (2, 16))
+    for _ in range(2):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    grad = rows.transformer.wte.weight.grad
+    assert rows_calls == [] and grad.layout == torch.strided and torch.count_nonzero(grad) > 0

@@ -105,8 +105,8 @@ class EmbeddingAddingRows(nn.Embedding):
 def _mark_head_gradient(head: nn.Module, args, output) -> None:
     """Forward hook of a module that may share an embedding's table: once the gradient reaches its output, that
     embedding's current pass will find the head's part of the table's gradient in autograd's buffer."""
-    if not isinstance(output, torch.Tensor) or not output.requires_grad:
-        return
+    if not isinstance(output, torch.Tensor) or not output.requires_grad or torch.compiler.is_compiling():
+        return  # (a traced graph's lookups run as they were: nothing to mark)
     for embedding in head.__dict__.get("_cpt_tied_embeddings", ()):
         lookup_pass = embedding.__dict__.get("_cpt_pass")
         if lookup_pass is not None and getattr(head, "weight", None) is embedding.weight:
