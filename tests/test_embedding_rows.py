@@ -137,6 +137,23 @@ def test_double_backward_and_eval_keep_the_dense_path(rows_calls):
     assert rows_calls == []
 
 
+def test_a_head_run_after_an_eval_lookup_marks_no_training_pass(rows_calls):
+    """A training forward that never reaches the head, then a forward in eval mode with gradients whose backward
+    reaches the head: that head's gradient is not the training pass's, so the training lookup's gradient stays
+    dense (a sparse one would become ``.grad``)."""
+    torch.manual_seed(0)
+    model = TiedLanguageModel(torch.float32)
+    convert_embedding(model.table, model)
+    ids = torch.tensor([[1, 2, 2, 5]])
+    hidden = model.table(ids).sum()  # the training pass: the table alone
+    model.eval()
+    model(ids).backward()  # the head's gradient, in another graph
+    model.train()
+    model.zero_grad(set_to_none=True)
+    hidden.backward()
+    assert rows_calls == [] and model.table.weight.grad.layout == torch.strided
+
+
 def test_a_copied_model_marks_its_own_tables(rows_calls):
     """`copy.deepcopy` of a converted model: the copy's head marks the copy's table (not the original's), whose
     gradient comes as rows, and the original is left alone."""
@@ -145,7 +162,7 @@ def test_a_copied_model_marks_its_own_tables(rows_calls):
     assert copied.lm_head.__dict__["_cpt_tied_embeddings"] == [copied.transformer.wte]
     ids = torch.randint(0, 40, (2, 16))
     backward_both((copied, dense), ids, 0)
-    assert rows_calls == [128] and "_cpt_pass" not in rows.transformer.wte.__dict__
+    assert rows_calls == [128] and rows.transformer.wte.__dict__.get("_cpt_pass") is None
     assert torch.equal(copied.transformer.wte.weight.grad, dense.transformer.wte.weight.grad)
 
 

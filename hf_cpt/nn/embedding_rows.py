@@ -97,6 +97,7 @@ class EmbeddingAddingRows(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not runs_here(self):
+            self.__dict__["_cpt_pass"] = None  # nothing for a head that runs after this lookup to mark
             return super().forward(ids)
         lookup_pass = self.__dict__["_cpt_pass"] = _Pass()
         return _LookupAddingRows.apply(ids, self.weight, self.padding_idx, lookup_pass)
