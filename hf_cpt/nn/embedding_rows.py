@@ -59,10 +59,11 @@ class _LookupAddingRows(torch.autograd.Function):
             return None, None, None, None
         (ids,) = ctx.saved_tensors
         weight, padding_idx = ctx.weight, -1 if ctx.padding_idx is None else ctx.padding_idx
-        if not _other_part_present(ctx.lookup_pass, weight, grad):
-            return None, torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], padding_idx, False), \
-                None, None
-        return None, rows_gradient(grad, ids, weight.shape[0], padding_idx), None, None
+        if _other_part_present(ctx.lookup_pass, weight, grad):
+            table_grad = rows_gradient(grad, ids, weight.shape[0], padding_idx)
+        else:
+            table_grad = torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], padding_idx, False)
+        return None, table_grad, None, None
 
 
 def _other_part_present(lookup_pass: _Pass, weight: torch.Tensor, grad: torch.Tensor) -> bool:
