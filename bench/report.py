@@ -540,21 +540,15 @@ def main() -> None:
                              "integer_products is not false): a run with them belongs in kept_memory.json")
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory-float-products",
                       kept_memory_section(kept_float))
-    phases = results_page.load(args.results, "peak_phases.json")
-    if phases:
-        replace_block(os.path.join(args.docs, "benchmarks.md"), "peak-phases", peak_phases_section(phases))
-    hand_back = results_page.load(args.results, "hand_back.json")
-    if hand_back:
-        replace_block(os.path.join(args.docs, "benchmarks.md"), "hand-back", hand_back_section(hand_back))
-    in_place = results_page.load(args.results, "errors_in_place.json")
-    if in_place:
-        replace_block(os.path.join(args.docs, "benchmarks.md"), "errors-in-place", errors_in_place_section(in_place))
-    rows = results_page.load(args.results, "embedding_rows.json")
-    if rows:
-        replace_block(os.path.join(args.docs, "benchmarks.md"), "embedding-rows", embedding_rows_section(rows))
-    kernels = results_page.load(args.results, "kernels.json")
-    if kernels:
-        replace_block(os.path.join(args.docs, "benchmarks.md"), "kernels", kernels_section(kernels))
+    # docs/benchmarks.md's tables that each render one bench's JSON as it is
+    for name, block, section in (("peak_phases.json", "peak-phases", peak_phases_section),
+                                 ("hand_back.json", "hand-back", hand_back_section),
+                                 ("errors_in_place.json", "errors-in-place", errors_in_place_section),
+                                 ("embedding_rows.json", "embedding-rows", embedding_rows_section),
+                                 ("kernels.json", "kernels", kernels_section)):
+        results = results_page.load(args.results, name)
+        if results:
+            replace_block(os.path.join(args.docs, "benchmarks.md"), block, section(results))
     counts = results_page.load(args.results, "op_counts.json")
     if counts:
         replace_block(args.readme, "op-counts", op_counts_summary(counts))

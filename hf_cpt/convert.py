@@ -28,6 +28,7 @@ from .nn.relu_masks import FunctionalReLUScope
 from .numerics import native
 from .numerics.bits import check_bits
 from .numerics.rotation import can_rotate
+from .utils import model_embeddings
 
 # Module names that hold a model's output head in transformers and timm models.
 HEAD_MODULE_NAMES = ("lm_head", "classifier", "score", "head", "qa_outputs", "cls")
@@ -118,13 +119,7 @@ def output_head_names(model: nn.Module) -> set[str]:
     """Names of the modules that form the output head, found generically."""
     names_by_id = {id(module): name for name, module in model.named_modules()}
     heads: set[str] = set()
-    candidates = []
-    get_output_embeddings = getattr(model, "get_output_embeddings", None)
-    if callable(get_output_embeddings):
-        try:
-            candidates.append(get_output_embeddings())
-        except (NotImplementedError, AttributeError):
-            pass
+    candidates = [model_embeddings(model, "output")]
     for module in model.modules():
         get_classifier = getattr(module, "get_classifier", None)  # timm models
         if callable(get_classifier):

@@ -61,3 +61,18 @@ def setting(default: Any, help: str) -> Any:
     """A settings field: its default and the help text that `hf_cpt.CPTConfig` and the recipes' ``--cpt_*`` flags
     show (declared once, in the typed part the setting belongs to)."""
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+def model_embeddings(model: Any, which: str) -> Any:
+    """A transformers model's ``"input"`` or ``"output"`` embeddings module (``get_input_embeddings`` /
+    ``get_output_embeddings``), or None where the model has none or does not say."""
+    getter = getattr(model, f"get_{which}_embeddings", None)
+    if not callable(getter):
+        return None
+    try:
+        module = getter()
+    except (NotImplementedError, AttributeError):
+        return None
+    import torch
+
+    return module if isinstance(module, torch.nn.Module) else None

@@ -23,6 +23,8 @@ import functools
 import torch
 from torch import nn
 
+from ..utils import model_embeddings
+
 
 class _Pass:
     """One training forward of an embedding: whether its table's gradient has a dense part from a tied head."""
@@ -127,7 +129,7 @@ def convert_embedding(module: nn.Module, model: nn.Module) -> bool:
         return False
     module.__class__ = EmbeddingAddingRows
     heads = [m for m in model.modules() if m is not module and getattr(m, "weight", None) is module.weight]
-    head = _output_embeddings(model) if _input_embeddings(model) is module else None
+    head = model_embeddings(model, "output") if model_embeddings(model, "input") is module else None
     if head is not None and all(head is not m for m in heads):
         heads.append(head)
     for head in heads:
@@ -136,19 +138,6 @@ def convert_embedding(module: nn.Module, model: nn.Module) -> bool:
             head.register_forward_hook(_mark_head_gradient)
         tied.append(module)
     return True
-
-
-def _input_embeddings(model: nn.Module) -> nn.Module | None:
-    try:
-        return model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    except NotImplementedError:
-        return None
-
-
-def _output_embeddings(model: nn.Module) -> nn.Module | None:
-    """A transformers model's output layer, which its ``tie_weights`` may tie to the input embeddings."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head if isinstance(head, nn.Module) else None
 
 
 def restore_embedding(module: nn.Module, model: nn.Module) -> None:
