@@ -271,6 +271,22 @@ def embedding_rows_section(results: dict) -> list[str]:
                     f"{row['lookups']['tables']} / {row['lookups']['as rows']}")
 
 
+def codes_float_gemm_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of each model step with float products and with products on codes through the
+    float32 GEMM, on a CPU without int8 dot products, from `bench/codes_float_gemm.py`'s JSON."""
+    if results.get("integer_products") is not False:
+        raise SystemExit("codes_float_gemm.json must hold a run on a CPU without int8 dot products (its "
+                         "integer_products is not false)")
+    return _peaks_against_plain(
+        results, ("float products", "on codes"), "the layers' training forward on fake-quantized floats "
+        "(`integer_matmul=\"auto\"` on this CPU) or on their codes through the float32 GEMM (`integer_matmul=True`), "
+        "whose activations then recompute their inputs", "products on codes of one step: float32 GEMM / float64 | "
+        "kept for backward, MiB: plain / float products / on codes",
+        lambda row: f"{row['products']['float32']} / {row['products']['float64']} | "
+                    f"{row['kept_mib']['plain']:,.0f} / {row['kept_mib']['float products']:,.0f} / "
+                    f"{row['kept_mib']['on codes']:,.0f}")
+
+
 def _peaks_against_plain(results: dict, arms: tuple[str, str], description: str, count_header: str,
                          count_cells) -> list[str]:
     """A table of each case's peak memory on two arms of CPT 8/8 beside the plain model's (under glibc's default,
@@ -545,6 +561,7 @@ def main() -> None:
                                  ("hand_back.json", "hand-back", hand_back_section),
                                  ("errors_in_place.json", "errors-in-place", errors_in_place_section),
                                  ("embedding_rows.json", "embedding-rows", embedding_rows_section),
+                                 ("codes_float_gemm.json", "codes-float-gemm", codes_float_gemm_section),
                                  ("kernels.json", "kernels", kernels_section)):
         results = results_page.load(args.results, name)
         if results:

@@ -430,6 +430,40 @@ def test_embedding_rows_counts_the_tied_tables_lookups_and_its_table_names_the_o
                          "(1.001) | - | - | - |")
 
 
+def test_codes_float_gemm_counts_a_steps_products_on_codes_and_its_table_names_both_arms(monkeypatch):
+    """`bench/codes_float_gemm.py` counts how a step's products on codes multiplied, as on a CPU without int8 dot
+    products: a tiny BERT's all by the float32 GEMM. Its table shows those counts and what each arm's forward keeps
+    beside the arms' peaks, and refuses a run made on a CPU with int8 dot products."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import codes_float_gemm
+    import report
+    from transformers import BertForSequenceClassification
+
+    from .helpers import tiny_bert_config
+
+    batch = {"input_ids": torch.randint(5, 100, (2, 16)), "labels": torch.tensor([0, 1])}
+    monkeypatch.setattr(codes_float_gemm.overhead, "tiny_bert", lambda: (
+        lambda: BertForSequenceClassification(tiny_bert_config()), batch), raising=False)
+    monkeypatch.setattr(codes_float_gemm.integer_matmul, "cpu_has_int8_dot", lambda: False)
+    counts = codes_float_gemm.products_on_codes("tiny_bert")
+    layers = tiny_bert_config().num_hidden_layers
+    # per layer six products and its GELU's recomputed input, the pooler's product and its tanh's
+    assert counts == {"float32": 7 * layers + 2, "float64": 0}
+    row = {"key": "minilm", "products": {"float32": 44, "float64": 0},
+           "kept_mib": {"plain": 1098.6, "float products": 699.7, "on codes": 555.6},
+           "default": {"plain": [2500.0, 2510.0, 2490.0], "float products": [2300.0, 2310.0, 2290.0],
+                       "on codes": [2200.0, 2210.0, 2190.0]},
+           "fixed": {"plain": 2000.0, "float products": 1800.0, "on codes": 1700.0}}
+    results = {"command": "c", "torch": "t", "integer_products": False, "processes": 3, "rows": [row]}
+    lines = report.codes_float_gemm_section(results)
+    assert lines[2].startswith("| case | products on codes of one step: float32 GEMM / float64 | kept for backward, "
+                               "MiB: plain / float products / on codes | plain | float products | on codes |")
+    assert lines[3].count("|") == lines[2].count("|")
+    assert lines[-1].startswith("| minilm | 44 / 0 | 1,099 / 700 / 556 | 2,500 | 2,300 (0.920) | 2,200 (0.880) |")
+    with pytest.raises(SystemExit, match="without int8 dot products"):
+        report.codes_float_gemm_section({**results, "integer_products": True})
+
+
 def test_setting_benches_measure_new_cases_and_time_measured_ones_when_resumed(tmp_path, monkeypatch):
     """`bench/setting_arms.py`: a case already in the JSON is not measured again; run with ``--repeats`` it gets its
     times, and a new case gets both; a case that cannot run here is skipped with its reason."""

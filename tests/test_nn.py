@@ -642,11 +642,11 @@ def test_weight_codes_reused_in_an_epoch_are_rebuilt_into_the_reused_buffer(kind
     scratch.release()
 
 
-def test_reused_buffers_are_handed_back_once_no_quantized_product_awaits_its_backward(monkeypatch):
-    """The reused buffers' pages go back to the system once per backward pass, as soon as its last quantized layer's
-    backward has run (`scratch.hand_back`): before the layers in full precision under them (GPT-2's embeddings), and
-    after every graph alive, so two forwards summed into one loss hand them back once. A graph freed without a
-    backward does not hold the next one's hand-back back."""
+def test_reused_buffers_go_idle_once_no_quantized_product_awaits_its_backward(monkeypatch):
+    """The reused buffers are marked idle once per backward pass, as soon as its last quantized layer's backward has
+    run (`scratch.mark_idle`): before the layers in full precision under them (GPT-2's embeddings), and after every
+    graph alive, so two forwards summed into one loss mark them once. A graph freed without a backward does not hold
+    the next one's mark back."""
     from hf_cpt.nn import products
     from hf_cpt.numerics import scratch
 
@@ -658,32 +658,65 @@ def test_reused_buffers_are_handed_back_once_no_quantized_product_awaits_its_bac
     quantize_model(model, CPTConfig(include_modules=["1.0", "1.2"]))
     set_precision(model, 6, 8)
     events = []
-    hand_back = scratch.hand_back
-    monkeypatch.setattr(scratch, "hand_back", lambda: events.append("handed back") or hand_back())
+    mark_idle = scratch.mark_idle
+    monkeypatch.setattr(scratch, "mark_idle", lambda: events.append("idle") or mark_idle())
     model[0].weight.register_hook(lambda grad: events.append("full-precision layer's gradient"))
     model(x).sum()  # a graph freed unrun
     model(x).square().sum().backward()
-    assert events == ["handed back", "full-precision layer's gradient"]
+    assert events == ["idle", "full-precision layer's gradient"]
     events.clear()
     (model(x).square().sum() + model(x + 1).sum()).backward()  # two micro-batches' graphs in one pass
-    assert events == ["handed back", "full-precision layer's gradient"]
+    assert events == ["idle", "full-precision layer's gradient"]
     with torch.no_grad():
         model(x)  # no graph: nothing awaits a backward
     events.clear()
     model(x).sum().backward()
-    assert events == ["handed back", "full-precision layer's gradient"]
+    assert events == ["idle", "full-precision layer's gradient"]
     # Activation checkpointing (transformers' default, non-reentrant): the products recomputed in the backward
-    # leave with their graph, and the pass still hands back once, after its last quantized layer.
+    # leave with their graph, and the pass still marks them once, after its last quantized layer.
     events.clear()
     checkpoint(model[1], model[0](x), use_reentrant=False).sum().backward()
-    assert events == ["handed back", "full-precision layer's gradient"]
+    assert events == ["idle", "full-precision layer's gradient"]
+    scratch.release()
+
+
+def test_idle_buffers_are_handed_back_when_the_next_optimizer_step_starts(monkeypatch):
+    """Pages go back to the system at the start of the first optimizer step after a pass (any torch optimizer:
+    a process-wide step pre-hook), before the optimizer writes its states: once per step however many micro-batches
+    it accumulates, not by a step with no pass before it, and never in a loop without an optimizer step (a layer's
+    forward and backward alone, which would otherwise write them again page by page in every pass)."""
+    from hf_cpt.nn import products
+    from hf_cpt.numerics import scratch
+
+    monkeypatch.setattr(products, "_awaiting_backward", weakref.WeakSet())
+    torch.manual_seed(0)
+    model, x = two_quantizable_layers("linear")
+    quantize_model(model, CPTConfig())
+    set_precision(model, 6, 8)
+    events = []
+    hand_back = scratch.hand_back
+    monkeypatch.setattr(scratch, "hand_back", lambda: events.append("handed back") or hand_back())
+    for _ in range(3):
+        model(x).square().sum().backward()
+    assert events == [] and scratch.held_bytes() > 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    optimizer.register_step_pre_hook(lambda *_: events.append("optimizer step"))
+    optimizer.step()
+    assert events == ["handed back", "optimizer step"]
+    optimizer.step()  # no pass since: nothing to hand back
+    assert events == ["handed back", "optimizer step", "optimizer step"]
+    events.clear()
+    for _ in range(4):  # accumulated micro-batches
+        model(x).square().sum().backward()
+    torch.optim.SGD(model.parameters(), lr=1e-3).step()  # another optimizer class, hooked all the same
+    assert events == ["handed back"]
     scratch.release()
 
 
 def test_hand_back_buffers_false_never_hands_the_reused_buffers_back_and_changes_no_gradient(monkeypatch):
-    """``CPTConfig(hand_back_buffers=False)``: no pass hands the buffers back (`scratch.hand_back` is never called;
-    the buffers stay mapped either way), and the gradients are those of the default, bit for bit; a non-bool is
-    refused."""
+    """``CPTConfig(hand_back_buffers=False)``: no optimizer step hands the buffers back (`scratch.hand_back` is
+    never called; the buffers stay mapped either way), and the gradients are those of the default, bit for bit; a
+    non-bool is refused."""
     from hf_cpt.nn import products
     from hf_cpt.numerics import scratch
 
@@ -699,10 +732,12 @@ def test_hand_back_buffers_false_never_hands_the_reused_buffers_back_and_changes
         model, x = two_quantizable_layers("linear")
         quantize_model(model, CPTConfig(hand_back_buffers=not keep))
         set_precision(model, 6, 8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         handed_back.clear()
         for _ in range(2):
             model.zero_grad()
             model(x).square().sum().backward()
+            optimizer.step()
         assert len(handed_back) == (0 if keep else 2)
         assert scratch.held_bytes() > 0  # the buffers stay mapped either way
         gradients[keep] = [p.grad.clone() for p in model.parameters()]

@@ -135,6 +135,27 @@ def test_without_huge_pages_the_buffers_stay_resident(monkeypatch):
     assert _resident_kib(buffer.data_ptr()) >= before >= 4096 and buffer.eq(1.0).all()
 
 
+def test_hand_back_if_idle_hands_back_once_per_mark_on_the_marking_thread(monkeypatch):
+    handed_back = []
+    hand_back = scratch.hand_back
+    monkeypatch.setattr(scratch, "hand_back", lambda: handed_back.append(1) or hand_back())
+    scratch.take("error", (64, 64), torch.float32).fill_(1.0)
+    assert scratch.hand_back_if_idle() is False and handed_back == []  # never marked
+    scratch.mark_idle()
+    thread = threading.Thread(target=lambda: handed_back.append(scratch.hand_back_if_idle()))
+    thread.start()
+    thread.join()
+    assert handed_back == [False]  # another thread's mark is not this one's
+    assert scratch.hand_back_if_idle() is True and scratch.hand_back_if_idle() is False
+    assert handed_back == [False, 1]
+    scratch.mark_idle()
+    hand_back()  # a hand-back by other means clears the mark, as does `release`
+    assert scratch.hand_back_if_idle() is False
+    scratch.mark_idle()
+    scratch.release()
+    assert scratch.hand_back_if_idle() is False and handed_back == [False, 1]
+
+
 def test_holds_tells_a_buffers_tensor_from_any_other():
     taken = scratch.take("input", (64, 64), torch.float32)
     assert scratch.holds(taken) and scratch.holds(taken[10:])  # a view inside it too

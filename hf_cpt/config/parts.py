@@ -182,8 +182,8 @@ class ActivationConfig:
         "Training forward of Linear / GPT-2 Conv1D layers at 8 bits or fewer: the product computed on the operands' "
         "integer codes (exact int32 sums, then scaled), instead of a float GEMM of the fake-quantized values. "
         "'auto': on a CPU with int8 dot-product instructions (VNNI, AMX), where int8 GEMMs run several times faster; "
-        "True: on every CPU; False: never. The same values up to float rounding; eval and exports are unchanged "
-        "(docs/method.md §2)."
+        "True: on every CPU (elsewhere via the float32 GEMM, its sums proven exact); False: never. The same values up "
+        "to float rounding; eval and exports are unchanged (docs/method.md §2)."
     )
 
     recompute_activation_inputs: bool = setting(
@@ -208,9 +208,9 @@ class ActivationConfig:
 
     hand_back_buffers: bool = setting(
         True,
-        "In CPU training, once a backward is past its last quantized layer, the layers' reused buffers' pages go back "
-        "to the system until the next pass: a lower peak where a step peaks after that point (an optimizer step, a "
-        "last embedding gradient), at the cost of faulting them in again (docs/benchmarks.md)."
+        "In CPU training, the layers' reused buffers, idle from a backward's last quantized layer to the next forward, "
+        "give their pages back to the system when an optimizer step starts: a lower peak where a step peaks in its "
+        "optimizer step, at the cost of faulting them in again once per optimizer step (docs/method.md §2)."
     )
 
     errors_in_place: bool = setting(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..numerics import scratch
 from ..numerics.error_ownership import error_held_alone
@@ -228,18 +229,30 @@ class QuantizedProducts(torch.autograd.Function):
 
 # The nodes of quantized products made on CPU whose backward has not run yet; a graph freed unrun leaves by itself.
 _awaiting_backward: weakref.WeakSet = weakref.WeakSet()
+_optimizer_hook = None  # the process-wide optimizer step pre-hook that hands idle buffers back, once registered
 
 
 def _backward_ran(ctx) -> None:
     """After a quantized product's backward: once no product made on this CPU awaits its backward, the pass has
-    reached its last quantized layer, and the reused buffers' pages go back to the system (`scratch.hand_back`) unless
-    the layer's settings keep them (``CPTConfig.hand_back_buffers=False``). What the backward does after it (an
-    embedding's gradient, the largest of GPT-2's, comes last) and the optimizer step then run without them resident;
-    the next forward faults them in again (docs/method.md §2, "Reused buffers")."""
+    reached its last quantized layer and the reused buffers are idle until the next forward (`scratch.mark_idle`),
+    unless the layer's settings keep them (``CPTConfig.hand_back_buffers=False``). Their pages go back to the system
+    when the next optimizer step starts (any `torch.optim.Optimizer`, through a process-wide step pre-hook): the
+    step, where a model with a large optimizer state peaks, runs without them resident; a loop that steps once per
+    accumulated micro-batches faults them in again once per step, and one with no optimizer step (a layer timed
+    alone) never (docs/method.md §2, "Reused buffers")."""
+    global _optimizer_hook
     if ctx in _awaiting_backward:
         _awaiting_backward.discard(ctx)
         if not _awaiting_backward and ctx.layer.cpt_precision.hand_back_buffers:
-            scratch.hand_back()
+            scratch.mark_idle()
+            if _optimizer_hook is None:
+                _optimizer_hook = register_optimizer_step_pre_hook(_hand_back_idle_buffers)
+
+
+def _hand_back_idle_buffers(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: the calling thread's idle reused buffers go back to the system (CPU autograd runs a
+    backward on the thread that called it, which in a training loop also steps the optimizer)."""
+    scratch.hand_back_if_idle()
 
 
 def _gradients(

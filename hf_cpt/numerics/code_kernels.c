@@ -98,16 +98,18 @@ typedef struct {
     const float *column_scale, *column_zero, *column_term;  /* one per column */
     const float *bias;                                      /* one per column, or null */
     int64_t columns;
+    int float_sums;                                         /* the sums arrive as float32 (exact integers) */
 } product_args;
 
 /* One row: out = p s_a s_b + (u z_b + z_a w) (+ bias), with u = s_a (a' 1) and w = s_b (1 b') + K z_b: the terms of
  * integer_matmul.code_matmul, in this order. */
 static inline __attribute__((always_inline)) void product_row(
     int32_t *p, const float sa, const float u, const float za, const float *restrict sb, const float *restrict zb,
-    const float *restrict w, const float *restrict bias, int64_t columns, const int with_bias) {
-    float *out = (float *)(void *)p; /* each int32 is read, then overwritten by its float32 result */
+    const float *restrict w, const float *restrict bias, int64_t columns, const int with_bias, const int float_sums) {
+    float *out = (float *)(void *)p; /* each sum is read, then overwritten by its float32 result */
     for (int64_t j = 0; j < columns; j++) {
-        const float v = (float)p[j] * sa * sb[j] + (u * zb[j] + za * w[j]);
+        const float sum = float_sums ? out[j] : (float)p[j];
+        const float v = sum * sa * sb[j] + (u * zb[j] + za * w[j]);
         out[j] = with_bias ? v + bias[j] : v;
     }
 }
@@ -117,20 +119,26 @@ static int product_rows(const void *args, int64_t first_row, int64_t last_row) {
     for (int64_t row = first_row; row < last_row; row++) {
         int32_t *p = a->products + row * a->columns;
         const float sa = a->row_scale[row], u = a->row_sum[row], za = a->row_zero[row];
-        if (a->bias)
-            product_row(p, sa, u, za, a->column_scale, a->column_zero, a->column_term, a->bias, a->columns, 1);
+        const float *sb = a->column_scale, *zb = a->column_zero, *w = a->column_term;
+        if (a->float_sums && a->bias)
+            product_row(p, sa, u, za, sb, zb, w, a->bias, a->columns, 1, 1);
+        else if (a->float_sums)
+            product_row(p, sa, u, za, sb, zb, w, 0, a->columns, 0, 1);
+        else if (a->bias)
+            product_row(p, sa, u, za, sb, zb, w, a->bias, a->columns, 1, 0);
         else
-            product_row(p, sa, u, za, a->column_scale, a->column_zero, a->column_term, 0, a->columns, 0);
+            product_row(p, sa, u, za, sb, zb, w, 0, a->columns, 0, 0);
     }
     return 0;
 }
 
-/* The float32 result of a product on codes from its int32 sums, in place: rows x columns (contiguous). */
+/* The float32 result of a product on codes from its sums, in place: rows x columns (contiguous); the sums are int32,
+ * or with float_sums float32 holding the same integers exactly. */
 int hf_cpt_code_product(int32_t *products, const float *row_scale, const float *row_sum, const float *row_zero,
                         const float *column_scale, const float *column_zero, const float *column_term,
-                        const float *bias, int64_t rows, int64_t columns, int threads) {
+                        const float *bias, int64_t rows, int64_t columns, int float_sums, int threads) {
     product_args args = {products, row_scale, row_sum, row_zero, column_scale, column_zero, column_term, bias,
-                         columns};
+                         columns, float_sums};
     return split_items(product_rows, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
 }
 

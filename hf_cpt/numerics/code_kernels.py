@@ -43,7 +43,7 @@ def _library():
     return native.bind("code_kernels", {
         "hf_cpt_quantize_codes": (pointers + sizes + [ctypes.c_float, ctypes.c_int], ctypes.c_int),
         "hf_cpt_restore_codes": ([ctypes.c_void_p] * 4 + sizes + [ctypes.c_int], ctypes.c_int),
-        "hf_cpt_code_product": ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int], ctypes.c_int),
+        "hf_cpt_code_product": ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2, ctypes.c_int),
         "hf_cpt_ranges": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2, ctypes.c_int),
     })
 
@@ -123,11 +123,11 @@ def code_product_native(
     column_scale: torch.Tensor, column_zero: torch.Tensor, column_term: torch.Tensor, bias: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """The float32 ``products * s_a s_b + (u z_b + z_a w) + bias`` of a product on codes
-    (`hf_cpt.numerics.integer_matmul.code_matmul`), written over the int32 ``products`` ``[M, N]`` in one pass;
-    the row terms broadcast to ``[M]``, the column terms and ``bias`` to ``[N]``. None where the kernel does not
-    serve the call."""
-    if (not native.takes(products, NATIVE_MIN_NUMEL) or products.dtype != torch.int32 or products.dim() != 2
-            or _library() is None):
+    (`hf_cpt.numerics.integer_matmul.code_matmul`), written over ``products`` ``[M, N]`` in one pass: its int32
+    sums, or float32 holding the same integers exactly; the row terms broadcast to ``[M]``, the column terms and
+    ``bias`` to ``[N]``. None where the kernel does not serve the call."""
+    if (not native.takes(products, NATIVE_MIN_NUMEL) or products.dtype not in (torch.int32, torch.float32)
+            or products.dim() != 2 or _library() is None):
         return None
     rows, columns = products.shape
     row_terms = [t.float().expand(rows, 1).reshape(rows).contiguous() for t in (row_scale, row_sum, row_zero)]
@@ -135,7 +135,8 @@ def code_product_native(
                     for t in (column_scale, column_zero, column_term)]
     bias = None if bias is None else bias.float().contiguous()
     _library().hf_cpt_code_product(products.data_ptr(), *(t.data_ptr() for t in row_terms + column_terms),
-                                   None if bias is None else bias.data_ptr(), rows, columns, native.threads())
+                                   None if bias is None else bias.data_ptr(), rows, columns,
+                                   int(products.dtype == torch.float32), native.threads())
     return products.view(torch.float32)
 
 

