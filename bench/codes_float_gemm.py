@@ -38,10 +38,10 @@ FLOAT, CODES = {"integer_matmul": False}, {"integer_matmul": True}
 def products_on_codes(kind: str) -> dict[str, int]:
     """How one training step's products on codes (the second step's) multiplied: by the float32 GEMM, in float64."""
     counts: collections.Counter = collections.Counter()
-    engine = integer_matmul._sums_and_products
+    engine = integer_matmul._float_gemm_on_codes
 
-    def counting(a: torch.Tensor, b: torch.Tensor):
-        result = engine(a, b)
+    def counting(*args: torch.Tensor):
+        result = engine(*args)
         counts["float32" if result[2].dtype == torch.float32 else "float64"] += 1
         return result
 
@@ -49,11 +49,11 @@ def products_on_codes(kind: str) -> dict[str, int]:
     torch.manual_seed(0)
     step = overhead.training_step(overhead.cpt_copy(build(), True, **CODES), batch)
     step()
-    integer_matmul._sums_and_products = counting
+    integer_matmul._float_gemm_on_codes = counting
     try:
         step()
     finally:
-        integer_matmul._sums_and_products = engine
+        integer_matmul._float_gemm_on_codes = engine
     return {"float32": counts["float32"], "float64": counts["float64"]}
 
 

@@ -173,6 +173,24 @@ def test_native_ranges_are_amin_and_amax(shape, kind):
         torch.testing.assert_close(value, reference, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("shape, per_column", [((300, 211), False), ((211, 300), True), ((64, 4096), False),
+                                               ((4096, 70), True)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_native_centred_codes_and_their_sums_are_exact(shape, per_column, bits):
+    """Codes less the middle code as float32, with the integer sums and sums of squares of each row (or column), the
+    extremes included: what the float32 GEMM on codes multiplies and bounds."""
+    generator = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, shape, generator=generator, dtype=torch.uint8)
+    codes[0], codes[:, 1] = 0, 2**bits - 1
+    middle = 2 ** (bits - 1)
+    values, sums, squares = code_kernels.centred_codes_native(codes, middle, per_column)
+    centred = codes.long() - middle
+    dim = 0 if per_column else 1
+    assert values.dtype == torch.float32 and torch.equal(values.long(), centred)
+    assert sums.dtype == squares.dtype == torch.int32
+    assert torch.equal(sums.long(), centred.sum(dim)) and torch.equal(squares.long(), centred.square().sum(dim))
+
+
 def test_kernels_run_on_torchs_threads_unless_told_and_refuse_a_bad_count(monkeypatch):
     """On torch's OpenMP team a kernel takes torch's thread count; with threads of its own, one (docs/benchmarks.md)."""
     monkeypatch.delenv(native.THREADS_VARIABLE, raising=False)

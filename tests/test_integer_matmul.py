@@ -81,53 +81,52 @@ def test_code_sums_are_the_exact_row_and_column_sums(m, k, n):
     assert torch.equal(b_sums.long(), b.long().sum(0, keepdim=True))
 
 
-def _engines(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """`_sums_and_products` of int8 ``a`` and ``b`` with int8 dot products (int32 sums) and without (float32 GEMM
-    on the codes, float64 beyond the exact bound)."""
-    results = {}
-    for int8_dot in (True, False):
-        with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=int8_dot):
-            results[int8_dot] = integer_matmul._sums_and_products(a, b)
-    return results
+def _engines(a_codes: torch.Tensor, b_codes: torch.Tensor) -> tuple[tuple, tuple]:
+    """(row sums, column sums, products) of 8-bit codes centred on their middle code: as int8 GEMMs, and through the
+    float32 GEMM (`_float_gemm_on_codes`)."""
+    middle = torch.tensor(128, dtype=torch.uint8)
+    a, b = integer_matmul._centred(a_codes, middle), integer_matmul._centred(b_codes, middle)
+    return (*integer_matmul._code_sums(a, b), torch._int_mm(a, b)), integer_matmul._float_gemm_on_codes(
+        a_codes, b_codes, middle)
 
 
 @pytest.mark.parametrize("k, fill, float_gemm", [
     (768, None, True),  # random codes: far below the bound
-    (768, -128, True),  # every code -128: K 128^2 = 12.6M, below 2^24
-    (1024, -128, False),  # 1024 128^2 = 2^24: above the margin, float64
+    (768, 0, True),  # every code 0, centred -128: K 128^2 = 12.6M, below 2^24
+    (1024, 0, True),  # 1024 128^2 = 2^24, which float32 holds exactly: the bound itself
+    (1025, 0, False),  # one more: float64
     (3072, None, False),  # uniform codes over K = 3072: norms near 2^12 each
-    (3072, 3, True),  # small codes over a large K
+    (3072, 131, True),  # small centred codes (3) over a large K
 ])
-def test_products_on_codes_without_int8_dot_products_equal_the_int32_ones(k, fill, float_gemm):
+@pytest.mark.parametrize("layout", ["transposed weight", "contiguous"])  # a Linear's weight view, a Conv1D's weight
+def test_products_on_codes_without_int8_dot_products_equal_the_int32_ones(k, fill, float_gemm, layout):
     """Without int8 dot products the codes are multiplied by a float32 GEMM where the Cauchy-Schwarz bound proves
-    every partial sum below 2^24 (exact in any order), else in float64: the same sums and products as the int32 ones,
-    exactly, extremes included, for a weight's transposed view as the Linear passes it, under autocast, and under a
-    reduced float32 matmul precision."""
+    every partial sum at most 2^24 (exact in any order), else in float64: the same sums and products as the int32
+    ones, exactly, extremes included, under autocast, and under a reduced float32 matmul precision."""
     generator = torch.Generator().manual_seed(k)
-    a = torch.randint(-128, 128, (33, k), generator=generator, dtype=torch.int8)
-    b = torch.randint(-128, 128, (17, k), generator=generator, dtype=torch.int8).t()
+    a_codes = torch.randint(0, 256, (33, k), generator=generator, dtype=torch.uint8)
+    b_codes = torch.randint(0, 256, (17, k), generator=generator, dtype=torch.uint8).t()
+    b_codes = b_codes if layout == "transposed weight" else b_codes.contiguous()
     if fill is not None:
-        a.fill_(fill)
-        b.fill_(fill)
-    engines = _engines(a, b)
-    with_dot, without = engines[True], engines[False]
-    assert with_dot[2].dtype == torch.int32
-    assert without[2].dtype == (torch.float32 if float_gemm else torch.int32)
-    for exact, other in zip(with_dot, without):
+        a_codes.fill_(fill)
+        b_codes.fill_(fill)
+    int8, float_gemm_result = _engines(a_codes, b_codes)
+    assert int8[2].dtype == torch.int32
+    assert float_gemm_result[2].dtype == (torch.float32 if float_gemm else torch.int32)
+    for exact, other in zip(int8, float_gemm_result):
         assert torch.equal(other.double(), exact.double())
-    with (torch.autocast("cpu", dtype=torch.bfloat16),
-          mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False)):
-        under_autocast = integer_matmul._sums_and_products(a, b)  # a float32 GEMM all the same
-    assert all(torch.equal(x, y) for x, y in zip(under_autocast, without))
+    middle = torch.tensor(128, dtype=torch.uint8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = integer_matmul._float_gemm_on_codes(a_codes, b_codes, middle)  # a float32 GEMM all the same
+    assert all(torch.equal(x, y) for x, y in zip(under_autocast, float_gemm_result))
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")  # float32 GEMMs may round to bfloat16: float64 instead
     try:
-        with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False):
-            reduced = integer_matmul._sums_and_products(a, b)
+        reduced = integer_matmul._float_gemm_on_codes(a_codes, b_codes, middle)
     finally:
         torch.set_float32_matmul_precision(precision)
     assert reduced[2].dtype == torch.int32
-    assert all(torch.equal(x.double(), y.double()) for x, y in zip(reduced, without))
+    assert all(torch.equal(x.double(), y.double()) for x, y in zip(reduced, int8))
 
 
 def test_code_matmul_without_int8_dot_products_is_the_int32_one_bit_for_bit():
@@ -298,7 +297,7 @@ def test_pretrained_minilm_trains_on_codes_without_int8_dot_products_through_the
     torch.manual_seed(0)
     base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
     batch = {"input_ids": torch.randint(1000, 30000, (8, 64)), "labels": torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])}
-    engine, dtypes, losses = integer_matmul._sums_and_products, [], {}
+    engine, dtypes, losses = integer_matmul._float_gemm_on_codes, [], {}
     for integer in (False, True):
         model = copy.deepcopy(base)
         quantize_model(model, CPTConfig(integer_matmul=integer))
@@ -306,8 +305,8 @@ def test_pretrained_minilm_trains_on_codes_without_int8_dot_products_through_the
         model.train()
         torch.manual_seed(1)  # the same dropout masks
         with (mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False),
-              mock.patch.object(integer_matmul, "_sums_and_products",
-                                lambda a, b: (out := engine(a, b), dtypes.append(out[2].dtype))[0])):
+              mock.patch.object(integer_matmul, "_float_gemm_on_codes",
+                                lambda *args: (out := engine(*args), dtypes.append(out[2].dtype))[0])):
             loss = model(**batch).loss
             loss.backward()
         losses[integer] = loss.item()

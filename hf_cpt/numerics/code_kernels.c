@@ -197,3 +197,66 @@ int hf_cpt_ranges(const float *source, float *minimum, float *maximum, int64_t r
                            threads);
     return split_items(row_ranges, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
 }
+
+typedef struct {
+    const uint8_t *codes;
+    float *values;
+    int32_t *sums, *squares; /* one per row, or per column */
+    int64_t rows, columns;
+    int32_t middle;
+} centred_args;
+
+/* Each code less the middle code, as float32, with each row's sum and sum of squares: integers, exact (a row of at
+ * most integer_matmul.MAX_REDUCED_SIZE codes keeps its sum of squares below 2^31). */
+static int centred_rows(const void *args, int64_t first_row, int64_t last_row) {
+    const centred_args *a = (const centred_args *)args;
+    const int64_t n = a->columns;
+    for (int64_t row = first_row; row < last_row; row++) {
+        const uint8_t *restrict c = a->codes + row * n;
+        float *restrict v = a->values + row * n;
+        int32_t sum = 0, squares = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const int32_t d = (int32_t)c[i] - a->middle;
+            v[i] = (float)d;
+            sum += d;
+            squares += d * d;
+        }
+        a->sums[row] = sum;
+        a->squares[row] = squares;
+    }
+    return 0;
+}
+
+/* The same with each column's sum and sum of squares, for the blocks of 256 columns first_block..last_block. */
+static int centred_columns(const void *args, int64_t first_block, int64_t last_block) {
+    const centred_args *a = (const centred_args *)args;
+    const int64_t columns = a->columns;
+    for (int64_t block = first_block; block < last_block; block++) {
+        const int64_t first = block * 256, width = columns - first < 256 ? columns - first : 256;
+        int32_t *restrict sum = a->sums + first, *restrict squares = a->squares + first;
+        for (int64_t j = 0; j < width; j++)
+            sum[j] = squares[j] = 0;
+        for (int64_t row = 0; row < a->rows; row++) {
+            const uint8_t *restrict c = a->codes + row * columns + first;
+            float *restrict v = a->values + row * columns + first;
+            for (int64_t j = 0; j < width; j++) {
+                const int32_t d = (int32_t)c[j] - a->middle;
+                v[j] = (float)d;
+                sum[j] += d;
+                squares[j] += d * d;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Codes centred on the middle code as float32 values, and the sums and sums of squares along rows or columns, in one
+ * pass: the operands of a product on codes through the float32 GEMM (integer_matmul._float_gemm_on_codes). */
+int hf_cpt_centred_codes(const uint8_t *codes, float *values, int32_t *sums, int32_t *squares, int64_t rows,
+                         int64_t columns, int32_t middle, int per_column, int threads) {
+    centred_args args = {codes, values, sums, squares, rows, columns, middle};
+    if (per_column) /* the items split over threads are blocks of 256 columns */
+        return split_items(centred_columns, &args, (columns + 255) / 256, rows * columns, MIN_ELEMENTS_PER_THREAD,
+                           threads);
+    return split_items(centred_rows, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
+}

@@ -7,8 +7,9 @@ fake-quantized values), with the same float32 arithmetic in the same order: the 
 It serves float32, contiguous CPU tensors outside a compiled graph whose range is one value for the tensor, per
 leading index (per row, per token, per output channel of a ``[out, in]`` weight) or per trailing index (per column
 of a ``[in, out]`` weight); anything else keeps the torch formula (these functions return None). The same library
-takes a token's or an output channel's min and max in one pass (`ranges_native`) and turns a product on codes'
-int32 sums into its float32 result in one pass (`code_product_native`).
+takes a token's or an output channel's min and max in one pass (`ranges_native`), turns a product on codes'
+sums into its float32 result in one pass (`code_product_native`), and makes the float32 operands of a product on
+codes through the float32 GEMM with their sums in one pass (`centred_codes_native`).
 
 This module knows nothing about layers.
 """
@@ -45,6 +46,8 @@ def _library():
         "hf_cpt_restore_codes": ([ctypes.c_void_p] * 4 + sizes + [ctypes.c_int], ctypes.c_int),
         "hf_cpt_code_product": ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2, ctypes.c_int),
         "hf_cpt_ranges": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2, ctypes.c_int),
+        "hf_cpt_centred_codes": ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int32] + [ctypes.c_int] * 2,
+                                 ctypes.c_int),
     })
 
 
@@ -152,3 +155,20 @@ def ranges_native(x: torch.Tensor, split: int, per_column: bool) -> tuple[torch.
     _library().hf_cpt_ranges(x.data_ptr(), minimum.data_ptr(), maximum.data_ptr(), rows, columns, int(per_column),
                              native.threads())
     return minimum, maximum
+
+
+def centred_codes_native(codes: torch.Tensor, middle: int, per_column: bool, allocate: Allocate = _empty
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(``codes - middle`` as float32, in a tensor from ``allocate``; the int32 sums and sums of squares of each row,
+    or of each column with ``per_column``) of a 2-D uint8 tensor, in one pass, all exact; None where the kernel does
+    not serve the call."""
+    if (not native.takes(codes, NATIVE_MIN_NUMEL) or codes.dtype != torch.uint8 or codes.dim() != 2
+            or _library() is None):
+        return None
+    rows, columns = codes.shape
+    size = columns if per_column else rows
+    values = allocate(torch.Size((rows, columns)), torch.float32)
+    sums, squares = torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32)
+    _library().hf_cpt_centred_codes(codes.data_ptr(), values.data_ptr(), sums.data_ptr(), squares.data_ptr(), rows,
+                                    columns, middle, int(per_column), native.threads())
+    return values, sums, squares

@@ -12,7 +12,7 @@ float path multiplies, rounded in float32 a few times instead of once per term; 
 terms near the size of the result (a roughly symmetric range has ``z`` near 0), so the float32 combination loses
 little. On a CPU with int8 dot-product instructions (VNNI, AMX) it runs several times as fast as a float32 GEMM.
 Without them an int8 GEMM is far slower, and the codes go through the float32 GEMM instead, whose sums are exact
-where a bound proves it (`_sums_and_products`). The scales, rank-one terms and bias are applied in one native pass
+where a bound proves it (`_float_gemm_on_codes`). The scales, rank-one terms and bias are applied in one native pass
 (`code_kernels.code_product_native`).
 Ranges along the reduced dimension (a per-channel weight scale in an input gradient) do not factor out of the sum:
 those products stay in floating point.
@@ -26,7 +26,8 @@ import functools
 
 import torch
 
-from .code_kernels import code_product_native
+from . import scratch
+from .code_kernels import centred_codes_native, code_product_native
 from .derived import derived
 
 # CPU flags (/proc/cpuinfo) of int8 dot-product instructions: without them int8 GEMMs run far slower than float32.
@@ -77,30 +78,50 @@ def _code_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch._int_mm(a, ones)[:, :1], torch._int_mm(ones.t(), b)[:1]
 
 
-# Below this bound every partial sum of a product of int8 codes is an integer that float32 holds exactly (2^24), with
-# a margin for the rounding of the norms that bound it.
-EXACT_FLOAT_SUM = 0.99 * 2.0**24
+# Every partial sum of a product of int8 codes whose row and column norms multiply to at most 2^24 is an integer that
+# float32 holds exactly: the bound on the product of their squares, compared in integers.
+EXACT_FLOAT_SQUARES = 2**48
 
 
-def _sums_and_products(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _int8_gemm(codes: torch.Tensor) -> bool:
+    """Whether products on codes run as int8 GEMMs here: a CPU with int8 dot products, an accelerator, a traced
+    graph; elsewhere the float32 GEMM (`_float_gemm_on_codes`)."""
+    return codes.device.type != "cpu" or cpu_has_int8_dot() or torch.compiler.is_compiling()
+
+
+def _float_gemm_on_codes(a_codes: torch.Tensor, b_codes: torch.Tensor, middle_code: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the row sums of ``a`` ``[M, 1]``, the column sums of ``b`` ``[1, N]``, the products ``a @ b`` ``[M, N]``) of
-    int8 codes, each exact: in int32 where the CPU has int8 dot products (or off the CPU, or in a traced graph),
-    else in a float32 GEMM on the codes (the GEMM the float product runs), exact because every partial sum it forms,
-    in whatever order, is an integer below 2^24 in magnitude: each is bounded by ``|a_i| |b_j|`` (Cauchy-Schwarz),
-    checked against `EXACT_FLOAT_SUM`; above it, or where float32 GEMMs may round to bfloat16
-    (``torch.set_float32_matmul_precision("medium")``), in float64 (docs/method.md §2, "Integer products")."""
-    if a.device.type != "cpu" or cpu_has_int8_dot() or torch.compiler.is_compiling():
-        a_sums, b_sums = _code_sums(a, b)
-        return a_sums, b_sums, torch._int_mm(a, b)
+    the centred codes, exact, on a CPU without int8 dot products: in a float32 GEMM of the centred codes (the GEMM the
+    float product runs), exact because every partial sum it forms, in whatever order, is an integer at most 2^24 in
+    magnitude: each is bounded by ``|a_i| |b_j|`` (Cauchy-Schwarz), whose squares `EXACT_FLOAT_SQUARES` bounds; above
+    it, or where float32 GEMMs may round to bfloat16 (``torch.set_float32_matmul_precision("medium")``), in float64
+    (docs/method.md §2, "Integer products")."""
     with torch.autocast("cpu", enabled=False):  # a float32 GEMM, never autocast's bfloat16 one
-        a_values, b_values = a.float(), b.float()
-        a_sums, b_sums = a_values.sum(1, keepdim=True), b_values.sum(0, keepdim=True)  # below 2^24: K < 2^17
-        if _full_float32_gemm():
-            a_norm = torch.linalg.vector_norm(a_values, dim=1).max()
-            b_norm = torch.linalg.vector_norm(b_values, dim=0).max()
-            if float(a_norm * b_norm) <= EXACT_FLOAT_SUM:
-                return a_sums, b_sums, torch.mm(a_values, b_values)
+        a_values, a_sums, a_squares = _centred_values(a_codes, middle_code, False, "code_rows")
+        b_values, b_sums, b_squares = _centred_values(b_codes, middle_code, True, "code_columns")
+        a_sums, b_sums = a_sums.view(-1, 1), b_sums.view(1, -1)
+        largest = [int(t.max()) if t.numel() else 0 for t in (a_squares, b_squares)]
+        if largest[0] * largest[1] <= EXACT_FLOAT_SQUARES and _full_float32_gemm():
+            return a_sums, b_sums, torch.mm(a_values, b_values)
         return a_sums, b_sums, torch.mm(a_values.double(), b_values.double()).to(torch.int32)
+
+
+def _centred_values(codes: torch.Tensor, middle_code: torch.Tensor, per_column: bool, buffer: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``codes - middle`` as float32, the int32 sums and sums of squares along the reduced dimension: of each row of
+    ``[M, K]`` codes, of each column of ``[K, N]`` ones), in one native pass where it serves (a weight's transposed
+    view as the Linear passes it, read as its rows), the values in the reused buffer ``buffer``
+    (`hf_cpt.numerics.scratch`: read by one GEMM, then dropped; a fresh tensor would be faulted in page by page)."""
+    transposed = per_column and codes.t().is_contiguous()
+    native = centred_codes_native(codes.t() if transposed else codes, int(middle_code),
+                                  per_column and not transposed, functools.partial(scratch.take, buffer))
+    if native is not None:
+        values, sums, squares = native
+        return (values.t() if transposed else values), sums, squares
+    centred = _centred(codes, middle_code).to(torch.int32)
+    dim = 0 if per_column else 1
+    return centred.float(), centred.sum(dim, dtype=torch.int32), centred.square().sum(dim, dtype=torch.int32)
 
 
 def _full_float32_gemm() -> bool:
@@ -130,11 +151,15 @@ def code_matmul(
         raise ValueError(f"code_matmul sums at most {MAX_REDUCED_SIZE} code products exactly in int32, got {reduced}")
     # the middle code, 2^(b-1), as a float and as a code: once per value of the bits (`derived`)
     middle, middle_code = derived(bits, "middle_code", lambda: _middle_code(bits))
-    a, b = _centred(a_codes, middle_code), _centred(b_codes, middle_code)
     a_scale, b_scale = a_scale.float(), b_scale.float()
     a_zero = a_min.float() + middle * a_scale  # the value of the middle code
     b_zero = b_min.float() + middle * b_scale
-    a_sums, b_sums, products = _sums_and_products(a, b)
+    if _int8_gemm(a_codes):
+        a, b = _centred(a_codes, middle_code), _centred(b_codes, middle_code)
+        a_sums, b_sums = _code_sums(a, b)
+        products = torch._int_mm(a, b)
+    else:
+        a_sums, b_sums, products = _float_gemm_on_codes(a_codes, b_codes, middle_code)
     row_sum, column_term = a_scale * a_sums, b_scale * b_sums + reduced * b_zero
     native = code_product_native(products, a_scale, row_sum, a_zero, b_scale, b_zero, column_term, bias)
     if native is not None:
