@@ -26,9 +26,9 @@ import functools
 
 import torch
 
-from . import scratch
 from .code_kernels import centred_codes_native, code_product_native
 from .derived import derived
+from .scratch import take
 
 # CPU flags (/proc/cpuinfo) of int8 dot-product instructions: without them int8 GEMMs run far slower than float32.
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -115,7 +115,7 @@ def _centred_values(codes: torch.Tensor, middle_code: torch.Tensor, per_column: 
     (`hf_cpt.numerics.scratch`: read by one GEMM, then dropped; a fresh tensor would be faulted in page by page)."""
     transposed = per_column and codes.t().is_contiguous()
     native = centred_codes_native(codes.t() if transposed else codes, int(middle_code),
-                                  per_column and not transposed, functools.partial(scratch.take, buffer))
+                                  per_column and not transposed, functools.partial(take, buffer))
     if native is not None:
         values, sums, squares = native
         return (values.t() if transposed else values), sums, squares

@@ -18,8 +18,8 @@ transparent huge pages back them, so that a fault maps 2 MiB (`mark_idle` and `h
 is done with them, and at the optimizer step after it). What writing them again then costs depends on the
 machine: on this project's virtual machine, little more than writing resident pages one day and many times more the
 next (docs/benchmarks.md, after the hand-back table), so callers may decline to hand back. They hold the largest
-input, weight, rotated weight and error of the quantized layers (what each bench model's hold: docs/benchmarks.md,
-peak-phases table). This module knows nothing about quantization.
+input, weight, rotated weight and error of the quantized layers, and the float32 operands of a product on codes
+without int8 dot products (what each bench model's hold: docs/benchmarks.md, peak-phases table). This module knows nothing about quantization.
 """
 
 from __future__ import annotations
