@@ -19,7 +19,8 @@ is done with them, and at the optimizer step after it). What writing them again 
 machine: on this project's virtual machine, little more than writing resident pages one day and many times more the
 next (docs/benchmarks.md, after the hand-back table), so callers may decline to hand back. They hold the largest
 input, weight, rotated weight and error of the quantized layers, and the float32 operands of a product on codes
-without int8 dot products (what each bench model's hold: docs/benchmarks.md, peak-phases table). This module knows nothing about quantization.
+without int8 dot products (what each bench model's hold: docs/benchmarks.md, peak-phases table). This module knows
+nothing about quantization.
 """
 
 from __future__ import annotations
