@@ -154,7 +154,8 @@ def main() -> None:
     results = load_results(args.output)
     results.setdefault("rows", [])
     results.update(command="python bench/peak_phases.py", steps=STEPS, torch=torch.__version__,
-                   integer_products=integer_matmul_supported(), huge_pages=scratch.huge_pages())
+                   integer_products=integer_matmul_supported(), huge_pages=scratch.huge_pages(),
+                   hand_back="optimizer step")  # when the buffers go back (until 2026-11-29: each backward's end)
     done = {row["key"] for row in results["rows"]}
     for key in args.cases:
         if key in done:

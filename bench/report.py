@@ -190,7 +190,10 @@ def peak_phases_section(phases: dict) -> list[str]:
     JSON: each phase's peak, the step's highest in bold."""
     products = PRODUCTS.get(phases.get("integer_products"), "")
     machine = f"torch {phases['torch']}, {products}" if "torch" in phases else ""
-    if phases.get("huge_pages"):
+    if phases.get("huge_pages") and phases.get("hand_back") == "optimizer step":
+        resident = ("resident until an optimizer step starts after a backward, then handed back (transparent huge "
+                    "pages serve them) until the next forward writes them again")
+    elif phases.get("huge_pages"):  # runs before 2026-11-29
         resident = ("resident until the last quantized layer of each backward is done, then handed back (transparent "
                     "huge pages serve them) until the next forward writes them again")
     elif "huge_pages" in phases:
@@ -225,7 +228,7 @@ KEPT_FLOAT_PRODUCTS_RUN = "kept_memory_float_products.json"  # bench/kept_memory
 
 
 def hand_back_section(results: dict) -> list[str]:
-    """docs/benchmarks.md's table of what handing the reused buffers back after each backward costs in time, from a
+    """docs/benchmarks.md's table of what handing the reused buffers back costs in time, from a
     run of `bench/overhead.py --compare-resident`."""
     products = "products on integer codes" if results.get("integer_products") else "float products"
     lines = [f"`{results['command']}` (torch {results['torch']}, {results['threads']} threads, {products}, medians of "

@@ -967,6 +967,10 @@ def test_peak_phases_reset_the_peak_between_phases_and_the_report_marks_the_step
                                             trimmed: {"plain": quant, "quant": plain}},
                    "step_seconds": {trimmed: {"plain": 1.234, "quant": 2.5}}, "reused_buffers_mib": 66.4}]})
     assert "resident until the last quantized layer of each backward is done, then handed back" in lines[0]
+    # a run since the buffers go back at optimizer steps says so
+    rerun = _load_report().peak_phases_section({"command": "c", "steps": 5, "huge_pages": True,
+                                                "hand_back": "optimizer step", "rows": []})
+    assert "resident until an optimizer step starts after a backward, then handed back" in rerun[0]
     assert lines[-4] == "| bert | default glibc | plain | 100 | **150** | 120 |  |  | - |"
     assert lines[-3] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 | 66 | - |"
     assert lines[-2] == f"| bert | {trimmed} | plain | 90 | 110 | **135** |  |  | 1.23 |"

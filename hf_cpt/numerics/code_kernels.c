@@ -6,7 +6,8 @@
  * full-size float passes and a conversion; this reads the input once and writes one byte per element (and, when
  * asked, the fake-quantized value codes * s + m). A range is one value per row (stride 1 along rows), per column
  * (stride 1 along columns) or one for the tensor (both strides 0). Also the float32 result of a product on codes
- * from its int32 sums (integer_matmul.code_matmul's scales and rank-one terms) in one pass. Rows are split over
+ * from its sums (integer_matmul.code_matmul's scales and rank-one terms) in one pass, and the centred float32
+ * operands of a product on codes through the float32 GEMM with their integer sums. Rows are split over
  * threads (native_threads.h); no result depends on the thread count.
  */
 #include <math.h>
