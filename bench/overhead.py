@@ -66,8 +66,9 @@ class Case:
 QUANT_SCHEME = "auto"  # --quant-scheme
 # AdamW's settings in the model steps: torch's default on the CPU (one tensor at a time), or {"fused": True}, the
 # optimizer transformers' Trainer makes by default (optim="adamw_torch_fused"), which makes no parameter-sized
-# temporaries (bench/embedding_rows.py measures both).
+# temporaries (bench/embedding_rows.py measures both). This script's --adamw sets it (default: the Trainer's).
 ADAMW_OPTIONS: dict = {}
+ADAMW_CHOICES = {"torch": {}, "fused": {"fused": True}}
 MICRO_BATCHES = 1  # the model steps' forward + backward passes per optimizer step (gradient accumulation)
 CASES = ("linear", "linear-paper", "conv", "bert", "gpt2", "gpt2-accumulate", "bert-base", "bert-base-16",
          "bert-base-16-attention", "vit-s", "resnet18", "resnet20", "resnet20-functional", "minilm", "linear-torchao",
@@ -663,6 +664,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed samples per side (median reported)")
     parser.add_argument("--no-fused", action="store_true", help="use the eager error quantizer")
     parser.add_argument("--quant-scheme", default="auto", help="CPTConfig.quant_scheme (default: the library's)")
+    parser.add_argument("--adamw", choices=list(ADAMW_CHOICES), default="fused",
+                        help="the model steps' AdamW: fused, as transformers' Trainer makes it by default "
+                        "(optim='adamw_torch_fused'), or torch's default on the CPU (one parameter at a time)")
     parser.add_argument("--bert-batch", type=int, default=8, help="batch size of the BERT training step")
     parser.add_argument("--only", choices=CASES, nargs="*", help="run only these cases")
     parser.add_argument("--no-startup", action="store_true",
@@ -704,8 +708,8 @@ def main() -> None:
                         help="the CPT repository's cpt_cifar/modules/quantize.py: adds the published quantizer's "
                         "Linear and Conv2d rows (anchors)")
     args = parser.parse_args()
-    global QUANT_SCHEME
-    QUANT_SCHEME = args.quant_scheme
+    global QUANT_SCHEME, ADAMW_OPTIONS
+    QUANT_SCHEME, ADAMW_OPTIONS = args.quant_scheme, ADAMW_CHOICES[args.adamw]
     if args.threads:
         torch.set_num_threads(args.threads)
     fused = not args.no_fused
@@ -797,7 +801,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"error quantizer: {'fused' if fused else 'eager'}, repeats {args.repeats}, "
           f"products on integer codes: {'yes' if integer_products else 'no (no int8 dot products on this CPU)'}")
-    print("quantized: 8-bit weights/activations, 8-bit errors; times are medians per step")
+    print(f"quantized: 8-bit weights/activations, 8-bit errors; AdamW: {args.adamw}; times are medians per step")
     # Other processes on the same cores stall multi-threaded ops; the load average says how busy it was.
     load_at_start = os.getloadavg()[0]
     print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
@@ -808,7 +812,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     settings = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME,
-                "fused": fused, "repeats": args.repeats, "compare_kernels": args.compare_kernels,
+                "adamw": args.adamw, "fused": fused, "repeats": args.repeats, "compare_kernels": args.compare_kernels,
                 "integer_products": integer_products,
                 "memory_steps": {"min": MIN_MEMORY_STEPS, "settle": SETTLE_STEPS, "max": MAX_MEMORY_STEPS}}
     earlier = _earlier_results(args.output, settings) if args.resume else {"rows": [], "startup": {}}

@@ -356,12 +356,20 @@ def _earlier_runs_text(overhead: dict) -> str:
     return "; " + "; ".join(parts) + ", which this run resumed, measuring the rest"
 
 
+def adamw_text(results: dict) -> str:
+    """The model steps' optimizer, as `bench/overhead.py --adamw` recorded it (runs before the option: torch's)."""
+    if results.get("adamw") == "fused":
+        return "the model steps' AdamW fused, as transformers' Trainer makes it (`optim=\"adamw_torch_fused\"`)"
+    return "the model steps' AdamW torch's default on the CPU (one parameter at a time)"
+
+
 def overhead_summary(overhead: dict) -> list[str]:
     """The README's overhead table, from `bench/overhead.py`'s JSON."""
     integer = {True: "layers' training products on integer codes (this CPU has int8 dot products), ",
                False: "float products (no int8 dot products on this CPU), "}.get(overhead.get("integer_products"), "")
     lines = [f"`{overhead['command']}` (torch {overhead['torch']}, {overhead['threads']} threads, {integer}"
-             f"`quant_scheme={overhead['quant_scheme']!r}`, medians of {overhead['repeats']} interleaved repeats; "
+             f"`quant_scheme={overhead['quant_scheme']!r}`, {adamw_text(overhead)}, medians of {overhead['repeats']} "
+             "interleaved repeats; "
              "load average {:.1f} at the start, {:.1f} at the end, on 2 cores{}):".format(
                  *overhead["load_average"], _earlier_runs_text(overhead)), "",
              "| case | plain ms | CPT 8/8 ms | time ratio | target | peak memory ratio (target) |",

