@@ -1,6 +1,7 @@
 """What giving kept codes mappings of their own saves: each model step's peak memory with the codes its layers keep for
 the backward made by `hf_cpt.numerics.scratch.kept` (from 256 KiB, a mapping of their own, the default) and from
-torch's allocator (``HF_CPT_OWN_MAPPING_BYTES=0``), beside the plain model's.
+torch's allocator (``HF_CPT_OWN_MAPPING_BYTES=0``), beside the plain model's, every side with the AdamW that
+transformers' Trainer makes by default (fused).
 
 For each model case: how many code tensors one step keeps in mappings of their own and their MiB, then the peak
 resident memory (VmHWM) of the plain model and of the CPT 8/8 model both ways, in fresh processes that train until
@@ -32,6 +33,7 @@ CASES = {  # key -> the bench's model builder
 }
 ARMS = ("plain", "own mappings", "heap")
 HEAP = {scratch.OWN_MAPPING_VARIABLE: "0"}  # the environment of the arm whose codes come from torch's allocator
+ADAMW = "fused"  # the model steps' AdamW (`overhead.ADAMW_CHOICES`): the Trainer's default, as users train
 
 
 def codes_in_own_mappings(kind: str) -> dict[str, float]:
@@ -94,10 +96,11 @@ def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
 
 
 def measure(key: str, processes: int) -> dict:
-    return {"codes": codes_in_own_mappings(CASES[key]), **arm_peaks(CASES[key], processes)}
+    return {"adamw": ADAMW, "codes": codes_in_own_mappings(CASES[key]), **arm_peaks(CASES[key], processes)}
 
 
 def main() -> None:
+    overhead.ADAMW_OPTIONS = overhead.ADAMW_CHOICES[ADAMW]  # this process's steps and the fresh processes'
     setting_arms.main(
         __doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "own_mappings.json"), measure,
         lambda key, repeats: step_times_ms(CASES[key], repeats),

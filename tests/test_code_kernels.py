@@ -204,3 +204,19 @@ def test_kernels_run_on_torchs_threads_unless_told_and_refuse_a_bad_count(monkey
         monkeypatch.setenv(native.THREADS_VARIABLE, bad)
         with pytest.raises(ValueError, match="HF_CPT_NATIVE_THREADS must be a positive integer"):
             native.threads()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process's mappings")
+def test_kept_codes_of_a_large_operand_live_in_a_mapping_of_their_own(monkeypatch):
+    from hf_cpt.numerics import scratch
+
+    monkeypatch.delenv(scratch.OWN_MAPPING_VARIABLE, raising=False)
+    x = torch.randn(1024, 768)
+    values, (codes, scale, minimum) = fake_quantize_compact(x, *token_range(x), torch.tensor(8))
+    with open("/proc/self/maps") as maps:
+        starts = {int(line.split("-")[0], 16) for line in maps}
+    assert codes.data_ptr() in starts
+    monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, "0")
+    _, (heap_codes, _, _) = fake_quantize_compact(x, *token_range(x), torch.tensor(8))
+    assert torch.equal(heap_codes, codes)  # where the bytes live changes, not the codes
+    assert torch.equal(restore_compact(codes, scale, minimum, torch.float32), values)

@@ -160,3 +160,44 @@ def test_holds_tells_a_buffers_tensor_from_any_other():
     taken = scratch.take("input", (64, 64), torch.float32)
     assert scratch.holds(taken) and scratch.holds(taken[10:])  # a view inside it too
     assert not scratch.holds(torch.empty(64, 64)) and not scratch.holds(taken.clone())
+
+
+def _mapped_alone(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is the start of an anonymous mapping of the process (as `scratch.kept` maps one)."""
+    with open("/proc/self/maps") as maps:
+        return any(int(line.split("-")[0], 16) == t.data_ptr() for line in maps)
+
+
+def _mapped_at(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(int(start, 16) <= address < int(end, 16)
+                   for start, end in (line.split()[0].split("-") for line in maps))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
+def test_a_large_kept_tensor_has_a_mapping_of_its_own_unmapped_when_freed(monkeypatch):
+    monkeypatch.delenv(scratch.OWN_MAPPING_VARIABLE, raising=False)
+    large = scratch.kept((2048, 768), torch.uint8)  # 1.5 MiB: a BERT-base layer's input codes at 2048 tokens
+    assert large.shape == (2048, 768) and large.dtype == torch.uint8 and large.is_contiguous()
+    assert _mapped_alone(large) and not scratch.holds(large)
+    large.fill_(7)
+    assert int(large.sum()) == 7 * 2048 * 768
+    address = large.data_ptr()
+    del large
+    assert not _mapped_at(address)  # back to the system with the tensor
+    small = scratch.kept((scratch.OWN_MAPPING_BYTES - 1,), torch.uint8)
+    assert not _mapped_alone(small)  # torch's allocator
+    assert _mapped_alone(scratch.kept((scratch.OWN_MAPPING_BYTES // 4,), torch.float32))  # counted in bytes
+
+
+def test_the_environment_sets_the_size_of_own_mappings_and_a_bad_value_is_refused(monkeypatch):
+    monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, "0")
+    assert scratch.own_mapping_bytes() == 0
+    if os.path.exists("/proc/self/maps"):
+        assert not _mapped_alone(scratch.kept((1 << 22,), torch.uint8))  # none: torch's allocator serves all
+    monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, "4096")
+    assert scratch.own_mapping_bytes() == 4096
+    for bad in ("a lot", "-1"):
+        monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, bad)
+        with pytest.raises(ValueError, match=scratch.OWN_MAPPING_VARIABLE):
+            scratch.own_mapping_bytes()
