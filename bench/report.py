@@ -274,6 +274,18 @@ def embedding_rows_section(results: dict) -> list[str]:
                     f"{row['lookups']['tables']} / {row['lookups']['as rows']}")
 
 
+def own_mappings_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of each model step's peak memory with its kept codes in mappings of their own and
+    from torch's allocator, from `bench/own_mappings.py`'s JSON."""
+    adamws = {row.get("adamw", "torch") for row in results["rows"]}
+    return _peaks_against_plain(
+        results, ("own mappings", "heap"), "kept codes of 256 KiB or more in mappings of their own (`scratch.kept`, "
+        "the default) or from torch's allocator (`HF_CPT_OWN_MAPPING_BYTES=0`); "
+        + "; ".join(adamw_text({"adamw": adamw}) for adamw in sorted(adamws)),
+        "kept codes of one step: own mappings (MiB) / torch's allocator",
+        lambda row: f"{row['codes']['mapped']} ({row['codes']['mapped_mib']:,.0f}) / {row['codes']['heap']}")
+
+
 def codes_float_gemm_section(results: dict) -> list[str]:
     """docs/benchmarks.md's table of each model step with float products and with products on codes through the
     float32 GEMM, on a CPU without int8 dot products, from `bench/codes_float_gemm.py`'s JSON."""
@@ -573,6 +585,7 @@ def main() -> None:
                                  ("errors_in_place.json", "errors-in-place", errors_in_place_section),
                                  ("embedding_rows.json", "embedding-rows", embedding_rows_section),
                                  ("codes_float_gemm.json", "codes-float-gemm", codes_float_gemm_section),
+                                 ("own_mappings.json", "own-mappings", own_mappings_section),
                                  ("kernels.json", "kernels", kernels_section)):
         results = results_page.load(args.results, name)
         if results:

@@ -430,6 +430,30 @@ def test_embedding_rows_counts_the_tied_tables_lookups_and_its_table_names_the_o
                          "(1.001) | - | - | - |")
 
 
+def test_own_mappings_counts_a_steps_kept_codes_by_place_and_its_table_names_the_optimizer(monkeypatch):
+    """`bench/own_mappings.py` counts where one step's kept codes went: in a ResNet-20 at batch 128, the large ones in
+    mappings of their own, and the weights' small ones from torch's allocator. Its table shows those counts beside the
+    arms' peaks and names the AdamW the sides trained with."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import own_mappings
+    import report
+
+    monkeypatch.delenv(own_mappings.scratch.OWN_MAPPING_VARIABLE, raising=False)
+    counts = own_mappings.codes_in_own_mappings("resnet20")
+    assert counts["mapped"] > 0 and counts["heap"] > 0 and counts["mapped_mib"] >= counts["mapped"] / 4
+    row = {"key": "resnet20", "adamw": "fused", "codes": {"mapped": 21, "mapped_mib": 25.9, "heap": 6},
+           "default": {"plain": [1190.0, 1180.0, 1185.0], "own mappings": [1160.0, 1170.0, 1150.0],
+                       "heap": [1190.0, 1200.0, 1180.0]},
+           "fixed": {"plain": 1075.0, "own mappings": 1030.0, "heap": 1033.0}}
+    lines = report.own_mappings_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
+                                         "rows": [row]})
+    assert "the model steps' AdamW fused, as transformers' Trainer makes it" in lines[0]
+    assert lines[2].startswith("| case | kept codes of one step: own mappings (MiB) / torch's allocator | plain | "
+                               "own mappings | heap |")
+    assert lines[3].count("|") == lines[2].count("|")
+    assert lines[-1].startswith("| resnet20 | 21 (26) / 6 | 1,185 | 1,160 (0.979) | 1,190 (1.004) |")
+
+
 def test_codes_float_gemm_counts_a_steps_products_on_codes_and_its_table_names_both_arms(monkeypatch):
     """`bench/codes_float_gemm.py` counts how a step's products on codes multiplied, as on a CPU without int8 dot
     products: a tiny BERT's all by the float32 GEMM. Its table shows those counts and what each arm's forward keeps
@@ -548,6 +572,10 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
                            "warm_start_extra_s": 0.5, "cuda_warning": False, "import_transformers_s": 1.0,
                            "import_hf_cpt_s": 3.0}
     table = "\n".join(report.overhead_summary(overhead))
+    assert overhead["adamw"] == "fused" and "the model steps' AdamW fused, as transformers' Trainer makes it" in table
+    assert "AdamW torch's default" in "\n".join(report.overhead_summary({**overhead, "adamw": "torch"}))
+    del overhead["adamw"]  # a run before --adamw: torch's
+    assert "AdamW torch's default" in "\n".join(report.overhead_summary(overhead))
     assert "0.950 (missed) (100 -> 95 MiB; 0.90); 0.850 ‡; 0.800 §; kept for backward 0.750 (40 -> 30 MiB) ◊" in table
     assert "; 0.990, 0.970 ‡ and kept for backward 0.900 ⊘" in table  # the ⊘ step: default glibc, then threshold fixed
     assert "◊ what one training forward keeps for its backward" in table
