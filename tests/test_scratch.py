@@ -201,3 +201,14 @@ def test_the_environment_sets_the_size_of_own_mappings_and_a_bad_value_is_refuse
         monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, bad)
         with pytest.raises(ValueError, match=scratch.OWN_MAPPING_VARIABLE):
             scratch.own_mapping_bytes()
+
+
+def test_a_refused_mapping_falls_back_to_torchs_allocator(monkeypatch):
+    monkeypatch.delenv(scratch.OWN_MAPPING_VARIABLE, raising=False)
+
+    def refused(numel, dtype):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(scratch, "_mapped", refused)
+    t = scratch.kept((1 << 20,), torch.uint8)
+    assert t.shape == (1 << 20,) and t.dtype == torch.uint8 and t.is_contiguous()

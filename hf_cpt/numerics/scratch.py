@@ -98,14 +98,17 @@ def kept(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     """An uninitialized contiguous CPU tensor for memory kept across a pass: of at least `own_mapping_bytes`, in a
     mapping of its own that goes back to the system when the tensor is freed; smaller, from torch's allocator.
     glibc serves blocks below its mmap threshold (raised by the first large frees to up to 32 MiB) from its heap,
-    where a kept block made between float activations splits the holes they leave when freed, which the next
+    where a kept block made between float activations can split the holes they leave when freed, which the next
     activations of their size then cannot reuse: the heap grows while the memory in use does not
-    (docs/benchmarks.md, "Peak memory and the allocator")."""
+    (docs/benchmarks.md, the own-mappings table). Where the system refuses a mapping, torch's allocator serves."""
     numel = math.prod(shape)
     threshold = own_mapping_bytes()
-    if threshold == 0 or numel * torch.empty((), dtype=dtype).element_size() < threshold:
+    if threshold == 0 or numel * dtype.itemsize < threshold:
         return torch.empty(shape, dtype=dtype)
-    return _mapped(numel, dtype)[0].view(shape)  # the tensor holds its mapping: unmapped when both are gone
+    try:
+        return _mapped(numel, dtype)[0].view(shape)  # the tensor holds its mapping: unmapped when both are gone
+    except OSError:  # out of mappings (vm.max_map_count) or of address space
+        return torch.empty(shape, dtype=dtype)
 
 
 def _written(*roles: str) -> None:
