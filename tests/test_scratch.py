@@ -206,7 +206,7 @@ def test_the_environment_sets_the_size_of_own_mappings_and_a_bad_value_is_refuse
 def test_a_refused_mapping_falls_back_to_torchs_allocator(monkeypatch):
     monkeypatch.delenv(scratch.OWN_MAPPING_VARIABLE, raising=False)
 
-    def refused(numel, dtype):
+    def refused(numel, dtype, huge=True):
         raise OSError(12, "Cannot allocate memory")
 
     monkeypatch.setattr(scratch, "_mapped", refused)

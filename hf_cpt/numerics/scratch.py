@@ -57,14 +57,15 @@ def take(role: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> 
     return flat[:numel].view(shape)
 
 
-def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+def _mapped(numel: int, dtype: torch.dtype, huge: bool = True) -> tuple[torch.Tensor, mmap.mmap]:
     """(a tensor in memory mapped for it alone, its mapping): outside the allocator's heap, where a long-lived block
-    would sit between the short-lived ones and keep the heap from closing the holes they leave."""
+    would sit between the short-lived ones and keep the heap from closing the holes they leave. With ``huge``, backed
+    by transparent huge pages where the kernel has them."""
     size = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
     # Private where the platform has the flag: a forked child (a DataLoader worker) must not share the pages.
     private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
     mapping = mmap.mmap(-1, size, **private)
-    if huge_pages():
+    if huge and huge_pages():
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel built without them
@@ -100,13 +101,15 @@ def kept(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     glibc serves blocks below its mmap threshold (raised by the first large frees to up to 32 MiB) from its heap,
     where a kept block made between float activations can split the holes they leave when freed, which the next
     activations of their size then cannot reuse: the heap grows while the memory in use does not
-    (docs/benchmarks.md, the own-mappings table). Where the system refuses a mapping, torch's allocator serves."""
+    (docs/benchmarks.md, the own-mappings table). Where the system refuses a mapping, torch's allocator serves.
+    Faulted in 4 KiB at a time: a fresh mapping with huge pages took three times as long to write on this project's
+    virtual machine, and unlike the reused buffers these are fresh in every step."""
     numel = math.prod(shape)
     threshold = own_mapping_bytes()
     if threshold == 0 or numel * dtype.itemsize < threshold:
         return torch.empty(shape, dtype=dtype)
     try:
-        return _mapped(numel, dtype)[0].view(shape)  # the tensor holds its mapping: unmapped when both are gone
+        return _mapped(numel, dtype, huge=False)[0].view(shape)  # the tensor holds its mapping: unmapped with it
     except OSError:  # out of mappings (vm.max_map_count) or of address space
         return torch.empty(shape, dtype=dtype)
 
