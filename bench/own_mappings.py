@@ -1,7 +1,7 @@
 """What giving kept codes mappings of their own saves: each model step's peak memory with the codes its layers keep for
-the backward made by `hf_cpt.numerics.scratch.kept` (from 256 KiB, a mapping of their own, the default) and from
-torch's allocator (``HF_CPT_OWN_MAPPING_BYTES=0``), beside the plain model's, every side with the AdamW that
-transformers' Trainer makes by default (fused).
+the backward made by `hf_cpt.numerics.scratch.kept` in mappings of their own from 256 KiB
+(``HF_CPT_OWN_MAPPING_BYTES=262144``) and from torch's allocator (``HF_CPT_OWN_MAPPING_BYTES=0``, the default),
+beside the plain model's, every side with the AdamW that transformers' Trainer makes by default (fused).
 
 For each model case: how many code tensors one step keeps in mappings of their own and their MiB, then the peak
 resident memory (VmHWM) of the plain model and of the CPT 8/8 model both ways, in fresh processes that train until
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +33,9 @@ CASES = {  # key -> the bench's model builder
     "gpt2": "gpt2_small", "bert-base-16": "bert_base_16", "vit-s": "vit_small", "minilm": "minilm",
 }
 ARMS = ("plain", "own mappings", "heap")
-HEAP = {scratch.OWN_MAPPING_VARIABLE: "0"}  # the environment of the arm whose codes come from torch's allocator
+# the environments of the two CPT arms
+MAPPED = {scratch.OWN_MAPPING_VARIABLE: str(scratch.SUGGESTED_OWN_MAPPING_BYTES)}
+HEAP = {scratch.OWN_MAPPING_VARIABLE: "0"}
 ADAMW = "fused"  # the model steps' AdamW (`overhead.ADAMW_CHOICES`): the Trainer's default, as users train
 
 
@@ -40,7 +43,8 @@ def codes_in_own_mappings(kind: str) -> dict[str, float]:
     """How many tensors of one training step (the second step's) `scratch.kept` put in mappings of their own, their
     MiB, and how many it took from torch's allocator."""
     counts = {"mapped": 0, "mapped_mib": 0.0, "heap": 0}
-    kept, threshold = scratch.kept, scratch.own_mapping_bytes()
+    kept, threshold = scratch.kept, scratch.SUGGESTED_OWN_MAPPING_BYTES
+    os.environ.update(MAPPED)
 
     def counting(shape, dtype):
         t = kept(shape, dtype)
@@ -61,13 +65,14 @@ def codes_in_own_mappings(kind: str) -> dict[str, float]:
         step()
     finally:
         code_kernels.kept = kept
+        del os.environ[scratch.OWN_MAPPING_VARIABLE]
     return counts
 
 
 def arm_peaks(kind: str, processes: int) -> dict:
     """``{"default": {arm: [MiB per process]}, "fixed": {arm: MiB}}`` of the plain model and of its CPT 8/8 copy both
     ways, the arms interleaved process by process."""
-    sides = {"plain": (False, {}), "own mappings": (True, {}), "heap": (True, HEAP)}
+    sides = {"plain": (False, {}), "own mappings": (True, MAPPED), "heap": (True, HEAP)}
     default: dict = {arm: [] for arm in ARMS}
     for _ in range(processes):
         for arm, (quantized, env) in sides.items():
@@ -82,17 +87,19 @@ def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
     own, and the same copy with them from torch's allocator."""
     build, batch = getattr(overhead, kind)()
     plain, quantized = overhead.model_pair(build, True)
-    mapped = overhead.training_step(quantized, batch)
+    step = overhead.training_step(quantized, batch)
 
-    def from_the_heap() -> None:
-        os.environ[scratch.OWN_MAPPING_VARIABLE] = "0"
-        try:
-            mapped()
-        finally:
-            del os.environ[scratch.OWN_MAPPING_VARIABLE]
+    def under(environment: dict) -> Callable[[], None]:
+        def run() -> None:
+            os.environ.update(environment)
+            try:
+                step()
+            finally:
+                del os.environ[scratch.OWN_MAPPING_VARIABLE]
+        return run
 
     return setting_arms.step_times_ms(
-        {"plain": overhead.training_step(plain, batch), "own mappings": mapped, "heap": from_the_heap}, repeats)
+        {"plain": overhead.training_step(plain, batch), "own mappings": under(MAPPED), "heap": under(HEAP)}, repeats)
 
 
 def measure(key: str, processes: int) -> dict:

@@ -279,8 +279,8 @@ def own_mappings_section(results: dict) -> list[str]:
     from torch's allocator, from `bench/own_mappings.py`'s JSON."""
     adamws = {row.get("adamw", "torch") for row in results["rows"]}
     return _peaks_against_plain(
-        results, ("own mappings", "heap"), "kept codes of 256 KiB or more in mappings of their own (`scratch.kept`, "
-        "the default) or from torch's allocator (`HF_CPT_OWN_MAPPING_BYTES=0`); "
+        results, ("own mappings", "heap"), "kept codes of 256 KiB or more in mappings of their own "
+        "(`HF_CPT_OWN_MAPPING_BYTES=262144`) or from torch's allocator (`HF_CPT_OWN_MAPPING_BYTES=0`, the default); "
         + "; ".join(adamw_text({"adamw": adamw}) for adamw in sorted(adamws)),
         "kept codes of one step: own mappings (MiB) / torch's allocator",
         lambda row: f"{row['codes']['mapped']} ({row['codes']['mapped_mib']:,.0f}) / {row['codes']['heap']}")

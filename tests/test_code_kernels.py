@@ -207,10 +207,10 @@ def test_kernels_run_on_torchs_threads_unless_told_and_refuse_a_bad_count(monkey
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process's mappings")
-def test_kept_codes_of_a_large_operand_live_in_a_mapping_of_their_own(monkeypatch):
+def test_kept_codes_of_a_large_operand_live_in_a_mapping_of_their_own_where_asked(monkeypatch):
     from hf_cpt.numerics import scratch
 
-    monkeypatch.delenv(scratch.OWN_MAPPING_VARIABLE, raising=False)
+    monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, str(scratch.SUGGESTED_OWN_MAPPING_BYTES))
     x = torch.randn(1024, 768)
     values, (codes, scale, minimum) = fake_quantize_compact(x, *token_range(x), torch.tensor(8))
     with open("/proc/self/maps") as maps:

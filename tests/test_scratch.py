@@ -175,8 +175,11 @@ def _mapped_at(address: int) -> bool:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
-def test_a_large_kept_tensor_has_a_mapping_of_its_own_unmapped_when_freed(monkeypatch):
+def test_a_large_kept_tensor_has_a_mapping_of_its_own_where_asked_unmapped_when_freed(monkeypatch):
     monkeypatch.delenv(scratch.OWN_MAPPING_VARIABLE, raising=False)
+    assert not _mapped_alone(scratch.kept((2048, 768), torch.uint8))  # by default: torch's allocator
+    size = scratch.SUGGESTED_OWN_MAPPING_BYTES
+    monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, str(size))
     large = scratch.kept((2048, 768), torch.uint8)  # 1.5 MiB: a BERT-base layer's input codes at 2048 tokens
     assert large.shape == (2048, 768) and large.dtype == torch.uint8 and large.is_contiguous()
     assert _mapped_alone(large) and not scratch.holds(large)
@@ -185,9 +188,9 @@ def test_a_large_kept_tensor_has_a_mapping_of_its_own_unmapped_when_freed(monkey
     address = large.data_ptr()
     del large
     assert not _mapped_at(address)  # back to the system with the tensor
-    small = scratch.kept((scratch.OWN_MAPPING_BYTES - 1,), torch.uint8)
+    small = scratch.kept((size - 1,), torch.uint8)
     assert not _mapped_alone(small)  # torch's allocator
-    assert _mapped_alone(scratch.kept((scratch.OWN_MAPPING_BYTES // 4,), torch.float32))  # counted in bytes
+    assert _mapped_alone(scratch.kept((size // 4,), torch.float32))  # counted in bytes
 
 
 def test_the_environment_sets_the_size_of_own_mappings_and_a_bad_value_is_refused(monkeypatch):
@@ -204,7 +207,7 @@ def test_the_environment_sets_the_size_of_own_mappings_and_a_bad_value_is_refuse
 
 
 def test_a_refused_mapping_falls_back_to_torchs_allocator(monkeypatch):
-    monkeypatch.delenv(scratch.OWN_MAPPING_VARIABLE, raising=False)
+    monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, "4096")
 
     def refused(numel, dtype, huge=True):
         raise OSError(12, "Cannot allocate memory")

@@ -101,7 +101,7 @@ def quantize_codes_native(
     if operands is None:
         return None
     minimum, scale, ranges = operands
-    codes = kept(x.shape, torch.uint8)  # kept for the backward: large ones in a mapping of their own
+    codes = kept(x.shape, torch.uint8)  # kept for the backward (in a mapping of its own where a run asks)
     out = None if not values else (out or _empty)(x.shape, torch.float32)
     _library().hf_cpt_quantize_codes(x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(),
                                      *ranges, float(levels), native.threads())

@@ -22,7 +22,8 @@ input, weight, rotated weight and error of the quantized layers, and the float32
 without int8 dot products (what each bench model's hold: docs/benchmarks.md, peak-phases table).
 
 `kept` serves the other kind of CPU tensor a layer makes: one kept across a pass (its input's codes, kept for its
-backward), given a mapping of its own once large enough, and unmapped when freed (docs/method.md §2, "Kept codes").
+backward), given a mapping of its own, where a run asks for it, once large enough, and unmapped when freed
+(docs/method.md §2, "Kept codes").
 This module knows nothing about quantization.
 """
 
@@ -73,18 +74,19 @@ def _mapped(numel: int, dtype: torch.dtype, huge: bool = True) -> tuple[torch.Te
     return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
 
 
-# A kept tensor of at least this many bytes gets a mapping of its own (`kept`); ``$HF_CPT_OWN_MAPPING_BYTES`` sets
-# another size (0: none does), read at each call.
-OWN_MAPPING_BYTES = 256 * 1024
+# A kept tensor of at least ``$HF_CPT_OWN_MAPPING_BYTES`` bytes gets a mapping of its own (`kept`; read at each
+# call). Unset or 0, none does: in the bench's model steps the mappings lowered two models' peaks and cost most of
+# them a few percent of their time (docs/benchmarks.md, the own-mappings table), so a run opts in, e.g. with
+# `SUGGESTED_OWN_MAPPING_BYTES`, the size measured there.
 OWN_MAPPING_VARIABLE = "HF_CPT_OWN_MAPPING_BYTES"
+SUGGESTED_OWN_MAPPING_BYTES = 256 * 1024
 
 
 def own_mapping_bytes() -> int:
-    """The size from which `kept` maps a tensor of its own: ``$HF_CPT_OWN_MAPPING_BYTES``, else `OWN_MAPPING_BYTES`
-    (0: never)."""
+    """The size from which `kept` maps a tensor of its own: ``$HF_CPT_OWN_MAPPING_BYTES`` (unset or 0: never)."""
     value = os.environ.get(OWN_MAPPING_VARIABLE, "").strip()
     if not value:
-        return OWN_MAPPING_BYTES
+        return 0
     try:
         size = int(value)
     except ValueError:
@@ -96,8 +98,8 @@ def own_mapping_bytes() -> int:
 
 
 def kept(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized contiguous CPU tensor for memory kept across a pass: of at least `own_mapping_bytes`, in a
-    mapping of its own that goes back to the system when the tensor is freed; smaller, from torch's allocator.
+    """An uninitialized contiguous CPU tensor for memory kept across a pass: of at least `own_mapping_bytes` (where
+    set), in a mapping of its own that goes back to the system when the tensor is freed; else from torch's allocator.
     glibc serves blocks below its mmap threshold (raised by the first large frees to up to 32 MiB) from its heap,
     where a kept block made between float activations can split the holes they leave when freed, which the next
     activations of their size then cannot reuse: the heap grows while the memory in use does not
