@@ -14,6 +14,7 @@ JSON into docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -39,12 +40,25 @@ HEAP = {scratch.OWN_MAPPING_VARIABLE: "0"}
 ADAMW = "fused"  # the model steps' AdamW (`overhead.ADAMW_CHOICES`): the Trainer's default, as users train
 
 
+@contextlib.contextmanager
+def setting(environment: dict):
+    """This process's `scratch.OWN_MAPPING_VARIABLE` as ``environment`` sets it (read at each call), then as it was."""
+    before = os.environ.get(scratch.OWN_MAPPING_VARIABLE)
+    os.environ.update(environment)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[scratch.OWN_MAPPING_VARIABLE]
+        else:
+            os.environ[scratch.OWN_MAPPING_VARIABLE] = before
+
+
 def codes_in_own_mappings(kind: str) -> dict[str, float]:
     """How many tensors of one training step (the second step's) `scratch.kept` put in mappings of their own, their
     MiB, and how many it took from torch's allocator."""
     counts = {"mapped": 0, "mapped_mib": 0.0, "heap": 0}
     kept, threshold = scratch.kept, scratch.SUGGESTED_OWN_MAPPING_BYTES
-    os.environ.update(MAPPED)
 
     def counting(shape, dtype):
         t = kept(shape, dtype)
@@ -59,13 +73,13 @@ def codes_in_own_mappings(kind: str) -> dict[str, float]:
     build, batch = getattr(overhead, kind)()
     torch.manual_seed(0)
     step = overhead.training_step(overhead.cpt_copy(build(), True), batch)
-    step()
-    code_kernels.kept = counting
-    try:
+    with setting(MAPPED):
         step()
-    finally:
-        code_kernels.kept = kept
-        del os.environ[scratch.OWN_MAPPING_VARIABLE]
+        code_kernels.kept = counting
+        try:
+            step()
+        finally:
+            code_kernels.kept = kept
     return counts
 
 
@@ -91,11 +105,8 @@ def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
 
     def under(environment: dict) -> Callable[[], None]:
         def run() -> None:
-            os.environ.update(environment)
-            try:
+            with setting(environment):
                 step()
-            finally:
-                del os.environ[scratch.OWN_MAPPING_VARIABLE]
         return run
 
     return setting_arms.step_times_ms(

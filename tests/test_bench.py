@@ -438,9 +438,9 @@ def test_own_mappings_counts_a_steps_kept_codes_by_place_and_its_table_names_the
     import own_mappings
     import report
 
-    monkeypatch.delenv(own_mappings.scratch.OWN_MAPPING_VARIABLE, raising=False)
-    counts = own_mappings.codes_in_own_mappings("resnet20")  # with the arm's setting, whatever the default
-    assert own_mappings.scratch.OWN_MAPPING_VARIABLE not in os.environ  # and the environment as it was
+    monkeypatch.setenv(own_mappings.scratch.OWN_MAPPING_VARIABLE, "0")
+    counts = own_mappings.codes_in_own_mappings("resnet20")  # with the arm's setting, whatever this process's
+    assert os.environ[own_mappings.scratch.OWN_MAPPING_VARIABLE] == "0"  # and the environment as it was
     assert counts["mapped"] > 0 and counts["heap"] > 0 and counts["mapped_mib"] >= counts["mapped"] / 4
     row = {"key": "resnet20", "adamw": "fused", "codes": {"mapped": 21, "mapped_mib": 25.9, "heap": 6},
            "default": {"plain": [1190.0, 1180.0, 1185.0], "own mappings": [1160.0, 1170.0, 1150.0],
