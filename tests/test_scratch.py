@@ -168,6 +168,15 @@ def _mapped_alone(t: torch.Tensor) -> bool:
         return any(int(line.split("-")[0], 16) == t.data_ptr() for line in maps)
 
 
+def _advised_huge(t: torch.Tensor) -> bool:
+    """Whether the mapping that starts at ``t``'s memory was advised to use transparent huge pages (its VmFlags)."""
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split("-")[0] == f"{t.data_ptr():x}")
+    flags = next(line for line in lines[start + 1:] if line.startswith("VmFlags:"))
+    return "hg" in flags.split()
+
+
 def _mapped_at(address: int) -> bool:
     with open("/proc/self/maps") as maps:
         return any(int(start, 16) <= address < int(end, 16)
@@ -183,6 +192,9 @@ def test_a_large_kept_tensor_has_a_mapping_of_its_own_where_asked_unmapped_when_
     large = scratch.kept((2048, 768), torch.uint8)  # 1.5 MiB: a BERT-base layer's input codes at 2048 tokens
     assert large.shape == (2048, 768) and large.dtype == torch.uint8 and large.is_contiguous()
     assert _mapped_alone(large) and not scratch.holds(large)
+    assert not _advised_huge(large)  # 4 KiB pages: a fresh mapping in every step (the reused buffers' are huge)
+    if scratch.huge_pages():
+        assert _advised_huge(scratch.take("input", (1 << 22,), torch.float32))
     large.fill_(7)
     assert int(large.sum()) == 7 * 2048 * 768
     address = large.data_ptr()
