@@ -76,7 +76,7 @@ def _mapped(numel: int, dtype: torch.dtype, huge: bool = True) -> tuple[torch.Te
 
 # A kept tensor of at least ``$HF_CPT_OWN_MAPPING_BYTES`` bytes gets a mapping of its own (`kept`; read at each
 # call). Unset or 0, none does: in the bench's model steps the mappings lowered two models' peaks and cost most of
-# them a few percent of their time (docs/benchmarks.md, the own-mappings table), so a run opts in, e.g. with
+# them up to about a tenth of their time (docs/benchmarks.md, the own-mappings table), so a run opts in, e.g. with
 # `SUGGESTED_OWN_MAPPING_BYTES`, the size measured there.
 OWN_MAPPING_VARIABLE = "HF_CPT_OWN_MAPPING_BYTES"
 SUGGESTED_OWN_MAPPING_BYTES = 256 * 1024
