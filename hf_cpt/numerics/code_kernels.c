@@ -162,14 +162,26 @@ static int row_ranges(const void *args, int64_t first_row, int64_t last_row) {
     return 0;
 }
 
-/* Each column's min and max over every row, for the blocks of 256 columns first_block..last_block. */
+/* Per-column passes split their columns into blocks of COLUMN_BLOCK (the items a thread takes): each block's columns
+ * stay in registers or cache while the pass walks down the rows. */
+#define COLUMN_BLOCK 256
+#define COLUMN_BLOCKS(columns) (((columns) + COLUMN_BLOCK - 1) / COLUMN_BLOCK)
+
+/* The first column of block and how many columns it holds (the last block may be narrower). */
+static inline int64_t column_block(int64_t block, int64_t columns, int64_t *first) {
+    *first = block * COLUMN_BLOCK;
+    return columns - *first < COLUMN_BLOCK ? columns - *first : COLUMN_BLOCK;
+}
+
+/* Each column's min and max over every row, for the blocks of COLUMN_BLOCK columns first_block..last_block. */
 static int column_ranges(const void *args, int64_t first_block, int64_t last_block) {
     const ranges_args *a = (const ranges_args *)args;
     const int64_t columns = a->columns;
     for (int64_t block = first_block; block < last_block; block++) {
-        const int64_t first = block * 256, width = columns - first < 256 ? columns - first : 256;
+        int64_t first;
+        const int64_t width = column_block(block, columns, &first);
         float *restrict low = a->minimum + first, *restrict high = a->maximum + first;
-        int nan[256];
+        int nan[COLUMN_BLOCK];
         for (int64_t c = 0; c < width; c++) {
             low[c] = high[c] = a->source[first + c];
             nan[c] = 0;
@@ -193,8 +205,8 @@ static int column_ranges(const void *args, int64_t first_block, int64_t last_blo
 int hf_cpt_ranges(const float *source, float *minimum, float *maximum, int64_t rows, int64_t columns, int per_column,
                   int threads) {
     ranges_args args = {source, minimum, maximum, rows, columns};
-    if (per_column) /* the items split over threads are blocks of 256 columns */
-        return split_items(column_ranges, &args, (columns + 255) / 256, rows * columns, MIN_ELEMENTS_PER_THREAD,
+    if (per_column) /* the items split over threads are blocks of columns */
+        return split_items(column_ranges, &args, COLUMN_BLOCKS(columns), rows * columns, MIN_ELEMENTS_PER_THREAD,
                            threads);
     return split_items(row_ranges, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
 }
@@ -228,12 +240,13 @@ static int centred_rows(const void *args, int64_t first_row, int64_t last_row) {
     return 0;
 }
 
-/* The same with each column's sum and sum of squares, for the blocks of 256 columns first_block..last_block. */
+/* The same with each column's sum and sum of squares, for the column blocks first_block..last_block. */
 static int centred_columns(const void *args, int64_t first_block, int64_t last_block) {
     const centred_args *a = (const centred_args *)args;
     const int64_t columns = a->columns;
     for (int64_t block = first_block; block < last_block; block++) {
-        const int64_t first = block * 256, width = columns - first < 256 ? columns - first : 256;
+        int64_t first;
+        const int64_t width = column_block(block, columns, &first);
         int32_t *restrict sum = a->sums + first, *restrict squares = a->squares + first;
         for (int64_t j = 0; j < width; j++)
             sum[j] = squares[j] = 0;
@@ -256,8 +269,8 @@ static int centred_columns(const void *args, int64_t first_block, int64_t last_b
 int hf_cpt_centred_codes(const uint8_t *codes, float *values, int32_t *sums, int32_t *squares, int64_t rows,
                          int64_t columns, int32_t middle, int per_column, int threads) {
     centred_args args = {codes, values, sums, squares, rows, columns, middle};
-    if (per_column) /* the items split over threads are blocks of 256 columns */
-        return split_items(centred_columns, &args, (columns + 255) / 256, rows * columns, MIN_ELEMENTS_PER_THREAD,
+    if (per_column) /* the items split over threads are blocks of columns */
+        return split_items(centred_columns, &args, COLUMN_BLOCKS(columns), rows * columns, MIN_ELEMENTS_PER_THREAD,
                            threads);
     return split_items(centred_rows, &args, rows, rows * columns, MIN_ELEMENTS_PER_THREAD, threads);
 }
