@@ -286,6 +286,58 @@ def own_mappings_section(results: dict) -> list[str]:
         lambda row: f"{row['codes']['mapped']} ({row['codes']['mapped_mib']:,.0f}) / {row['codes']['heap']}")
 
 
+def allocators_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of each model step's peak memory and time under each CPU memory allocator, plain
+    beside CPT 8/8, from `bench/allocators.py`'s JSON."""
+    products = PRODUCTS.get(results.get("integer_products"), "")
+    libraries = ", ".join(f"{name} `{path}`" for name, path in results.get("libraries", {}).items())
+    lines = [f"`{results['command']}` (torch {results['torch']}; {products}{adamw_text(results)}; "
+             f"preloaded: {libraries or 'none found'}; peak resident memory (VmHWM) of a training step once it has "
+             f"settled, MiB, the median of {results['processes']} fresh processes per allocator and side, "
+             "interleaved, with the figure of each (glibc with its threshold fixed: one process each), CPT 8/8 / "
+             "plain, and each allocator's plain peak against glibc's):", "",
+             "| case | allocator | plain | CPT 8/8 | each process: plain; CPT 8/8 | plain / glibc's plain | "
+             "ms a step: plain | CPT 8/8 |", "|---|---|---:|---:|---|---:|---:|---:|"]
+    if results.get("time_runs"):
+        runs = "; ".join(f"`{run['command']}` (medians of {run['repeats']} interleaved repeats, one fresh process per "
+                         f"allocator, one after another; load average {run['load_average'][0]:.1f} at the start, "
+                         f"{run['load_average'][-1]:.1f} at the end)" for run in results["time_runs"])
+        lines[0:0] = [f"Times, on this machine's 2 cores: {runs}. Memory:", ""]
+    for row in results["rows"]:
+        glibc = statistics.median(row["peaks"]["glibc"]["plain"])
+        for allocator, sides in row["peaks"].items():
+            plain, cpt = (statistics.median(sides[side]) for side in ("plain", "CPT 8/8"))
+            each = "; ".join(", ".join(f"{peak:,.0f}" for peak in sides[side]) for side in ("plain", "CPT 8/8"))
+            times = row.get("time_ms", {}).get(allocator)
+            timed = (["-", "-"] if times is None else
+                     [f"{times['plain']:,.0f}", f"{times['CPT 8/8']:,.0f} ({times['CPT 8/8'] / times['plain']:.3f})"])
+            lines.append(f"| {row['key']} | {allocator} | {plain:,.0f} | {cpt:,.0f} ({cpt / plain:.3f}) | {each} | "
+                         f"{plain / glibc:.3f} | " + " | ".join(timed) + " |")
+    return lines
+
+
+def allocators_summary(results: dict) -> list[str]:
+    """The README's table of each model step's peak memory by allocator, CPT 8/8 / plain, from
+    `bench/allocators.py`'s JSON."""
+    allocators = list(dict.fromkeys(allocator for row in results["rows"] for allocator in row["peaks"]))
+    lines = [f"Peak memory of a training step by CPU allocator (`{results['command']}`; the median of "
+             f"{results['processes']} fresh processes per allocator and side, glibc with its threshold fixed one; "
+             "docs/benchmarks.md, \"The allocator\"): CPT 8/8 / plain under each, and in brackets the plain peak "
+             "against glibc's:", "", "| case | " + " | ".join(allocators) + " |", "|---|" + "---:|" * len(allocators)]
+    for row in results["rows"]:
+        glibc = statistics.median(row["peaks"]["glibc"]["plain"])
+        cells = []
+        for allocator in allocators:
+            sides = row["peaks"].get(allocator)
+            if sides is None:
+                cells.append("-")
+                continue
+            plain, cpt = (statistics.median(sides[side]) for side in ("plain", "CPT 8/8"))
+            cells.append(f"{cpt / plain:.3f} ({plain / glibc:.2f})")
+        lines.append(f"| {row['key']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def codes_float_gemm_section(results: dict) -> list[str]:
     """docs/benchmarks.md's table of each model step with float products and with products on codes through the
     float32 GEMM, on a CPU without int8 dot products, from `bench/codes_float_gemm.py`'s JSON."""
@@ -586,10 +638,14 @@ def main() -> None:
                                  ("embedding_rows.json", "embedding-rows", embedding_rows_section),
                                  ("codes_float_gemm.json", "codes-float-gemm", codes_float_gemm_section),
                                  ("own_mappings.json", "own-mappings", own_mappings_section),
+                                 ("allocators.json", "allocators", allocators_section),
                                  ("kernels.json", "kernels", kernels_section)):
         results = results_page.load(args.results, name)
         if results:
             replace_block(os.path.join(args.docs, "benchmarks.md"), block, section(results))
+    allocators = results_page.load(args.results, "allocators.json")
+    if allocators:
+        replace_block(args.readme, "allocators-summary", allocators_summary(allocators))
     counts = results_page.load(args.results, "op_counts.json")
     if counts:
         replace_block(args.readme, "op-counts", op_counts_summary(counts))

@@ -455,6 +455,76 @@ def test_own_mappings_counts_a_steps_kept_codes_by_place_and_its_table_names_the
     assert lines[-1].startswith("| resnet20 | 21 (26) / 6 | 1,185 | 1,160 (0.979) | 1,190 (1.004) |")
 
 
+def test_allocators_finds_preloadable_libraries_and_refuses_what_it_cannot_preload(tmp_path, monkeypatch):
+    """`bench/allocators.py` finds an allocator's library in the folders searched (the shortest name of the first
+    name that has one; a folder whose variable is unset is skipped), leaves out one it cannot find, refuses a named
+    file that is missing or that a fresh process does not load, and tells a preloaded library from one not loaded."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import allocators
+
+    folder = tmp_path / "lib"
+    folder.mkdir()
+    for name in ("libtcmalloc_minimal.so.4.5.10", "libtcmalloc_minimal.so.4", "libtcmalloc_minimal_debug.so.4"):
+        (folder / name).write_bytes(b"")
+    monkeypatch.delenv("CONDA_PREFIX", raising=False)
+    assert allocators.find_library(("tcmalloc", "tcmalloc_minimal"), ("$CONDA_PREFIX/lib", str(folder))) == str(
+        folder / "libtcmalloc_minimal.so.4")
+    assert allocators.find_library(("jemalloc",), (str(folder),)) is None
+
+    monkeypatch.setattr(allocators, "find_library", lambda names: None)
+    envs, left_out = allocators.environments({"jemalloc": None, "tcmalloc": None})
+    assert list(envs) == [allocators.GLIBC, allocators.FIXED] and envs[allocators.FIXED] == {
+        "MALLOC_MMAP_THRESHOLD_": "131072"}
+    assert [line.split(":")[0] for line in left_out] == ["jemalloc", "tcmalloc"] and "--jemalloc" in left_out[0]
+    with pytest.raises(SystemExit, match="--jemalloc .*missing.so: no such file"):
+        allocators.environments({"jemalloc": str(tmp_path / "missing.so")})
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads /proc (Linux)")
+    with open("/proc/self/maps") as maps:  # the C library every process maps, preloaded or not
+        libc = next(line.split()[-1] for line in maps if "/libc.so" in line or "/libc-" in line)
+    assert allocators.loads({}, libc)
+    assert not allocators.loads({}, str(folder / "libtcmalloc_minimal.so.4"))
+    with pytest.raises(SystemExit, match="did not load it"):  # an empty file: the loader refuses to preload it
+        allocators.environments({"tcmalloc": str(folder / "libtcmalloc_minimal.so.4")})
+
+
+def test_allocators_interleaves_fresh_processes_and_its_table_sets_each_allocator_against_glibc(monkeypatch):
+    """`bench/allocators.py` runs its peak processes interleaved, allocator by allocator and side by side, one round
+    with the threshold fixed; its table shows each allocator's two sides, their ratio, the plain peak against glibc's,
+    and the times where measured."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import allocators
+    import report
+
+    calls = []
+    monkeypatch.setattr(allocators.overhead, "peak_memory_mib", lambda kind, quantized, fused, env: (
+        calls.append((env.get("LD_PRELOAD", env.get("MALLOC_MMAP_THRESHOLD_", "")), quantized)) or (100.0, 3)))
+    envs = {allocators.GLIBC: {}, allocators.FIXED: {"MALLOC_MMAP_THRESHOLD_": "131072"},
+            "jemalloc": {"LD_PRELOAD": "je.so"}}
+    peaks = allocators.arm_peaks("resnet20", 2, envs)
+    round_ = [("", False), ("", True), ("131072", False), ("131072", True), ("je.so", False), ("je.so", True)]
+    assert calls == round_ + [call for call in round_ if call[0] != "131072"]
+    assert peaks[allocators.FIXED] == {"plain": [100.0], "CPT 8/8": [100.0]}
+    assert peaks["jemalloc"] == {"plain": [100.0, 100.0], "CPT 8/8": [100.0, 100.0]}
+
+    row = {"key": "bert-base-16", "peaks": {
+        "glibc": {"plain": [4600.0, 4500.0, 4550.0], "CPT 8/8": [4500.0, 4480.0, 4490.0]},
+        "jemalloc": {"plain": [3900.0, 3880.0, 3860.0], "CPT 8/8": [3400.0, 3380.0, 3360.0]}},
+        "time_ms": {"glibc": {"plain": 9000.0, "CPT 8/8": 9900.0}}}
+    lines = report.allocators_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
+                                       "adamw": "fused", "libraries": {"jemalloc": "/lib/je.so"}, "rows": [row]})
+    assert "preloaded: jemalloc `/lib/je.so`" in lines[0] and "AdamW fused" in lines[0]
+    assert lines[3].count("|") == lines[2].count("|")
+    assert lines[4] == ("| bert-base-16 | glibc | 4,550 | 4,490 (0.987) | 4,600, 4,500, 4,550; 4,500, 4,480, 4,490 | "
+                        "1.000 | 9,000 | 9,900 (1.100) |")
+    assert lines[5] == ("| bert-base-16 | jemalloc | 3,880 | 3,380 (0.871) | 3,900, 3,880, 3,860; 3,400, 3,380, "
+                        "3,360 | 0.853 | - | - |")
+    other = {"key": "gpt2", "peaks": {"glibc": {"plain": [3400.0], "CPT 8/8": [3300.0]}}}
+    summary = report.allocators_summary({"command": "c", "processes": 3, "rows": [row, other]})
+    assert summary[2:] == ["| case | glibc | jemalloc |", "|---|---:|---:|",
+                           "| bert-base-16 | 0.987 (1.00) | 0.871 (0.85) |", "| gpt2 | 0.971 (1.00) | - |"]
+
+
 def test_codes_float_gemm_counts_a_steps_products_on_codes_and_its_table_names_both_arms(monkeypatch):
     """`bench/codes_float_gemm.py` counts how a step's products on codes multiplied, as on a CPU without int8 dot
     products: a tiny BERT's all by the float32 GEMM. Its table shows those counts and what each arm's forward keeps
