@@ -16,7 +16,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -32,6 +31,7 @@ import overhead  # noqa: E402  (the bench's model builders and fresh-process pea
 import setting_arms  # noqa: E402
 from harness import load_results, save_results  # noqa: E402
 
+from hf_cpt.diagnostics.environment import ALLOCATORS, LIBRARY_FOLDERS, find_library  # noqa: E402
 from hf_cpt.numerics.integer_matmul import integer_matmul_supported  # noqa: E402
 
 CASES = {  # key -> the bench's model builder
@@ -40,25 +40,8 @@ CASES = {  # key -> the bench's model builder
 }
 SIDES = ("plain", "CPT 8/8")
 GLIBC, FIXED = "glibc", "glibc, threshold fixed"
-# the preloadable allocators: name -> the library names it ships under (tcmalloc's minimal build has no profiler)
-PRELOADED = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc", "tcmalloc_minimal")}
-LIBRARY_FOLDERS = ("$CONDA_PREFIX/lib", "$VIRTUAL_ENV/lib", "~/.local/lib", "/usr/local/lib", "/usr/local/lib64",
-                   "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+PRELOADED = {name: ALLOCATORS[name] for name in ("jemalloc", "tcmalloc")}  # the preloaded arms
 ADAMW = "fused"  # the model steps' AdamW (`overhead.ADAMW_CHOICES`): the Trainer's default, as users train
-
-
-def find_library(names: tuple[str, ...], folders: tuple[str, ...] = LIBRARY_FOLDERS) -> str | None:
-    """The first ``lib<name>.so*`` of ``names`` in ``folders`` (environment variables and ``~`` expanded; a folder
-    whose variable is unset is skipped), or None."""
-    for name in names:
-        for folder in folders:
-            folder = os.path.expanduser(os.path.expandvars(folder))
-            if "$" in folder:
-                continue
-            found = sorted(glob.glob(os.path.join(folder, f"lib{name}.so*")), key=len)
-            if found:
-                return found[0]
-    return None
 
 
 def environments(given: dict[str, str | None]) -> tuple[dict[str, dict], list[str]]:

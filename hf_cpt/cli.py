@@ -1,8 +1,9 @@
-"""Command line: ``hf-cpt schedules`` (or ``python -m hf_cpt schedules``).
+"""Command line: ``hf-cpt schedules`` and ``hf-cpt env`` (or ``python -m hf_cpt ...``).
 
-Lists every registered precision schedule with its mean bits, training cost relative to static
+``schedules`` lists every registered precision schedule with its mean bits, training cost relative to static
 ``bits_max`` and to FP32, and its cost group; ``--plot FILE.png`` draws them, one panel per schedule,
-the rounded bits over the smooth profile.
+the rounded bits over the smooth profile. ``env`` prints what on this machine decides a CPT run's speed and memory
+(`hf_cpt.diagnostics.environment`), for a bug report or before a long CPU run.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--plot", metavar="FILE.png", help="draw the schedules into this PNG file")
     sched.add_argument("--json", action="store_true", help="print the table as JSON")
     sched.set_defaults(handler=_schedules_command, subparser=sched)
+    env = commands.add_parser(
+        "env", help="print what on this machine decides a CPT run's speed and memory",
+        description="Print the library versions, the accelerator, how the layers multiply on this CPU, the C kernels, "
+                    "the threads and the memory allocator this process runs on.")
+    env.add_argument("--json", action="store_true", help="print them as JSON")
+    env.set_defaults(handler=_env_command, subparser=env)
     return parser
 
 
@@ -153,6 +160,15 @@ def _schedules_command(args: argparse.Namespace, parser: argparse.ArgumentParser
         except OSError as error:
             parser.error(f"cannot write {args.plot!r}: {error}")
         print(f"\nwrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _env_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .diagnostics.environment import environment_report
+
+    report = environment_report()
+    lines = (f"- {key}: {value}" for key, value in report.items())
+    print(json.dumps(report, indent=2) if args.json else "\n".join(lines))
     return 0
 
 

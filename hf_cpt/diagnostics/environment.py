@@ -1,0 +1,126 @@
+"""What on this machine decides a CPT run's speed and memory, as ``hf-cpt env`` prints it: the library versions, the
+accelerator, how the layers multiply on this CPU, whether the C kernels can build, the threads, and the memory
+allocator the process runs on.
+
+The allocator matters on CPU. glibc's malloc serves blocks below its mmap threshold, which rises with the first large
+frees, from its heap, where freed holes stay resident: a step's peak there follows the order of allocations as much
+as the memory in use, and what the quantized layers keep less (their inputs' codes, a byte a value, in place of
+float copies) can vanish from it. jemalloc or tcmalloc, preloaded, keep the peak near the memory in use, for the
+plain model and the quantized one alike (docs/benchmarks.md, "The allocator").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.metadata
+import os
+import platform
+
+# Preloadable allocators -> the names their libraries ship under (tcmalloc's minimal build has no profiler).
+ALLOCATORS = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc", "tcmalloc_minimal"), "mimalloc": ("mimalloc",)}
+# Where they are installed: a conda or virtual environment, the user's, the system's (Debian's multiarch folders too).
+LIBRARY_FOLDERS = ("$CONDA_PREFIX/lib", "$VIRTUAL_ENV/lib", "~/.local/lib", "/usr/local/lib", "/usr/local/lib64",
+                   "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+ALLOCATOR_HINT = ("a CPU run's peak memory includes the holes glibc's heap keeps resident; preloading jemalloc or "
+                  "tcmalloc (LD_PRELOAD) lowered the peaks of the plain and the quantized models alike "
+                  "(docs/benchmarks.md, \"The allocator\")")
+
+
+def find_library(names: tuple[str, ...], folders: tuple[str, ...] | None = None) -> str | None:
+    """The first ``lib<name>.so*`` of ``names`` in ``folders`` (default `LIBRARY_FOLDERS`; variables and ``~``
+    expanded; a folder whose variable is unset is skipped; of one name's files, the shortest name), or None."""
+    for name in names:
+        for folder in LIBRARY_FOLDERS if folders is None else folders:
+            folder = os.path.expanduser(os.path.expandvars(folder))
+            if "$" in folder:
+                continue
+            found = sorted(glob.glob(os.path.join(folder, f"lib{name}.so*")), key=len)
+            if found:
+                return found[0]
+    return None
+
+
+def installed_allocators() -> dict[str, str]:
+    """The preloadable allocators found on this machine (`ALLOCATORS`, `LIBRARY_FOLDERS`): name -> library."""
+    found = {allocator: find_library(names) for allocator, names in ALLOCATORS.items()}
+    return {allocator: path for allocator, path in found.items() if path is not None}
+
+
+class _SymbolInfo(ctypes.Structure):  # dladdr's Dl_info
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def malloc_library() -> str | None:
+    """The path of the shared library whose ``malloc`` this process calls: the one the dynamic loader binds, so a
+    preloaded allocator where ``LD_PRELOAD`` names one (None where the loader cannot say, e.g. on Windows)."""
+    try:
+        process = ctypes.CDLL(None)
+        address = ctypes.cast(process.malloc, ctypes.c_void_p).value
+        info = _SymbolInfo()
+        if not process.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+            return None
+    except (OSError, AttributeError, TypeError):
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+def cpu_allocator(library: str | None = None) -> str | None:
+    """The name of the malloc this process runs on (of ``library``, default `malloc_library`): ``"jemalloc"``,
+    ``"tcmalloc"`` or ``"mimalloc"``; ``"glibc"`` for glibc's own; else the library's file name (None: unknown)."""
+    library = malloc_library() if library is None else library
+    if library is None:
+        return None
+    name = os.path.basename(library)
+    for allocator in ALLOCATORS:
+        if allocator in name:
+            return allocator
+    if name.startswith("libc.so") or name.startswith("libc-"):
+        return "glibc" if platform.libc_ver()[0] == "glibc" else "libc"
+    return name
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_report() -> dict[str, str]:
+    """``hf-cpt env``'s lines: what each setting is on this machine and what it means for a CPT run."""
+    import torch
+
+    from ..numerics import native
+    from ..numerics.integer_matmul import integer_matmul_supported
+    from ..version import __version__
+
+    if torch.cuda.is_available():
+        accelerator = f"CUDA, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        accelerator = "none (CPU)"
+    products = ("on integer codes (this CPU has int8 dot products)" if integer_matmul_supported() else
+                "on fake-quantized floats (no int8 dot products; integer_matmul=True multiplies the codes through "
+                "the float32 GEMM instead)")
+    if os.environ.get(native.DISABLE_VARIABLE) == "0":
+        kernels = f"off (${native.DISABLE_VARIABLE}=0): torch formulas"
+    else:
+        compiler = native._compiler()
+        kernels = (f"built with {compiler}, cached in {native.cache_dir()}" if compiler else
+                   f"no C compiler: torch formulas, unless {native.cache_dir()} holds kernels built before")
+    library = malloc_library()
+    allocator = cpu_allocator(library)
+    memory = f"{allocator or 'unknown'}" + (f" ({library})" if library else "")
+    if allocator == "glibc":
+        installed = installed_allocators()
+        memory += f": {ALLOCATOR_HINT}; " + (
+            "installed here: " + ", ".join(f"LD_PRELOAD={path}" for path in installed.values()) if installed else
+            "none is installed in " + ", ".join(LIBRARY_FOLDERS))
+    return {
+        "hf_cpt": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
+        "accelerate": _version("accelerate"), "python": platform.python_version(),
+        "platform": platform.platform(), "accelerator": accelerator, "CPU products": products,
+        "C kernels": kernels, "threads": f"{torch.get_num_threads()} (a C kernel's: {native.threads()})",
+        "memory allocator": memory,
+    }
