@@ -89,7 +89,7 @@ def arm_peaks(kind: str, processes: int, envs: dict[str, dict]) -> dict[str, dic
 
 def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
     """This process's median milliseconds a step of each side takes (interleaved repeats, `setting_arms`)."""
-    overhead.ADAMW_OPTIONS = overhead.ADAMW_CHOICES[ADAMW]
+    overhead.ADAMW_OPTIONS = overhead.ADAMW_CHOICES[ADAMW]  # a fresh process of `allocator_times_ms`
     build, batch = getattr(overhead, kind)()
     plain, quantized = overhead.model_pair(build, True)
     return setting_arms.step_times_ms(
@@ -118,6 +118,7 @@ def main() -> None:
         parser.add_argument(f"--{allocator}", help=f"the {allocator} library to preload (default: searched)")
     parser.add_argument("--output", default=os.path.join(HERE, "results", "allocators.json"))
     args = parser.parse_args()
+    overhead.ADAMW_OPTIONS = overhead.ADAMW_CHOICES[ADAMW]  # this process's steps and the fresh processes'
     envs, left_out = environments({allocator: getattr(args, allocator) for allocator in PRELOADED})
     for line in left_out:
         print(f"leaving out {line}")

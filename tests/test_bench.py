@@ -480,10 +480,11 @@ def test_allocators_leaves_out_what_it_cannot_find_and_refuses_what_it_cannot_pr
         allocators.environments({"tcmalloc": str(empty)})
 
 
-def test_allocators_interleaves_fresh_processes_and_its_table_sets_each_allocator_against_glibc(monkeypatch):
+def test_allocators_interleaves_fresh_processes_and_its_table_sets_each_allocator_against_glibc(tmp_path, monkeypatch):
     """`bench/allocators.py` runs its peak processes interleaved, allocator by allocator and side by side, one round
-    with the threshold fixed; its table shows each allocator's two sides, their ratio, the plain peak against glibc's,
-    and the times where measured."""
+    with the threshold fixed, every one training with the fused AdamW the JSON records (a resumed case gets only its
+    times); its table shows each allocator's two sides, their ratio, the plain peak against glibc's, and the times
+    where measured."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import allocators
     import report
@@ -511,6 +512,22 @@ def test_allocators_interleaves_fresh_processes_and_its_table_sets_each_allocato
                         "1.000 | 9,000 | 9,900 (1.100) |")
     assert lines[5] == ("| bert-base-16 | jemalloc | 3,880 | 3,380 (0.871) | 3,900, 3,880, 3,860; 3,400, 3,380, "
                         "3,360 | 0.853 | - | - |")
+    # the run: every process trains with the fused AdamW it records; a case measured already gets only its times
+    seen = []
+    monkeypatch.setattr(allocators, "environments", lambda given: ({allocators.GLIBC: {}}, []))
+    monkeypatch.setattr(allocators, "arm_peaks", lambda kind, processes, envs: seen.append(
+        ("peaks", kind, dict(allocators.overhead.ADAMW_OPTIONS))) or {"glibc": {"plain": [1.0], "CPT 8/8": [1.0]}})
+    monkeypatch.setattr(allocators, "allocator_times_ms", lambda kind, repeats, envs: seen.append(
+        ("times", kind, repeats)) or {"glibc": {"plain": 1.0, "CPT 8/8": 1.0}})
+    monkeypatch.setattr(allocators.overhead, "ADAMW_OPTIONS", {})
+    output = tmp_path / "allocators.json"
+    for extra in ([], ["--repeats", "3"]):
+        monkeypatch.setattr(sys, "argv", ["allocators", "--cases", "resnet20", "--output", str(output), *extra])
+        allocators.main()
+    assert seen == [("peaks", "resnet20", {"fused": True}), ("times", "resnet20", 3)]
+    written = json.loads(output.read_text())
+    assert written["adamw"] == "fused" and [row["key"] for row in written["rows"]] == ["resnet20"]
+
     other = {"key": "gpt2", "peaks": {"glibc": {"plain": [3400.0], "CPT 8/8": [3300.0]}}}
     summary = report.allocators_summary({"command": "c", "processes": 3, "rows": [row, other]})
     assert summary[2:] == ["| case | glibc | jemalloc |", "|---|---:|---:|",
