@@ -320,7 +320,8 @@ def allocators_summary(results: dict) -> list[str]:
     """The README's table of each model step's peak memory by allocator, CPT 8/8 / plain, from
     `bench/allocators.py`'s JSON."""
     allocators = list(dict.fromkeys(allocator for row in results["rows"] for allocator in row["peaks"]))
-    lines = [f"Peak memory of a training step by CPU allocator (`{results['command']}`; the median of "
+    products = PRODUCTS.get(results.get("integer_products"), "")
+    lines = [f"Peak memory of a training step by CPU allocator (`{results['command']}`; {products}the median of "
              f"{results['processes']} fresh processes per allocator and side, glibc with its threshold fixed one; "
              "docs/benchmarks.md, \"The allocator\"): CPT 8/8 / plain under each, and in brackets the plain peak "
              "against glibc's:", "", "| case | " + " | ".join(allocators) + " |", "|---|" + "---:|" * len(allocators)]
