@@ -127,7 +127,9 @@ def main() -> None:
     command = "python " + " ".join(sys.argv)
     results.setdefault("command", command)  # the first run that measured the memory
     results.update(torch=torch.__version__, integer_products=integer_matmul_supported(), processes=args.processes,
-                   adamw=ADAMW, libraries={a: env.get("LD_PRELOAD") for a, env in envs.items() if a in PRELOADED})
+                   adamw=ADAMW)
+    # each preloaded library any run measured with (a resumed run may find fewer)
+    results.setdefault("libraries", {}).update({a: env["LD_PRELOAD"] for a, env in envs.items() if a in PRELOADED})
     timing = {"command": command, "repeats": args.repeats, "load_average": [os.getloadavg()[0]]}
     if args.repeats:
         results.setdefault("time_runs", []).append(timing)
