@@ -323,8 +323,10 @@ def allocators_summary(results: dict) -> list[str]:
     products = PRODUCTS.get(results.get("integer_products"), "")
     lines = [f"Peak memory of a training step by CPU allocator (`{results['command']}`; {products}the median of "
              f"{results['processes']} fresh processes per allocator and side, glibc with its threshold fixed one; "
-             "docs/benchmarks.md, \"The allocator\"): CPT 8/8 / plain under each, and in brackets the plain peak "
-             "against glibc's:", "", "| case | " + " | ".join(allocators) + " |", "|---|" + "---:|" * len(allocators)]
+             "docs/benchmarks.md, \"The allocator\"): CPT 8/8 / plain under each, in brackets the plain peak "
+             "against glibc's, and where timed the step time, CPT 8/8 / plain (medians of interleaved repeats in one "
+             "process per allocator):", "", "| case | " + " | ".join(allocators) + " |",
+             "|---|" + "---:|" * len(allocators)]
     for row in results["rows"]:
         glibc = statistics.median(row["peaks"]["glibc"]["plain"])
         cells = []
@@ -334,7 +336,9 @@ def allocators_summary(results: dict) -> list[str]:
                 cells.append("-")
                 continue
             plain, cpt = (statistics.median(sides[side]) for side in ("plain", "CPT 8/8"))
-            cells.append(f"{cpt / plain:.3f} ({plain / glibc:.2f})")
+            times = row.get("time_ms", {}).get(allocator)
+            cells.append(f"{cpt / plain:.3f} ({plain / glibc:.2f})"
+                         + ("" if times is None else f"; time {times['CPT 8/8'] / times['plain']:.3f}"))
         lines.append(f"| {row['key']} | " + " | ".join(cells) + " |")
     return lines
 

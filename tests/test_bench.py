@@ -531,7 +531,7 @@ def test_allocators_interleaves_fresh_processes_and_its_table_sets_each_allocato
     other = {"key": "gpt2", "peaks": {"glibc": {"plain": [3400.0], "CPT 8/8": [3300.0]}}}
     summary = report.allocators_summary({"command": "c", "processes": 3, "rows": [row, other]})
     assert summary[2:] == ["| case | glibc | jemalloc |", "|---|---:|---:|",
-                           "| bert-base-16 | 0.987 (1.00) | 0.871 (0.85) |", "| gpt2 | 0.971 (1.00) | - |"]
+                           "| bert-base-16 | 0.987 (1.00); time 1.100 | 0.871 (0.85) |", "| gpt2 | 0.971 (1.00) | - |"]
 
 
 def test_codes_float_gemm_counts_a_steps_products_on_codes_and_its_table_names_both_arms(monkeypatch):

@@ -5,8 +5,8 @@ allocator the process runs on.
 The allocator matters on CPU. glibc's malloc serves blocks below its mmap threshold, which rises with the first large
 frees, from its heap, where freed holes stay resident: a step's peak there follows the order of allocations as much
 as the memory in use, and what the quantized layers keep less (their inputs' codes, a byte a value, in place of
-float copies) can vanish from it. jemalloc or tcmalloc, preloaded, keep the peak near the memory in use, for the
-plain model and the quantized one alike (docs/benchmarks.md, "The allocator").
+float copies) can vanish from it. Under jemalloc or tcmalloc, preloaded, the bench's peaks followed the memory in use,
+the plain model's and the quantized one's (docs/benchmarks.md, "The allocator").
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ ALLOCATORS = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc", "tcmalloc_mini
 # Where they are installed: a conda or virtual environment, the user's, the system's (Debian's multiarch folders too).
 LIBRARY_FOLDERS = ("$CONDA_PREFIX/lib", "$VIRTUAL_ENV/lib", "~/.local/lib", "/usr/local/lib", "/usr/local/lib64",
                    "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
-ALLOCATOR_HINT = ("a CPU run's peak memory includes the holes glibc's heap keeps resident; preloading jemalloc or "
-                  "tcmalloc (LD_PRELOAD) lowered the peaks of the plain and the quantized models alike "
-                  "(docs/benchmarks.md, \"The allocator\")")
+ALLOCATOR_HINT = ("a CPU run's peak memory includes the holes glibc's heap keeps resident; with jemalloc or tcmalloc "
+                  "preloaded (LD_PRELOAD) the bench's peaks followed the memory in use, and the quantized models' "
+                  "savings showed in them (docs/benchmarks.md, \"The allocator\")")
 
 
 def find_library(names: tuple[str, ...], folders: tuple[str, ...] | None = None) -> str | None:
