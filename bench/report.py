@@ -321,11 +321,12 @@ def allocators_summary(results: dict) -> list[str]:
     `bench/allocators.py`'s JSON."""
     allocators = list(dict.fromkeys(allocator for row in results["rows"] for allocator in row["peaks"]))
     products = PRODUCTS.get(results.get("integer_products"), "")
+    repeats = "".join(f"{run['repeats']} " for run in results.get("time_runs", [])[-1:])  # the last timing run's
     lines = [f"Peak memory of a training step by CPU allocator (`{results['command']}`; {products}the median of "
              f"{results['processes']} fresh processes per allocator and side, glibc with its threshold fixed one; "
              "docs/benchmarks.md, \"The allocator\"): CPT 8/8 / plain under each, in brackets the plain peak "
-             "against glibc's, and where timed the step time, CPT 8/8 / plain (medians of interleaved repeats in one "
-             "process per allocator):", "", "| case | " + " | ".join(allocators) + " |",
+             f"against glibc's, and where timed the step time, CPT 8/8 / plain (medians of {repeats}interleaved "
+             "repeats in one process per allocator):", "", "| case | " + " | ".join(allocators) + " |",
              "|---|" + "---:|" * len(allocators)]
     for row in results["rows"]:
         glibc = statistics.median(row["peaks"]["glibc"]["plain"])
