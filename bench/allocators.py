@@ -8,9 +8,9 @@ allocator and side, interleaved (one each with the threshold fixed, whose peak f
 (``--repeats``): one fresh process per allocator times both sides, interleaved repeats, medians; the processes run
 one after another, so the allocators' absolute times compare less closely than the two sides within one. An
 allocator whose library is not found (``--jemalloc``/``--tcmalloc`` name one; else the usual library folders are
-searched) is left out and said so; one that a fresh process does not load is refused. Resumable: a case already in
-the output file is skipped (one measured without times gets them). ``python bench/report.py`` renders the JSON into
-docs/benchmarks.md.
+searched) is left out and said so; one whose ``malloc`` a fresh process does not call is refused. Resumable: a case
+already in the output file is skipped (one measured without times gets them). ``python bench/report.py`` renders the
+JSON into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -61,17 +61,18 @@ def environments(given: dict[str, str | None]) -> tuple[dict[str, dict], list[st
             continue
         env = {"LD_PRELOAD": path}
         if not loads(env, path):
-            raise SystemExit(f"--{allocator} {path}: a fresh Python process with LD_PRELOAD={path} did not load it")
+            raise SystemExit(f"--{allocator} {path}: a fresh Python process with LD_PRELOAD={path} did not load it "
+                             "(its malloc came from elsewhere)")
         envs[allocator] = env
     return envs, left_out
 
 
 def loads(env: dict, library: str) -> bool:
-    """Whether a fresh Python process under ``env`` has ``library`` mapped."""
-    code = "print(open('/proc/self/maps').read())"
+    """Whether a fresh Python process under ``env`` calls the ``malloc`` of ``library`` (`malloc_library`)."""
+    code = "from hf_cpt.diagnostics.environment import malloc_library; print(malloc_library())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, **env}).stdout
-    return os.path.realpath(library) in out
+                         env={**os.environ, **env}).stdout.strip().splitlines()[-1]
+    return os.path.realpath(out) == os.path.realpath(library)
 
 
 def arm_peaks(kind: str, processes: int, envs: dict[str, dict]) -> dict[str, dict[str, list[float]]]:

@@ -457,7 +457,7 @@ def test_own_mappings_counts_a_steps_kept_codes_by_place_and_its_table_names_the
 
 def test_allocators_leaves_out_what_it_cannot_find_and_refuses_what_it_cannot_preload(tmp_path, monkeypatch):
     """`bench/allocators.py` leaves out an allocator whose library it cannot find, refuses a named file that is missing
-    or that a fresh process does not load, and tells a preloaded library from one not loaded."""
+    or whose malloc a fresh process does not call, and tells the library a process's malloc comes from."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import allocators
 
@@ -472,7 +472,7 @@ def test_allocators_leaves_out_what_it_cannot_find_and_refuses_what_it_cannot_pr
         allocators.environments({"jemalloc": str(tmp_path / "missing.so")})
     if not os.path.exists("/proc/self/maps"):
         pytest.skip("reads /proc (Linux)")
-    with open("/proc/self/maps") as maps:  # the C library every process maps, preloaded or not
+    with open("/proc/self/maps") as maps:  # the C library, whose malloc a process without a preload calls
         libc = next(line.split()[-1] for line in maps if "/libc.so" in line or "/libc-" in line)
     assert allocators.loads({}, libc)
     assert not allocators.loads({}, str(empty))
