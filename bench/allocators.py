@@ -29,10 +29,9 @@ sys.path.insert(0, HERE)
 
 import overhead  # noqa: E402  (the bench's model builders and fresh-process peaks)
 import setting_arms  # noqa: E402
-from harness import load_results, save_results  # noqa: E402
+from harness import load_results, products_setting, save_results  # noqa: E402
 
 from hf_cpt.diagnostics.environment import ALLOCATORS, LIBRARY_FOLDERS, find_library  # noqa: E402
-from hf_cpt.numerics.integer_matmul import integer_matmul_supported  # noqa: E402
 
 CASES = {  # key -> the bench's model builder
     "bert-base-16": "bert_base_16", "gpt2": "gpt2_small", "minilm": "minilm", "vit-s": "vit_small",
@@ -127,7 +126,7 @@ def main() -> None:
     results.setdefault("rows", [])
     command = "python " + " ".join(sys.argv)
     results.setdefault("command", command)  # the first run that measured the memory
-    results.update(torch=torch.__version__, integer_products=integer_matmul_supported(), processes=args.processes,
+    results.update(torch=torch.__version__, **products_setting(), processes=args.processes,
                    adamw=ADAMW)
     # each preloaded library any run measured with (a resumed run may find fewer)
     results.setdefault("libraries", {}).update({a: env["LD_PRELOAD"] for a, env in envs.items() if a in PRELOADED})

@@ -1,15 +1,17 @@
 """What products on codes cost and save on a CPU without int8 dot products: each model step with its layers' training
-forward on the integer codes (`CPTConfig(integer_matmul=True)`: there, through the float32 GEMM whose sums are proven
-exact, or in float64) and with the float products of the default (``integer_matmul="auto"`` on such a CPU), beside
-the plain model's.
+forward on float products (`CPTConfig(integer_matmul=False)`), on codes where an activation recomputes its input
+from them (``integer_matmul="activations"``, what ``"auto"`` resolves to on such a CPU) and on codes in every layer
+(``integer_matmul=True``; the codes go through the float32 GEMM, whose sums are proven exact, or in float64),
+beside the plain model's.
 
 On codes the forward's product can run again exactly, so an activation fed by one (GELU, tanh) keeps references to
 the codes its layer keeps, not its float input, and recomputes it in backward (`recompute_activation_inputs`): less
 memory, one more product a step per such layer. For each case: how one step's products on codes ran (float32 GEMM /
-float64), what a training forward keeps for its backward (MiB, as `bench/overhead.py`'s ◊ figure), the peak resident
-memory (VmHWM) in fresh processes that train until the peak settles, under glibc's default allocator
-(``--processes`` per arm, interleaved) and with its mmap threshold fixed (one each); with ``--repeats``, each step's
-time on every arm (one process, interleaved repeats, medians). Resumable: a case already in the output file is
+float64) on each arm with codes, what a training forward keeps for its backward (MiB, as `bench/overhead.py`'s ◊
+figure), the peak resident memory (VmHWM) in fresh processes that train until the peak settles, under glibc's
+default allocator (``--processes`` per arm, interleaved) and with its mmap threshold fixed (one each); with
+``--repeats``, each step's time on every arm (one process, interleaved repeats, medians). Every step trains with
+the fused AdamW that transformers' Trainer makes by default. Resumable: a case already in the output file is
 skipped (one measured without times gets them). ``python bench/report.py`` renders the JSON into
 docs/benchmarks.md. On a CPU with int8 dot products `integer_matmul="auto"` runs on codes already (the README's
 overhead table, its ∥ column): the bench refuses to run there.
@@ -32,11 +34,15 @@ import setting_arms  # noqa: E402
 from hf_cpt.numerics import integer_matmul  # noqa: E402
 
 CASES = {"minilm": "minilm", "bert-base-16": "bert_base_16", "gpt2": "gpt2_small"}  # key -> the bench's builder
-FLOAT, CODES = {"integer_matmul": False}, {"integer_matmul": True}
+# The quantized arms: their names in the JSON and tables, and their settings.
+ARMS = {"float products": {"integer_matmul": False}, "for activations": {"integer_matmul": "activations"},
+        "on codes": {"integer_matmul": True}}
+ADAMW = "fused"  # transformers' Trainer's default optimizer (`optim="adamw_torch_fused"`)
 
 
-def products_on_codes(kind: str) -> dict[str, int]:
-    """How one training step's products on codes (the second step's) multiplied: by the float32 GEMM, in float64."""
+def products_on_codes(kind: str, arm: str = "on codes") -> dict[str, int]:
+    """How one training step's products on codes (the second step's) multiplied on ``arm``: by the float32 GEMM, in
+    float64."""
     counts: collections.Counter = collections.Counter()
     engine = integer_matmul._float_gemm_on_codes
 
@@ -47,7 +53,7 @@ def products_on_codes(kind: str) -> dict[str, int]:
 
     build, batch = getattr(overhead, kind)()
     torch.manual_seed(0)
-    step = overhead.training_step(overhead.cpt_copy(build(), True, **CODES), batch)
+    step = overhead.training_step(overhead.cpt_copy(build(), True, **ARMS[arm]), batch)
     step()
     integer_matmul._float_gemm_on_codes = counting
     try:
@@ -58,26 +64,29 @@ def products_on_codes(kind: str) -> dict[str, int]:
 
 
 def kept_for_backward(kind: str) -> dict[str, float]:
-    """MiB a training forward keeps for its backward (parameters aside): plain, float products, on codes."""
-    plain, float_products = overhead.saved_activations(kind, True, FLOAT)
-    return {"plain": plain, "float products": float_products,
-            "on codes": overhead.saved_activations(kind, True, CODES)[1]}
+    """MiB a training forward (after a first step) keeps for its backward (parameters aside): plain and each arm."""
+    kept = {}
+    for arm, options in ARMS.items():
+        kept["plain"], kept[arm] = overhead.saved_activations(kind, True, options)
+    return kept
 
 
 def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
     build, batch = getattr(overhead, kind)()
-    plain, float_products = overhead.model_pair(build, True, **FLOAT)
     torch.manual_seed(0)
-    on_codes = overhead.cpt_copy(build(), True, **CODES)
-    return setting_arms.step_times_ms({"plain": overhead.training_step(plain, batch),
-                                       "float products": overhead.training_step(float_products, batch),
-                                       "on codes": overhead.training_step(on_codes, batch)}, repeats)
+    steps = {"plain": overhead.training_step(build(), batch)}
+    for arm, options in ARMS.items():
+        torch.manual_seed(0)
+        steps[arm] = overhead.training_step(overhead.cpt_copy(build(), True, **options), batch)
+    return setting_arms.step_times_ms(steps, repeats)
 
 
 def measure(key: str, processes: int) -> dict:
     kind = CASES[key]
-    return {"products": products_on_codes(kind), "kept_mib": kept_for_backward(kind),
-            **setting_arms.arm_peaks(kind, processes, FLOAT, CODES, ("plain", "float products", "on codes"))}
+    first, *others = ARMS.values()
+    return {"adamw": ADAMW, "products": {arm: products_on_codes(kind, arm) for arm in ("for activations", "on codes")},
+            "kept_mib": kept_for_backward(kind),
+            **setting_arms.arm_peaks(kind, processes, first, others, ("plain", *ARMS))}
 
 
 def _skip(key: str) -> str | None:
@@ -89,6 +98,7 @@ def _skip(key: str) -> str | None:
 
 
 def main() -> None:
+    overhead.ADAMW_OPTIONS = overhead.ADAMW_CHOICES[ADAMW]  # this process's steps and the fresh processes'
     setting_arms.main(__doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "codes_float_gemm.json"),
                       measure, lambda key, repeats: step_times_ms(CASES[key], repeats), skip=_skip)
 

@@ -18,14 +18,13 @@ import os
 import sys
 
 import torch
-
-from hf_cpt.numerics.integer_matmul import integer_matmul_supported
+from results_page import recorded_products
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import overhead  # noqa: E402  (the bench's model builders and graph reader)
-from harness import load_results, save_results  # noqa: E402
+from harness import load_results, products_setting, save_results  # noqa: E402
 
 # group -> the autograd nodes it gathers; a tensor held by several nodes goes to the first group here that holds it.
 GROUPS = {
@@ -99,12 +98,12 @@ def main() -> None:
     results.setdefault("rows", [])
     # What a forward keeps depends on the CPU: where the layers multiply integer codes, an activation after one
     # recomputes its input from them (docs/method.md §2); with float products it keeps the input. One kind a file.
-    integer_products = integer_matmul_supported()
-    if results["rows"] and results.get("integer_products", integer_products) != integer_products:
-        sys.exit(f"{args.output} holds columns measured where the layers' products run "
-                 f"{'on integer codes' if results['integer_products'] else 'on floats'}; this CPU's products run "
-                 f"{'on integer codes' if integer_products else 'on floats'}: give another --output")
-    results["integer_products"] = integer_products
+    products = products_setting()
+    if results["rows"] and recorded_products(results) != products["auto_products"]:
+        sys.exit(f"{args.output} holds columns measured with the layers' products on codes "
+                 f"{recorded_products(results)!r}; this CPU's run {products['auto_products']!r} (True: every layer, "
+                 "'activations': where an activation recomputes its input): give another --output")
+    results.update(products)
     # The command that makes the whole table: a resumed run with --cases adds columns to the earlier ones.
     results.update(command="python " + " ".join(_without_cases(sys.argv)), torch=torch.__version__)
     done = {row["key"] for row in results["rows"]}

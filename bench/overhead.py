@@ -38,6 +38,7 @@ from dataclasses import dataclass
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import harness
 import torch
 from torch import nn
 
@@ -397,8 +398,8 @@ def peak_memories_mib(kind: str, fused: bool, processes: int = 3, options: dict 
 
 
 def saved_storages(model: nn.Module, batch: dict) -> dict[int, tuple[int, set[str]]]:
-    """What a training forward of ``model`` keeps for its backward, after a first step (forward and backward) as in
-    training: each distinct storage its
+    """What a training forward of ``model`` keeps for its backward, after a first step (forward, backward and an
+    optimizer step) as in training: each distinct storage its
     autograd graph holds (every node's saved tensors, custom functions' included; parameters excluded) -> (its
     bytes, the names of the nodes that hold it). Read from the graph after the forward, not through saved-tensor
     hooks: under those a layer fed a ReLU's output keeps codes of its own (docs/method.md §2)."""
@@ -406,6 +407,8 @@ def saved_storages(model: nn.Module, batch: dict) -> dict[int, tuple[int, set[st
     model.train()
     first = model(**batch)
     (first["loss"] if isinstance(first, dict) else first).sum().backward()
+    # an optimizer step that leaves the weights as they were: where layers start multiplying codes for the activations
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
     model.zero_grad(set_to_none=True)
     output = model(**batch)
     roots = [t for t in (output.values() if isinstance(output, dict) else [output])
@@ -531,7 +534,7 @@ def with_float_products(step: Step) -> Step:
     """``step`` with every layer's training product in floating point (as ``integer_matmul=False``)."""
     def run():
         original = PrecisionState.integer_products
-        PrecisionState.integer_products = lambda self, device: False
+        PrecisionState.integer_products = lambda self, device, layer=None: False
         try:
             step()
         finally:
@@ -813,7 +816,7 @@ def main() -> None:
     print("-" * len(header))
     settings = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME,
                 "adamw": args.adamw, "fused": fused, "repeats": args.repeats, "compare_kernels": args.compare_kernels,
-                "integer_products": integer_products,
+                **harness.products_setting(),
                 "memory_steps": {"min": MIN_MEMORY_STEPS, "settle": SETTLE_STEPS, "max": MAX_MEMORY_STEPS}}
     earlier = _earlier_results(args.output, settings) if args.resume else {"rows": [], "startup": {}}
     rows = [row for row in earlier["rows"] if row.get("key") in selected]

@@ -29,13 +29,12 @@ import torch
 
 from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.numerics import scratch
-from hf_cpt.numerics.integer_matmul import integer_matmul_supported
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import overhead  # noqa: E402  (the bench's model builders and fresh-process runner)
-from harness import load_results, save_results  # noqa: E402
+from harness import load_results, products_setting, save_results  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer step")
 # key -> the bench's model builder
@@ -154,7 +153,7 @@ def main() -> None:
     results = load_results(args.output)
     results.setdefault("rows", [])
     results.update(command="python bench/peak_phases.py", steps=STEPS, torch=torch.__version__,
-                   integer_products=integer_matmul_supported(), huge_pages=scratch.huge_pages(),
+                   **products_setting(), huge_pages=scratch.huge_pages(),
                    hand_back="optimizer step")  # when the buffers go back (until 2026-11-29: each backward's end)
     done = {row["key"] for row in results["rows"]}
     for key in args.cases:

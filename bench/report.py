@@ -21,7 +21,7 @@ sys.path[:0] = [HERE, ROOT]  # results_page, hf_cpt from a checkout
 
 import backward_page  # noqa: E402
 import results_page  # noqa: E402
-from results_page import by_run, mean, spread  # noqa: E402
+from results_page import by_run, mean, recorded_products, spread  # noqa: E402
 
 RUN_ORDER = ("fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8", "cpt-4-8/8-paper", "cpt-4-8/8-attention")
 
@@ -158,9 +158,17 @@ def op_counts_summary(counts: dict) -> list[str]:
     return lines
 
 
-# a memory table's note of how the measuring CPU's layers multiply (a JSON's ``integer_products``)
-PRODUCTS = {True: "products on integer codes (this CPU has int8 dot products); ",
-            False: "float products (no int8 dot products on this CPU); "}
+# how the measuring CPU's layers multiplied by default (`results_page.recorded_products`)
+PRODUCT_NOTES = {True: "layers' training products on integer codes (this CPU has int8 dot products)",
+                 False: "float products (no int8 dot products on this CPU)",
+                 "activations": "float products, on codes where an activation recomputes its input from them (no int8 "
+                                "dot products on this CPU, `integer_matmul=\"auto\"`)"}
+
+
+def products_note(results: dict, end: str = "; ") -> str:
+    """A table caption's note of how the run's layers multiplied, ending with ``end``; empty where not recorded."""
+    note = PRODUCT_NOTES.get(recorded_products(results))
+    return "" if note is None else note + end
 
 
 def kept_memory_section(kept: dict) -> list[str]:
@@ -168,7 +176,7 @@ def kept_memory_section(kept: dict) -> list[str]:
     `bench/kept_memory.py`'s JSON."""
     rows = kept["rows"]
     groups = list(dict.fromkeys(group for row in rows for side in ("plain", "quant") for group in row[side]))
-    products = PRODUCTS.get(kept.get("integer_products"), "")
+    products = products_note(kept)
     lines = [f"`{kept['command']}` (torch {kept['torch']}; {products}MiB that one training forward keeps for its "
              "backward, parameters excluded, plain / CPT 8/8; a tensor that several nodes keep counts once, in the "
              "first group here that keeps it):", "",
@@ -188,7 +196,7 @@ def kept_memory_section(kept: dict) -> list[str]:
 def peak_phases_section(phases: dict) -> list[str]:
     """docs/benchmarks.md's table of where in a training step the peak memory falls, from `bench/peak_phases.py`'s
     JSON: each phase's peak, the step's highest in bold."""
-    products = PRODUCTS.get(phases.get("integer_products"), "")
+    products = products_note(phases)
     machine = f"torch {phases['torch']}, {products}" if "torch" in phases else ""
     if phases.get("huge_pages") and phases.get("hand_back") == "optimizer step":
         resident = ("resident until an optimizer step starts after a backward, then handed back (transparent huge "
@@ -230,7 +238,7 @@ KEPT_FLOAT_PRODUCTS_RUN = "kept_memory_float_products.json"  # bench/kept_memory
 def hand_back_section(results: dict) -> list[str]:
     """docs/benchmarks.md's table of what handing the reused buffers back costs in time, from a
     run of `bench/overhead.py --compare-resident`."""
-    products = "products on integer codes" if results.get("integer_products") else "float products"
+    products = products_note(results, end="")
     lines = [f"`{results['command']}` (torch {results['torch']}, {results['threads']} threads, {products}, medians of "
              f"{results['repeats']} interleaved repeats; load average {results['load_average'][0]:.1f} at the start, "
              f"{results['load_average'][1]:.1f} at the end):", "",
@@ -289,7 +297,7 @@ def own_mappings_section(results: dict) -> list[str]:
 def allocators_section(results: dict) -> list[str]:
     """docs/benchmarks.md's table of each model step's peak memory and time under each CPU memory allocator, plain
     beside CPT 8/8, from `bench/allocators.py`'s JSON."""
-    products = PRODUCTS.get(results.get("integer_products"), "")
+    products = products_note(results)
     libraries = ", ".join(f"{name} `{path}`" for name, path in results.get("libraries", {}).items())
     lines = [f"`{results['command']}` (torch {results['torch']}; {products}{adamw_text(results)}; "
              f"preloaded: {libraries or 'none found'}; peak resident memory (VmHWM) of a training step once it has "
@@ -320,7 +328,7 @@ def allocators_summary(results: dict) -> list[str]:
     """The README's table of each model step's peak memory by allocator, CPT 8/8 / plain, from
     `bench/allocators.py`'s JSON."""
     allocators = list(dict.fromkeys(allocator for row in results["rows"] for allocator in row["peaks"]))
-    products = PRODUCTS.get(results.get("integer_products"), "")
+    products = products_note(results)
     repeats = "".join(f"{run['repeats']} " for run in results.get("time_runs", [])[-1:])  # the last timing run's
     lines = [f"Peak memory of a training step by CPU allocator (`{results['command']}`; {products}the median of "
              f"{results['processes']} fresh processes per allocator and side, glibc with its threshold fixed one; "
@@ -350,29 +358,35 @@ def codes_float_gemm_section(results: dict) -> list[str]:
     if results.get("integer_products") is not False:
         raise SystemExit("codes_float_gemm.json must hold a run on a CPU without int8 dot products (its "
                          "integer_products is not false)")
+    arms = ("float products", "for activations", "on codes")
     return _peaks_against_plain(
-        results, ("float products", "on codes"), "the layers' training forward on fake-quantized floats "
-        "(`integer_matmul=\"auto\"` on this CPU) or on their codes through the float32 GEMM (`integer_matmul=True`), "
-        "whose activations then recompute their inputs", "products on codes of one step: float32 GEMM / float64 | "
-        "kept for backward, MiB: plain / float products / on codes",
-        lambda row: f"{row['products']['float32']} / {row['products']['float64']} | "
-                    f"{row['kept_mib']['plain']:,.0f} / {row['kept_mib']['float products']:,.0f} / "
-                    f"{row['kept_mib']['on codes']:,.0f}")
+        results, arms, "the layers' training forward on fake-quantized floats (`integer_matmul=False`), on codes "
+        "where an activation recomputes its input from them (`integer_matmul=\"activations\"`, what `\"auto\"` "
+        "resolves to on this CPU; from the second step on) or on codes in every layer (`integer_matmul=True`), "
+        "through the float32 GEMM; AdamW fused, as transformers' Trainer makes it",
+        "products on codes of one step, float32 GEMM / float64: for activations; on codes | kept for backward, MiB: "
+        + " / ".join(("plain", *arms)),
+        lambda row: "; ".join(f"{row['products'][arm]['float32']} / {row['products'][arm]['float64']}"
+                              for arm in arms[1:]) + " | "
+                    + " / ".join(f"{row['kept_mib'][arm]:,.0f}" for arm in ("plain", *arms)),
+        products="no int8 dot products on this CPU; ")  # each arm says how its layers multiplied
 
 
-def _peaks_against_plain(results: dict, arms: tuple[str, str], description: str, count_header: str,
-                         count_cells) -> list[str]:
-    """A table of each case's peak memory on two arms of CPT 8/8 beside the plain model's (under glibc's default,
-    per process, and with the mmap threshold fixed), with each step's time where measured."""
-    products = PRODUCTS.get(results.get("integer_products"), "")
+def _peaks_against_plain(results: dict, arms: tuple[str, ...], description: str, count_header: str,
+                         count_cells, products: str | None = None) -> list[str]:
+    """A table of each case's peak memory on the arms of CPT 8/8 beside the plain model's (under glibc's default,
+    per process, and with the mmap threshold fixed), with each step's time where measured; ``products``: the
+    caption's note of how the layers multiplied (default: the run's default, `products_note`)."""
+    products = products_note(results) if products is None else products
     arms = ("plain", *arms)
+    names = " | ".join(arms)
     lines = [f"`{results['command']}` (torch {results['torch']}; {products}peak resident memory (VmHWM) of a training "
              f"step once it has settled, MiB, and CPT 8/8 / plain; {description}; under glibc's default the median "
              f"of {results['processes']} fresh processes per arm, interleaved, with the figure of each; with the mmap "
              "threshold fixed one process each):", "",
-             f"| case | {count_header} | {arms[0]} | {arms[1]} | {arms[2]} | each process: {'; '.join(arms)} | "
-             f"threshold fixed: {arms[0]} | {arms[1]} | {arms[2]} | ms a step: {arms[0]} | {arms[1]} | {arms[2]} |",
-             "|---|" + "---:|" * (count_header.count("|") + 4) + "---|" + "---:|" * 6]
+             f"| case | {count_header} | {names} | each process: {'; '.join(arms)} | threshold fixed: {names} | "
+             f"ms a step: {names} |",
+             "|---|" + "---:|" * (count_header.count("|") + 1 + len(arms)) + "---|" + "---:|" * (2 * len(arms))]
     if results.get("time_runs"):
         runs = "; ".join(f"`{run['command']}` (medians of {run['repeats']} interleaved repeats in one process; load "
                          f"average {run['load_average'][0]:.1f} at the start, {run['load_average'][-1]:.1f} at the "
@@ -387,7 +401,7 @@ def _peaks_against_plain(results: dict, arms: tuple[str, str], description: str,
                  f"{fixed['plain']:,.0f}", *(f"{fixed[arm]:,.0f} ({fixed[arm] / fixed['plain']:.3f})"
                                             for arm in arms[1:])]
         times = row.get("time_ms")
-        cells += (["-"] * 3 if times is None else
+        cells += (["-"] * len(arms) if times is None else
                   [f"{times['plain']:,.0f}", *(f"{times[arm]:,.0f} ({times[arm] / times['plain']:.3f})"
                                                for arm in arms[1:])])
         lines.append(f"| {row['key']} | " + " | ".join(cells) + " |")
@@ -435,8 +449,7 @@ def adamw_text(results: dict) -> str:
 
 def overhead_summary(overhead: dict) -> list[str]:
     """The README's overhead table, from `bench/overhead.py`'s JSON."""
-    integer = {True: "layers' training products on integer codes (this CPU has int8 dot products), ",
-               False: "float products (no int8 dot products on this CPU), "}.get(overhead.get("integer_products"), "")
+    integer = products_note(overhead, end=", ")
     lines = [f"`{overhead['command']}` (torch {overhead['torch']}, {overhead['threads']} threads, {integer}"
              f"`quant_scheme={overhead['quant_scheme']!r}`, {adamw_text(overhead)}, medians of {overhead['repeats']} "
              "interleaved repeats; "

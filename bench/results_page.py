@@ -18,6 +18,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+def recorded_products(results: dict) -> bool | str | None:
+    """How a bench's run multiplied by default: its JSON's ``auto_products`` (`harness.products_setting`); a run
+    before that field multiplied codes exactly where its CPU had int8 dot products (its ``integer_products``)."""
+    return results.get("auto_products", results.get("integer_products"))
+
+
 @dataclass(frozen=True)
 class Task:
     key: str

@@ -15,17 +15,17 @@ from collections.abc import Callable, Sequence
 
 import overhead
 import torch
-from harness import load_results, save_results
-
-from hf_cpt.numerics.integer_matmul import integer_matmul_supported
+from harness import load_results, products_setting, save_results
 
 
-def arm_peaks(kind: str, processes: int, options: dict, other: dict, arms: Sequence[str]) -> dict:
+def arm_peaks(kind: str, processes: int, options: dict, other: dict | Sequence[dict], arms: Sequence[str]) -> dict:
     """``{"default": {arm: [MiB per process]}, "fixed": {arm: MiB}}`` of the plain model and of its CPT 8/8 copy with
-    ``options`` and with ``other`` (the setting switched), in that order as ``arms`` names them."""
-    default = overhead.peak_memories_mib(kind, True, processes, options=options, other_options=[other])
+    ``options`` and with ``other`` (the setting switched; a list: each of its settings), in that order as ``arms``
+    names them."""
+    others = [other] if isinstance(other, dict) else list(other)
+    default = overhead.peak_memories_mib(kind, True, processes, options=options, other_options=others)
     fixed = [overhead.peak_memory_mib(kind, quantized, True, env=overhead.FIXED_MMAP_THRESHOLD, options=arm)[0]
-             for quantized, arm in ((False, options), (True, options), (True, other))]
+             for quantized, arm in ((False, options), (True, options), *((True, each) for each in others))]
     return {"default": {arm: [peak for peak, _ in runs] for arm, runs in zip(arms, default)},
             "fixed": dict(zip(arms, fixed))}
 
@@ -55,7 +55,7 @@ def main(description: str, cases: Sequence[str], output: str, measure: Callable[
     results.setdefault("rows", [])
     command = "python " + " ".join(sys.argv)
     results.setdefault("command", command)  # the first run that measured the memory
-    results.update(torch=torch.__version__, integer_products=integer_matmul_supported(), processes=args.processes)
+    results.update(torch=torch.__version__, **products_setting(), processes=args.processes)
     done = {row["key"]: row for row in results["rows"]}
     timing = {"command": command, "repeats": args.repeats, "load_average": [os.getloadavg()[0]]}
     if args.repeats:  # each run that timed steps, with its load

@@ -22,7 +22,7 @@ from .nn.dropout_masks import convert_dropout, restore_dropout
 from .nn.embedding_rows import convert_embedding, restore_embedding
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.pool_indices import convert_max_pool, restore_max_pool
-from .nn.precision import PrecisionState
+from .nn.precision import PRODUCTS_ON_CODES, PrecisionState
 from .nn.recompute import ReLUKeepingMask, convert_activation, restore_activation
 from .nn.relu_masks import FunctionalReLUScope
 from .numerics import native
@@ -325,6 +325,22 @@ def load_activation_ranges(model: nn.Module, ranges: dict[str, torch.Tensor]) ->
                 raise KeyError(f"no saved activation range {name}.{key}")
             getattr(layer, key).copy_(ranges[f"{name}.{key}"])
         layer.__dict__["_act_range_initialized"] = True
+
+
+def layers_on_codes(model: nn.Module) -> list[str]:
+    """The quantized layers that an activation has asked to multiply codes (``integer_matmul="activations"``): what
+    a resumed run restores with `set_layers_on_codes`, to compute as the interrupted one did."""
+    return [name for name, layer in quant_layers(model) if getattr(layer, PRODUCTS_ON_CODES, False) is True]
+
+
+def set_layers_on_codes(model: nn.Module, names: list[str]) -> None:
+    """Make the layers `layers_on_codes` named multiply codes again; a name that is no quantized layer is an error."""
+    layers = dict(quant_layers(model))
+    missing = sorted(set(names) - set(layers))
+    if missing:
+        raise KeyError(f"no quantized layer {missing[0]!r} to multiply codes ({len(missing)} missing)")
+    for name in names:
+        setattr(layers[name], PRODUCTS_ON_CODES, True)
 
 
 def set_precision(

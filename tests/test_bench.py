@@ -534,9 +534,10 @@ def test_allocators_interleaves_fresh_processes_and_its_table_sets_each_allocato
                            "| bert-base-16 | 0.987 (1.00); time 1.100 | 0.871 (0.85) |", "| gpt2 | 0.971 (1.00) | - |"]
 
 
-def test_codes_float_gemm_counts_a_steps_products_on_codes_and_its_table_names_both_arms(monkeypatch):
+def test_codes_float_gemm_counts_a_steps_products_on_codes_and_its_table_names_every_arm(monkeypatch):
     """`bench/codes_float_gemm.py` counts how a step's products on codes multiplied, as on a CPU without int8 dot
-    products: a tiny BERT's all by the float32 GEMM. Its table shows those counts and what each arm's forward keeps
+    products: a tiny BERT's all by the float32 GEMM, and with codes for the activations alone only the products that
+    feed an activation and their recomputations. Its table shows those counts and what each arm's forward keeps
     beside the arms' peaks, and refuses a run made on a CPU with int8 dot products."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import codes_float_gemm
@@ -553,17 +554,25 @@ def test_codes_float_gemm_counts_a_steps_products_on_codes_and_its_table_names_b
     layers = tiny_bert_config().num_hidden_layers
     # per layer six products and its GELU's recomputed input, the pooler's product and its tanh's
     assert counts == {"float32": 7 * layers + 2, "float64": 0}
-    row = {"key": "minilm", "products": {"float32": 44, "float64": 0},
-           "kept_mib": {"plain": 1098.6, "float products": 699.7, "on codes": 555.6},
+    # each layer's FFN-in product and its GELU's recomputed input, the pooler's product and its tanh's
+    assert codes_float_gemm.products_on_codes("tiny_bert", "for activations") == {"float32": 2 * layers + 2,
+                                                                                   "float64": 0}
+    row = {"key": "minilm", "products": {"for activations": {"float32": 14, "float64": 0},
+                                         "on codes": {"float32": 44, "float64": 0}},
+           "kept_mib": {"plain": 1098.6, "float products": 699.7, "for activations": 560.2, "on codes": 555.6},
            "default": {"plain": [2500.0, 2510.0, 2490.0], "float products": [2300.0, 2310.0, 2290.0],
-                       "on codes": [2200.0, 2210.0, 2190.0]},
-           "fixed": {"plain": 2000.0, "float products": 1800.0, "on codes": 1700.0}}
+                       "for activations": [2250.0, 2240.0, 2260.0], "on codes": [2200.0, 2210.0, 2190.0]},
+           "fixed": {"plain": 2000.0, "float products": 1800.0, "for activations": 1750.0, "on codes": 1700.0},
+           "time_ms": {"plain": 100.0, "float products": 110.0, "for activations": 105.0, "on codes": 120.0}}
     results = {"command": "c", "torch": "t", "integer_products": False, "processes": 3, "rows": [row]}
     lines = report.codes_float_gemm_section(results)
-    assert lines[2].startswith("| case | products on codes of one step: float32 GEMM / float64 | kept for backward, "
-                               "MiB: plain / float products / on codes | plain | float products | on codes |")
-    assert lines[3].count("|") == lines[2].count("|")
-    assert lines[-1].startswith("| minilm | 44 / 0 | 1,099 / 700 / 556 | 2,500 | 2,300 (0.920) | 2,200 (0.880) |")
+    assert lines[2].startswith("| case | products on codes of one step, float32 GEMM / float64: for activations; on "
+                               "codes | kept for backward, MiB: plain / float products / for activations / on codes | "
+                               "plain | float products | for activations | on codes |")
+    assert lines[3].count("|") == lines[2].count("|") == lines[4].count("|")
+    assert lines[-1].startswith("| minilm | 14 / 0; 44 / 0 | 1,099 / 700 / 560 / 556 | 2,500 | 2,300 (0.920) | "
+                                "2,250 (0.900) | 2,200 (0.880) |")
+    assert lines[-1].endswith("| 100 | 110 (1.100) | 105 (1.050) | 120 (1.200) |")
     with pytest.raises(SystemExit, match="without int8 dot products"):
         report.codes_float_gemm_section({**results, "integer_products": True})
 
@@ -630,7 +639,8 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     readme.write_text("x\n<!-- results-summary:start -->\n<!-- results-summary:end -->\n")
     arguments = [os.path.join(ROOT, "bench", "report.py"), "--results", str(results), "--docs", str(docs),
                  "--readme", str(readme)]
-    (results / report.FLOAT_PRODUCTS_RUN).write_text(json.dumps({**overhead, "integer_products": False}))
+    (results / report.FLOAT_PRODUCTS_RUN).write_text(json.dumps({**overhead, "integer_products": False,
+                                                                 "auto_products": False}))
     run_python(arguments, check=True, timeout=300)
     page = (docs / "benchmarks.md").read_text()
     assert "float products (no int8 dot products on this CPU)" in page and f"| {row['case']} | " in page
@@ -645,7 +655,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
                plain_saved_mib=40.0, quant_saved_mib=30.0, float_product_ratio=1.4, torch_formula_ratio=1.1,
                one_thread_ratio=1.3, plain_peaks_mib=[100.0, 101.0, 99.0], quant_peaks_mib=[95.0, 94.0, 97.0],
                paired=1.15)
-    overhead["integer_products"] = True
+    overhead.update(integer_products=True, auto_products=True)  # a CPU with int8 dot products
     overhead["startup"] = {"first_step_kind": "minilm", "processes": 3, "first_step_s": 4.0, "second_step_s": 3.0,
                            "first_step_extra_s": 1.0, "first_step_extras_s": [1.0, 2.5, 0.5],
                            "plain_first_step_extra_s": 0.75, "steady_step_s": 2.5, "start_extra_s": 2.0,
@@ -994,12 +1004,16 @@ def test_kept_memory_refuses_to_add_columns_of_the_other_kind_of_cpu(tmp_path, m
     import kept_memory
 
     output = tmp_path / "kept.json"
-    other = not kept_memory.integer_matmul_supported()
-    output.write_text(json.dumps({"integer_products": other, "rows": [{"key": "gpt2", "plain": {}, "quant": {}}]}))
-    monkeypatch.setattr(sys, "argv", ["kept_memory.py", "--cases", "resnet20", "--output", str(output)])
-    monkeypatch.setattr(kept_memory.overhead, "model_pair", lambda *a, **k: pytest.fail("measured anyway"))
-    with pytest.raises(SystemExit, match="kept.json holds columns measured where"):
-        kept_memory.main()
+    here = kept_memory.products_setting()
+    # a run before the field auto_products: codes exactly where the CPU had int8 dot products, unlike this CPU's
+    before = {"integer_products": here["auto_products"] is not True}
+    other = {**here, "auto_products": False if here["auto_products"] else True}
+    for recorded in (before, other):
+        output.write_text(json.dumps({**recorded, "rows": [{"key": "gpt2", "plain": {}, "quant": {}}]}))
+        monkeypatch.setattr(sys, "argv", ["kept_memory.py", "--cases", "resnet20", "--output", str(output)])
+        monkeypatch.setattr(kept_memory.overhead, "model_pair", lambda *a, **k: pytest.fail("measured anyway"))
+        with pytest.raises(SystemExit, match="kept.json holds columns measured with the layers' products on codes"):
+            kept_memory.main()
 
 
 def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
@@ -1030,6 +1044,9 @@ def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
     float_run = {"command": "c", "torch": "t", "integer_products": False,
                  "rows": [{"key": "convs", "plain": plain, "quant": quantized}]}
     assert "float products (no int8 dot products on this CPU)" in _load_report().kept_memory_section(float_run)[0]
+    codes_for_activations = {**float_run, "auto_products": "activations"}
+    assert "float products, on codes where an activation recomputes its input from them" in (
+        _load_report().kept_memory_section(codes_for_activations)[0])
     # a ReLU module's mask counts for the activation too, and the codes kept in place of its output for the layer
     masked = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH)
     assert masked["activations (their input or output)"] == _relu_mask_bytes() / mib

@@ -153,10 +153,23 @@ def test_integer_products_setting_resolves_per_device():
     assert not PrecisionState(integer_matmul=True).integer_products(meta)  # CPU only
     assert not PrecisionState(integer_matmul=False).integer_products(cpu)
     with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False):
-        assert not PrecisionState(integer_matmul="auto").integer_products(cpu)
+        auto = PrecisionState(integer_matmul="auto")  # codes for the activations alone
+        assert auto.integer_on_cpu == "activations" and auto.learns_products_on_codes(cpu)
+        asked, not_asked = nn.Linear(2, 2), nn.Linear(2, 2)
+        auto.mark_products_on_codes(asked)
+        assert not auto.integer_products(cpu, asked)  # not before an optimizer step
+        torch.optim.SGD(asked.parameters(), lr=0.1).step()  # any optimizer's
+        assert auto.integer_products(cpu, asked) and not auto.integer_products(meta, asked)
+        assert not auto.integer_products(cpu, not_asked) and not auto.integer_products(cpu)
+        assert not auto.learns_products_on_codes(meta)
+        without_recomputation = PrecisionState(integer_matmul="auto", recompute_activation_inputs=False)
+        assert not without_recomputation.integer_products(cpu, asked)
+        assert not without_recomputation.learns_products_on_codes(cpu)
     with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=True):
         auto = PrecisionState(integer_matmul="auto")
         assert auto.integer_products(cpu) and not auto.integer_products(meta)
+        assert not auto.learns_products_on_codes(cpu)  # every layer multiplies codes already
+    assert not PrecisionState(integer_matmul=False).learns_products_on_codes(cpu)
 
 
 def _layer_case(kind: str):
@@ -258,8 +271,8 @@ def test_shared_inputs_of_products_on_codes_keep_no_rotated_copy_and_give_the_sa
 
     held = []  # the bytes of each rotated input a shared entry held
     put = SharedInputs.put
-    monkeypatch.setattr(SharedInputs, "put", lambda self, x, key, entry: (
-        held.append(entry.rotated.untyped_storage().nbytes()), put(self, x, key, entry))[-1])
+    monkeypatch.setattr(SharedInputs, "put", lambda self, x, key, entry, *maker: (
+        held.append(entry.rotated.untyped_storage().nbytes()), put(self, x, key, entry, *maker))[-1])
     torch.manual_seed(0)
     base = BertForSequenceClassification(tiny_bert_config())
     batch = {"input_ids": torch.randint(5, 100, (4, 10)), "labels": torch.tensor([0, 1, 2, 0])}

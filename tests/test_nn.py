@@ -883,7 +883,8 @@ def test_a_llama_shares_its_attention_and_gated_mlp_inputs_and_trains_as_without
     for share in (True, False):
         torch.manual_seed(0)
         model = LlamaForCausalLM(copy.deepcopy(config))  # quantize_model sets the config's attention function
-        quantize_model(model, CPTConfig(fused_error_quantizer=False))
+        # float products (with codes for the activations, gate and up share codes from the third step: test_recompute)
+        quantize_model(model, CPTConfig(fused_error_quantizer=False, integer_matmul=False))
         set_precision(model, 6, 8)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         state = model.model.layers[0].self_attn.q_proj.cpt_precision.shared_inputs

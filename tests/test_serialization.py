@@ -29,6 +29,7 @@ from hf_cpt import (
     save_quantized,
     set_eval_precision,
 )
+from hf_cpt.convert import layers_on_codes
 from hf_cpt.nn.base import QuantLayerMixin
 from hf_cpt.nn.layers import weight_channel_dim
 from hf_cpt.numerics.fake_quant import dequantize_codes, quantize_codes
@@ -511,7 +512,11 @@ def _trainer(tmp_path, model=None, cpt=None, **overrides):
 
 
 def test_trainer_checkpoints_keep_fp32_masters_and_resume_exactly(tmp_path):
-    first = _trainer(tmp_path, save_strategy="steps", save_steps=2)
+    """Resumed from a checkpoint outside its output directory, a run ends where the uninterrupted one did, bit for
+    bit: with its layers multiplying codes where they did (`integer_matmul="activations"`) and its cost."""
+    config = CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False,
+                       integer_matmul="activations")
+    first = _trainer(tmp_path, cpt=config, save_strategy="steps", save_steps=2)
     first.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
     tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
@@ -520,10 +525,12 @@ def test_trainer_checkpoints_keep_fp32_masters_and_resume_exactly(tmp_path):
     assert "quantization_config" not in json.load(open(os.path.join(checkpoint, "config.json")))
     final = {k: v.clone() for k, v in first.model.state_dict().items()}
 
-    resumed = _trainer(tmp_path / "again", save_strategy="steps", save_steps=2)
+    assert json.load(open(checkpoint / "cpt_layers_on_codes.json")) == layers_on_codes(first.model) != []
+    resumed = _trainer(tmp_path / "again", cpt=config, save_strategy="steps", save_steps=2)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     for key, value in resumed.model.state_dict().items():
         assert torch.equal(value, final[key]), key
+    assert resumed.cpt_callback.meter.totals.bitops == first.cpt_callback.meter.totals.bitops
 
 
 def test_trainer_save_model_writes_packed_checkpoint_card_and_fp32_option(tmp_path):

@@ -201,6 +201,33 @@ def test_a_steps_micro_batches_are_counted_as_the_trainer_splits_an_epoch():
     assert micro_batches_of_step(args, 5, iter(range(16))) == 3  # no length: full steps
 
 
+def test_resuming_from_the_last_checkpoint_reads_its_files_there(tmp_path):
+    """``resume_from_checkpoint=True``: the callback's own files come from the last checkpoint; with none there the
+    Trainer's error stands, before any training."""
+    from transformers import BertForSequenceClassification, TrainerCallback
+
+    from .helpers import tiny_bert_config
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    args = training_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=8)
+
+    def trainer(*callbacks):
+        torch.manual_seed(0)
+        return CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args, callbacks=list(callbacks),
+                          train_dataset=token_classification_data(64), cpt_config=CPTConfig(bits_min=4))
+
+    with pytest.raises(ValueError, match="No valid checkpoint"):
+        trainer().train(resume_from_checkpoint=True)
+    trainer(Interrupt()).train()
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.cpt_callback.resume_checkpoint == os.path.join(args.output_dir, "checkpoint-2")
+    assert resumed.cpt_callback.meter.totals.steps == 4  # two restored from there, two run
+
+
 def test_bits_after_resuming_from_a_checkpoint(tmp_path):
     from transformers import BertForSequenceClassification
 

@@ -35,6 +35,7 @@ EMA_INITS = ("zeros", "first_batch")
 # running range, per-token ranges, either after a fixed rotation of the input features, or "auto".
 QUANT_SCHEMES = ("auto", "paper", "per-token", "rotated", "rotated-per-token")
 RANGE_TEST_METRICS = ("loss", "accuracy")
+INTEGER_MATMUL = (True, False, "auto", "activations")  # where training products run on codes
 DEFAULT_RANGE_TEST_THRESHOLDS = {"accuracy": 0.05, "loss": 0.1}  # absolute for accuracy, relative for the loss
 
 
@@ -71,19 +72,13 @@ class ScheduleConfig:
         "Number of precision cycles over the run, or 'auto': one per 100 optimizer steps of the schedule, from 1 "
         "to 32 (the CPT paper's 32 cycles over 64,000 steps; 2 for a 250-step fine-tune)."
     )
-    rounding: str = setting(
-        "nearest",
-        "How the smooth schedule becomes bits: 'nearest' (CPT code) or 'ceil' (CPT paper)."
-    )
+    rounding: str = setting("nearest", "Smooth schedule to bits: 'nearest' (CPT code) or 'ceil' (CPT paper).")
     delay: float = setting(
         0.0,
         "Delayed start: fraction of training (0 <= delay < 1) held at delay_precision before the schedule runs "
         "its cycles over the remaining steps (protects the critical early period)."
     )
-    delay_precision: str = setting(
-        "max",
-        "Precision of the delayed start: 'max' (bits_max) or 'fp32' (full precision)."
-    )
+    delay_precision: str = setting("max", "Precision of the delayed start: 'max' (bits_max) or 'fp32' (unquantized).")
     grad_schedule: str | Callable[[int], int | None] | None = setting(
         None,
         "Schedule of the error bits between grad_bits_min and grad_bits (a name or a callable); None (default): "
@@ -179,11 +174,11 @@ class ActivationConfig:
                                                 "'first_batch'.")
     integer_matmul: bool | str = setting(
         "auto",
-        "Training forward of Linear / GPT-2 Conv1D layers at 8 bits or fewer: the product computed on the operands' "
-        "integer codes (exact int32 sums, then scaled), instead of a float GEMM of the fake-quantized values. "
-        "'auto': on a CPU with int8 dot-product instructions (VNNI, AMX), where int8 GEMMs run several times faster; "
-        "True: on every CPU (elsewhere via the float32 GEMM, its sums proven exact); False: never. The same values up "
-        "to float rounding; eval and exports are unchanged (docs/method.md §2)."
+        "CPU training forward of Linear / GPT-2 Conv1D layers at 8 bits or fewer on the operands' integer codes (exact "
+        "int32 sums, scaled) instead of a float GEMM of fake-quantized values: True in every layer; 'activations' in "
+        "the layers whose output an activation reads, which then recomputes it from the codes (from the next optimizer "
+        "step on); False never; 'auto' True on a CPU with int8 dot products (VNNI, AMX), else 'activations'. The same "
+        "values up to float rounding; eval and exports unchanged (docs/method.md §2)."
     )
 
     recompute_activation_inputs: bool = setting(
@@ -232,8 +227,9 @@ class ActivationConfig:
                      "errors_in_place", "embedding_row_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
-        if self.integer_matmul not in (True, False, "auto"):
-            raise ConfigError(owner, "integer_matmul", f"must be True, False or 'auto', got {self.integer_matmul!r}.")
+        check_choice(owner, "integer_matmul", self.integer_matmul, INTEGER_MATMUL)
+        if self.integer_matmul == "activations" and not self.recompute_activation_inputs:
+            raise ConfigError(owner, "integer_matmul", "'activations' needs recompute_activation_inputs=True.")
         if not is_int(self.rotation_seed) or self.rotation_seed < 0:
             raise ConfigError(owner, "rotation_seed", f"must be an integer >= 0, got {self.rotation_seed!r}.")
         if not is_number(self.activation_momentum) or not 0.0 <= self.activation_momentum < 1.0:

@@ -14,7 +14,14 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CPTConfig
-from ..convert import activation_ranges, find_precision_state, is_quantized, load_activation_ranges
+from ..convert import (
+    activation_ranges,
+    find_precision_state,
+    is_quantized,
+    layers_on_codes,
+    load_activation_ranges,
+    set_layers_on_codes,
+)
 from ..cost import CostMeter
 from ..diagnostics.fidelity import output_fidelity
 from ..diagnostics.range_test import PrecisionRangeResult
@@ -31,6 +38,8 @@ COST_REPORT_FILE = "cpt_cost_report.json"
 ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
 # Also in each Trainer checkpoint: the cost meter's totals, so a resumed run reports the whole run's cost.
 COST_STATE_FILE = "cpt_cost_state.json"
+# And the layers that multiply codes for the activations they feed, so a resumed run computes as it did.
+LAYERS_ON_CODES_FILE = "cpt_layers_on_codes.json"
 
 
 class CPTCallback(TrainerCallback):
@@ -47,6 +56,8 @@ class CPTCallback(TrainerCallback):
         self.schedule: PrecisionSchedule | None = None
         self.grad_schedule: PrecisionSchedule | None = None  # None: fixed config.grad_bits
         self.prt_result: PrecisionRangeResult | None = None  # set when bits_min="auto"
+        # The checkpoint a run resumes from (`CPTTrainer.train` sets it); None: output_dir's of the resumed step.
+        self.resume_checkpoint: str | None = None
         self.precision: PrecisionState | None = None
         self.meter: CostMeter | None = None
         self.bits: int | None = None
@@ -67,6 +78,7 @@ class CPTCallback(TrainerCallback):
         if state.global_step > 0:  # resuming: our own files in the Trainer checkpoint
             self._restore_activation_ranges(args, state, model)
             self._restore_cost(args, state)
+            self._restore_layers_on_codes(args, state, model)
         self._check_log_order(args)
         self.precision.reused_weights.epoch = 0  # from here on, weights change only at optimizer steps (on_step_end)
 
@@ -119,9 +131,17 @@ class CPTCallback(TrainerCallback):
             if self.meter is not None:
                 with open(os.path.join(checkpoint, COST_STATE_FILE), "w") as f:
                     json.dump(self.meter.totals.state_dict(), f)
+            with open(os.path.join(checkpoint, LAYERS_ON_CODES_FILE), "w") as f:
+                json.dump(layers_on_codes(model), f)
+
+    def _checkpoint_file(self, args, state, name: str) -> str:
+        """The file ``name`` of the checkpoint this run resumes from."""
+        checkpoint = self.resume_checkpoint or os.path.join(args.output_dir,
+                                                            f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        return os.path.join(checkpoint, name)
 
     def _restore_cost(self, args, state) -> None:
-        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", COST_STATE_FILE)
+        path = self._checkpoint_file(args, state, COST_STATE_FILE)
         if os.path.isfile(path):
             with open(path) as f:
                 self.meter.totals.load_state_dict(json.load(f))
@@ -129,10 +149,17 @@ class CPTCallback(TrainerCallback):
             logger.warning("hf_cpt: no %s to resume from; the cost report covers only the steps after the resume.",
                            path)
 
-    @staticmethod
-    def _restore_activation_ranges(args, state, model: nn.Module) -> None:
+    def _restore_layers_on_codes(self, args, state, model: nn.Module) -> None:
+        path = self._checkpoint_file(args, state, LAYERS_ON_CODES_FILE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                set_layers_on_codes(model, json.load(f))
+        else:
+            logger.info("hf_cpt: no %s to resume from; the layers learn anew which products run on codes.", path)
+
+    def _restore_activation_ranges(self, args, state, model: nn.Module) -> None:
         # Resuming: the Trainer restored weights and state; the running ranges come from our own file.
-        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", ACTIVATION_RANGES_FILE)
+        path = self._checkpoint_file(args, state, ACTIVATION_RANGES_FILE)
         if os.path.isfile(path):
             load_activation_ranges(model, load_file(path))
         else:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..config import CPTConfig
 from ..convert import QuantizationReport, find_precision_state, is_quantized, quantize_model
@@ -79,6 +80,15 @@ class CPTTrainer(Trainer):
         self.cpt_callback.logs_injected_by_trainer = True
         kwargs["callbacks"] = [self.cpt_callback] + list(kwargs.get("callbacks") or [])
         super().__init__(model, args, *trainer_args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`transformers.Trainer.train`; a resumed run's callback reads its own files (activation ranges, cost,
+        the layers on codes) from the checkpoint resumed from, wherever it is."""
+        checkpoint = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        if resume_from_checkpoint is True and os.path.isdir(self.args.output_dir):  # none found: the Trainer's error
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        self.cpt_callback.resume_checkpoint = checkpoint
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _quantize(self, model: nn.Module) -> QuantizationReport | None:
         if is_quantized(model):

@@ -28,7 +28,7 @@ from ..numerics.fake_quant import (
 )
 from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
-from .precision import PrecisionState
+from .precision import PRODUCTS_ON_CODES, PrecisionState
 from .products import WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input, quantized_input
 from .relu_masks import outside_functional_relus
 
@@ -117,7 +117,8 @@ class QuantLayerMixin:
         precision = self.__dict__.get("cpt_precision")
         if precision is not None:
             precision.reused_weights.drop(self)
-        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed"):
+        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed",
+                    PRODUCTS_ON_CODES):
             self.__dict__.pop(key, None)
         for index in range(len(self.__dict__.pop("_rotation_kinds", ()))):
             self._buffers.pop(f"rotation_factor_{index}", None)
@@ -174,7 +175,6 @@ class QuantLayerMixin:
             rotated = self.rotate_weight(self.weight)
             weight = weight + (rotated - rotated.detach())
         return weight
-
 
     @property
     def quantizes_inputs(self) -> bool:
@@ -248,9 +248,10 @@ class QuantLayerMixin:
         x_quantized = None  # the input quantized already (shared with sibling layers), else None
         weight_quantized = None  # (the weight as the product uses it, its codes) when reused or kept for reuse
         rotated_weight = weight_rotation = None  # in training: W R, computed once, and R for the weight gradient
-        integer = (training_products and self.compute_on_codes is not None and self.quantizes_inputs
-                   and precision.compact_codes and input_features(self) <= MAX_REDUCED_SIZE
-                   and precision.integer_products(weight.device))  # the product on the operands' integer codes
+        codes_possible = (training_products and self.compute_on_codes is not None and self.quantizes_inputs
+                          and precision.compact_codes and input_features(self) <= MAX_REDUCED_SIZE)
+        integer = codes_possible and precision.integer_products(weight.device, self)  # the product on integer codes
+        learn_codes = codes_possible and not integer and precision.learns_products_on_codes(weight.device)
         if bits is not None:
             frozen = self._frozen_weight()
             rotation = self.rotation if self.quantizes_inputs else None
@@ -281,7 +282,7 @@ class QuantLayerMixin:
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
                 precision.error_bits(weight.device) if quantize_backward else None,
                 precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation, x_quantized,
-                weight_quantized, integer,
+                weight_quantized, integer, learn_codes,
             )
         if x_quantized is not None:
             x = x_quantized[0]
@@ -339,8 +340,12 @@ class QuantLayerMixin:
                training, keep, integer)
         entry = precision.shared_inputs.get(x, key)
         if entry is None:
+            sibling = (precision.shared_inputs.maker_for_other_product(x, key)
+                       if training and precision.learns_products_on_codes(x.device) else None)
+            if sibling is not None:  # one of them multiplies codes: both do from their next forward on, sharing them
+                precision.mark_products_on_codes(sibling, self)
             entry = quantized_input(x, self.input_feature_dim, rotation, bits, precision.compact_codes, keep, integer)
-            precision.shared_inputs.put(x, key, entry)
+            precision.shared_inputs.put(x, key, entry, self)
         return (x if entry.rotated is None else entry.rotated), entry.x_range, entry.quantized
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

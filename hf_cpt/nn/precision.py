@@ -3,15 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..numerics.derived import derived
 from ..numerics.errors import PAPER_ERRORS, ErrorQuantization, quantize_error_on_backward
 from ..numerics.integer_matmul import integer_matmul_supported
 from .reused_weights import ReusedWeights
 from .shared_input import SharedInputs
+
+# A layer's attribute under ``integer_matmul="activations"``: True once an activation asked for its codes
+# (`hf_cpt.nn.recompute`) and an optimizer step has begun since; its training products run on codes from then on. Not
+# at once: a checkpointed block runs its forward again in backward, and must run it as it ran; and the micro-batches of
+# one optimizer step compute alike, as one batch of them all would.
+PRODUCTS_ON_CODES = "cpt_products_on_codes"
+_asked_for_codes: weakref.WeakSet = weakref.WeakSet()  # the layers asked since the last optimizer step began
+_optimizer_hook = None  # the process-wide optimizer step pre-hook that starts them, once registered
+
+
+def _start_products_on_codes(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: the layers asked for their codes since the last step multiply codes from now on."""
+    for layer in list(_asked_for_codes):
+        setattr(layer, PRODUCTS_ON_CODES, True)
+    _asked_for_codes.clear()
+
+
+def resolve_integer_matmul(integer_matmul: bool | str, recompute_activation_inputs: bool = True) -> bool | str:
+    """Where CPU training products run on codes under the setting ``integer_matmul``: True (every layer's), False or
+    "activations"; "auto" is True on a CPU with int8 dot products, else "activations" where activations recompute
+    their inputs (else False: no layer would gain from its codes)."""
+    if integer_matmul == "auto":
+        integer_matmul = True if integer_matmul_supported() else "activations"
+    if integer_matmul == "activations":
+        return "activations" if recompute_activation_inputs else False
+    return bool(integer_matmul)
 
 
 class PrecisionState:
@@ -49,9 +77,10 @@ class PrecisionState:
         # The attention products (two activations, no weight) quantize the errors of both their products,
         # unrotated, with the layers' rounding and granularity (range "auto": the zero-centred grid).
         self.attention_errors = errors.for_attention()
-        # Training products on integer codes (`hf_cpt.numerics.integer_matmul`): True, False or "auto", resolved for
-        # CPU here, once (not inside a compiled graph, which cannot read the CPU's flags).
-        self.integer_on_cpu = integer_matmul_supported() if integer_matmul == "auto" else bool(integer_matmul)
+        # Training products on integer codes (`hf_cpt.numerics.integer_matmul`) on CPU: True (every layer's), False,
+        # or "activations" (those of the layers whose output feeds an activation that recomputes its input,
+        # `hf_cpt.nn.recompute`); resolved here, once (not inside a compiled graph, which cannot read the CPU's flags).
+        self.integer_on_cpu = resolve_integer_matmul(integer_matmul, recompute_activation_inputs)
         # Products on codes tag their outputs so that a converted activation recomputes them in backward instead of
         # keeping them (`hf_cpt.nn.recompute`); the forward MACs those recomputations ran so far.
         self.recompute_activation_inputs = recompute_activation_inputs
@@ -117,9 +146,28 @@ class PrecisionState:
         grad_bits = self.grad_bits
         return derived(grad_bits, ("error_bits", device), lambda: grad_bits.to(device, copy=True))
 
-    def integer_products(self, device: torch.device) -> bool:
-        """Whether training products on ``device`` run on integer codes (CPU only; see `integer_matmul`)."""
-        return self.integer_on_cpu and device.type == "cpu"
+    def integer_products(self, device: torch.device, layer: object = None) -> bool:
+        """Whether ``layer``'s training products on ``device`` run on integer codes (CPU only; see `integer_matmul`):
+        every layer's, or under "activations" those of a layer marked `PRODUCTS_ON_CODES`."""
+        if device.type != "cpu" or not self.integer_on_cpu:
+            return False
+        return self.integer_on_cpu is True or getattr(layer, PRODUCTS_ON_CODES, False) is True
+
+    @staticmethod
+    def mark_products_on_codes(*layers: object) -> None:
+        """From the next optimizer step on (any `torch.optim.Optimizer`'s), ``layers``' training products run on codes
+        (`integer_matmul="activations"`)."""
+        global _optimizer_hook
+        for layer in layers:
+            if getattr(layer, PRODUCTS_ON_CODES, False) is not True:
+                _asked_for_codes.add(layer)
+        if _optimizer_hook is None:
+            _optimizer_hook = register_optimizer_step_pre_hook(_start_products_on_codes)
+
+    def learns_products_on_codes(self, device: torch.device) -> bool:
+        """Whether a layer's float training product on ``device`` tags its output, so that an activation it feeds
+        marks the layer to run on codes from its next forward on (`integer_matmul="activations"`)."""
+        return self.integer_on_cpu == "activations" and device.type == "cpu"
 
     def quantize_error_on_backward(
         self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False, granularity: str = "tensor"

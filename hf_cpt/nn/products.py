@@ -20,7 +20,7 @@ from ..numerics.error_ownership import error_held_alone
 from ..numerics.errors import quantize_error
 from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact, token_range
 from ..numerics.rotation import Rotation
-from .recompute import mark_recomputable
+from .recompute import mark_float_product, mark_recomputable
 from .relu_masks import hand_over_input
 from .saved import same_view, saved_as_is
 from .shared_input import SHARED_INPUT_BUFFER, SharedInput
@@ -132,6 +132,8 @@ class QuantizedProducts(torch.autograd.Function):
     With ``integer`` (decided by `QuantLayerMixin.forward`: 8 bits or fewer, both operands quantized, a layer with
     `compute_on_codes`), the forward product runs on the operands' integer codes (`hf_cpt.numerics.integer_matmul`)
     and the fake-quantized floats are never formed; an operand given quantized then comes as (None, its codes).
+    With ``learn_codes`` (`PrecisionState.learns_products_on_codes`, a layer that could run on codes), a float
+    product whose output would be recomputable on codes tags it for the activation it feeds (`hf_cpt.nn.recompute`).
     Backward: straight-through for both operands; with error bits (``grad_bits``, a tensor never modified afterwards:
     `PrecisionState.error_bits`), the error is quantized once and each
     product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
@@ -142,7 +144,7 @@ class QuantizedProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
-                rotated_weight, weight_rotation, x_quantized, weight_quantized=None, integer=False):
+                rotated_weight, weight_rotation, x_quantized, weight_quantized=None, integer=False, learn_codes=False):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         if x.device.type == "cpu" and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
             _awaiting_backward.add(ctx)
@@ -187,7 +189,10 @@ class QuantizedProducts(torch.autograd.Function):
         if layer.cpt_precision.relu_masks:
             hand_over_input(x, x_saved[0], layer.cpt_precision)
         ctx.save_for_backward(*x_saved, *weight_saved)
-        return layer.compute(x_value, weight_value)
+        output = layer.compute(x_value, weight_value)
+        if learn_codes and keep_x and needs_x and not producer_keeps and not torch.compiler.is_dynamo_compiling():
+            mark_float_product(output, layer)  # where it would be recomputable on codes
+        return output
 
     @staticmethod
     def backward(ctx, error):
@@ -224,7 +229,7 @@ class QuantizedProducts(torch.autograd.Function):
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
         _backward_ran(ctx)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 # The nodes of quantized products made on CPU whose backward has not run yet; a graph freed unrun leaves by itself.

@@ -10,6 +10,12 @@ gradient bit for bit, for one more product on codes per layer and step (the cost
 
 Activations are converted in place, like the layers (same object, ``isinstance`` holds, no state). One that is fed
 anything else (a normalization's output, an edited tensor) runs as before.
+
+Which layers multiply codes is `integer_matmul`'s choice. Under ``"activations"`` (the default on a CPU without int8
+dot products, where a product on codes costs more than a float one) a layer multiplies floats until an activation
+it feeds asks for its codes: its float product tags its output (`mark_float_product`), a converted activation fed
+that output marks the layer (`PrecisionState.mark_products_on_codes`), and from the layer's next forward on its
+product runs on codes and its output is recomputable (docs/method.md §2, "Integer products").
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from . import relu_masks
 
 # The attribute a layer's output carries when it can be recomputed from codes.
 RECOMPUTABLE = "_cpt_recomputable"
+# The attribute a float product's output carries where its layer could multiply codes instead: (layer, version).
+FLOAT_PRODUCT = "_cpt_float_product"
 
 
 class RecomputableOutput:
@@ -60,6 +68,19 @@ def mark_recomputable(output: torch.Tensor, layer: nn.Module, x_codes: tuple, we
     setattr(output, RECOMPUTABLE, RecomputableOutput(layer, x_codes, weight_codes, bits, bias, dtype, output))
 
 
+def mark_float_product(output: torch.Tensor, layer: nn.Module) -> None:
+    """Tag ``output``, a float product of ``layer`` that could have run on its codes, with its layer: an activation
+    fed it unedited marks the layer to multiply codes (`PrecisionState.mark_products_on_codes`)."""
+    setattr(output, FLOAT_PRODUCT, (layer, output._version))
+
+
+def _ask_for_codes(x: torch.Tensor) -> None:
+    """Mark the layer whose float product ``x`` is, unedited, to multiply codes from its next forward on."""
+    source = getattr(x, FLOAT_PRODUCT, None)
+    if source is not None and source[1] == x._version:
+        source[0].cpt_precision.mark_products_on_codes(source[0])
+
+
 class _ActivationOfRecomputedInput(torch.autograd.Function):
     """``activation(x)``, keeping the codes ``x`` is recomputed from instead of ``x``."""
 
@@ -93,6 +114,9 @@ class RecomputedActivationMixin:
         if torch.compiler.is_dynamo_compiling():  # traced layers tag nothing
             return self.float_forward(x)
         recipe = getattr(x, RECOMPUTABLE, None) if isinstance(x, torch.Tensor) else None
+        if recipe is None and isinstance(x, torch.Tensor) and torch.is_grad_enabled() and not getattr(
+                self, "inplace", False):
+            _ask_for_codes(x)
         if (recipe is None or recipe.tensors is None or not torch.is_grad_enabled() or not recipe.matches(x)
                 or getattr(self, "inplace", False)):
             if self.masks_relu_output and isinstance(x, torch.Tensor) and relu_masks.runs_here(x):
