@@ -33,7 +33,8 @@ import setting_arms  # noqa: E402
 
 from hf_cpt.numerics import integer_matmul  # noqa: E402
 
-CASES = {"minilm": "minilm", "bert-base-16": "bert_base_16", "gpt2": "gpt2_small"}  # key -> the bench's builder
+# key -> the bench's builder: the transformers, whose MLPs feed an activation (a CNN's products are convolutions)
+CASES = {"minilm": "minilm", "bert-base-16": "bert_base_16", "gpt2": "gpt2_small", "vit-s": "vit_small"}
 # The quantized arms: their names in the JSON and tables, and their settings.
 ARMS = {"float products": {"integer_matmul": False}, "for activations": {"integer_matmul": "activations"},
         "on codes": {"integer_matmul": True}}

@@ -527,7 +527,7 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "\"ReLU masks\")."]
     if any("float_product_ratio" in row for row in overhead["rows"]):
         lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "
-                  "GEMM on fake-quantized floats, as on a CPU without int8 dot products), timed in the same run, "
+                  "GEMM on fake-quantized floats in every layer), timed in the same run, "
                   "interleaved with the others. A Conv2d has no product on codes: there both columns time the same "
                   "step, and their gap is the run's noise."]
     if any("torch_formula_ratio" in row for row in overhead["rows"]):

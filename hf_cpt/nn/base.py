@@ -342,7 +342,7 @@ class QuantLayerMixin:
         if entry is None:
             sibling = (precision.shared_inputs.maker_for_other_product(x, key)
                        if training and precision.learns_products_on_codes(x.device) else None)
-            if sibling is not None:  # one of them multiplies codes: both do from their next forward on, sharing them
+            if sibling is not None:  # one of them multiplies codes: both do from the next optimizer step on
                 precision.mark_products_on_codes(sibling, self)
             entry = quantized_input(x, self.input_feature_dim, rotation, bits, precision.compact_codes, keep, integer)
             precision.shared_inputs.put(x, key, entry, self)

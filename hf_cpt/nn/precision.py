@@ -166,7 +166,7 @@ class PrecisionState:
 
     def learns_products_on_codes(self, device: torch.device) -> bool:
         """Whether a layer's float training product on ``device`` tags its output, so that an activation it feeds
-        marks the layer to run on codes from its next forward on (`integer_matmul="activations"`)."""
+        marks the layer to run on codes from the next optimizer step on (`integer_matmul="activations"`)."""
         return self.integer_on_cpu == "activations" and device.type == "cpu"
 
     def quantize_error_on_backward(

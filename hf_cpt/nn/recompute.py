@@ -14,7 +14,7 @@ anything else (a normalization's output, an edited tensor) runs as before.
 Which layers multiply codes is `integer_matmul`'s choice. Under ``"activations"`` (the default on a CPU without int8
 dot products, where a product on codes costs more than a float one) a layer multiplies floats until an activation
 it feeds asks for its codes: its float product tags its output (`mark_float_product`), a converted activation fed
-that output marks the layer (`PrecisionState.mark_products_on_codes`), and from the layer's next forward on its
+that output marks the layer (`PrecisionState.mark_products_on_codes`), and from the next optimizer step on its
 product runs on codes and its output is recomputable (docs/method.md §2, "Integer products").
 """
 
@@ -75,7 +75,7 @@ def mark_float_product(output: torch.Tensor, layer: nn.Module) -> None:
 
 
 def _ask_for_codes(x: torch.Tensor) -> None:
-    """Mark the layer whose float product ``x`` is, unedited, to multiply codes from its next forward on."""
+    """Mark the layer whose float product ``x`` is, unedited, to multiply codes from the next optimizer step on."""
     source = getattr(x, FLOAT_PRODUCT, None)
     if source is not None and source[1] == x._version:
         source[0].cpt_precision.mark_products_on_codes(source[0])
