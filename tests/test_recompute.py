@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
+from hf_cpt.convert import layers_on_codes, set_layers_on_codes
 from hf_cpt.cost import CostMeter
 from hf_cpt.nn.precision import PRODUCTS_ON_CODES
 from hf_cpt.nn.recompute import RECOMPUTABLE, RecomputedActivationMixin, restore_activation
@@ -313,8 +314,9 @@ def test_codes_for_activations_switch_between_steps_under_gradient_checkpointing
     assert _products_on_codes(checked) == _products_on_codes(unchecked) == ASKED["_bert"]
 
 
-def test_codes_for_activations_leave_a_traced_or_eval_forward_alone():
-    """Neither an eval forward nor a forward without grad marks any layer."""
+def test_codes_for_activations_leave_an_eval_forward_alone_and_the_layers_on_codes_are_restored_by_name():
+    """Neither an eval forward nor a forward without grad asks any layer; `set_layers_on_codes` restores what
+    `layers_on_codes` listed (a resumed run) and refuses a name that is no quantized layer; dequantizing forgets it."""
     model = _bert()
     batch = _batch(model)
     learning, _ = _quantized(model, True, integer_matmul="activations")
@@ -322,4 +324,11 @@ def test_codes_for_activations_leave_a_traced_or_eval_forward_alone():
         learning(**batch)
     learning.eval()
     learning(**batch)
+    torch.optim.SGD(learning.parameters(), lr=0.0).step()
+    assert _products_on_codes(learning) == [] == layers_on_codes(learning)
+    set_layers_on_codes(learning, ASKED["_bert"])
+    assert layers_on_codes(learning) == ASKED["_bert"]
+    with pytest.raises(KeyError, match="no quantized layer 'bert.nope'"):
+        set_layers_on_codes(learning, ["bert.nope"])
+    dequantize_model(learning)
     assert _products_on_codes(learning) == []
