@@ -69,6 +69,16 @@ def _gradients(model, batch, autocast: bool = False):
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same_gradients(expected: dict, got: dict) -> None:
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+def _recomputed_macs(model) -> int:
+    return next(m.cpt_precision for m in model.modules() if hasattr(m, "cpt_precision")).recomputed_macs
+
+
 @pytest.mark.parametrize("build, tokens, autocast", [
     (_bert, 16, False),  # small products: the torch formulas
     (lambda: _bert(intermediate=512), 32, False),  # native kernels (>= 16384 values)
@@ -82,12 +92,8 @@ def test_gradients_are_those_of_the_kept_input_bit_for_bit(build, tokens, autoca
     recomputing, report = _quantized(model, recompute=True)
     assert report.recomputing and not _quantized(model, recompute=False)[1].recomputing
     batch = _batch(model, tokens)
-    expected, got = _gradients(plain, batch, autocast), _gradients(recomputing, batch, autocast)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        assert torch.equal(expected[name], got[name]), name
-    precision = next(m.cpt_precision for m in recomputing.modules() if hasattr(m, "cpt_precision"))
-    assert precision.recomputed_macs > 0
+    _assert_same_gradients(_gradients(plain, batch, autocast), _gradients(recomputing, batch, autocast))
+    assert _recomputed_macs(recomputing) > 0
 
 
 def test_gradients_are_the_same_under_gradient_checkpointing():
@@ -291,12 +297,8 @@ def test_codes_for_activations_give_the_gradients_of_the_kept_input_bit_for_bit(
     for module in keeping.modules():
         restore_activation(module)
     assert _products_on_codes(keeping) == ASKED[build.__name__]
-    expected, got = _gradients(keeping, batch), _gradients(learnt, batch)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        assert torch.equal(expected[name], got[name]), name
-    precision = next(m.cpt_precision for m in learnt.modules() if hasattr(m, "cpt_precision"))
-    assert precision.recomputed_macs > 0
+    _assert_same_gradients(_gradients(keeping, batch), _gradients(learnt, batch))
+    assert _recomputed_macs(learnt) > 0
 
 
 def test_codes_for_activations_switch_between_steps_under_gradient_checkpointing():
@@ -308,9 +310,7 @@ def test_codes_for_activations_switch_between_steps_under_gradient_checkpointing
     checked, _ = _quantized(model, True, integer_matmul="activations")
     checked.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for _ in range(3):
-        expected, got = _step(unchecked, batch), _step(checked, batch)
-        for name in expected:
-            assert torch.equal(expected[name], got[name]), name
+        _assert_same_gradients(_step(unchecked, batch), _step(checked, batch))
     assert _products_on_codes(checked) == _products_on_codes(unchecked) == ASKED["_bert"]
 
 
