@@ -126,8 +126,7 @@ def main() -> None:
     results.setdefault("rows", [])
     command = "python " + " ".join(sys.argv)
     results.setdefault("command", command)  # the first run that measured the memory
-    results.update(torch=torch.__version__, **products_setting(), processes=args.processes,
-                   adamw=ADAMW)
+    results.update(torch=torch.__version__, **products_setting(), processes=args.processes, adamw=ADAMW)
     # each preloaded library any run measured with (a resumed run may find fewer)
     results.setdefault("libraries", {}).update({a: env["LD_PRELOAD"] for a, env in envs.items() if a in PRELOADED})
     timing = {"command": command, "repeats": args.repeats, "load_average": [os.getloadavg()[0]]}

@@ -66,9 +66,12 @@ def products_on_codes(kind: str, arm: str = "on codes") -> dict[str, int]:
 
 def kept_for_backward(kind: str) -> dict[str, float]:
     """MiB a training forward (after a first step) keeps for its backward (parameters aside): plain and each arm."""
-    kept = {}
+    build, batch = getattr(overhead, kind)()
+    torch.manual_seed(0)
+    kept = {"plain": overhead.saved_activation_mib(build(), batch)}
     for arm, options in ARMS.items():
-        kept["plain"], kept[arm] = overhead.saved_activations(kind, True, options)
+        torch.manual_seed(0)
+        kept[arm] = overhead.saved_activation_mib(overhead.cpt_copy(build(), True, **options), batch)
     return kept
 
 

@@ -90,7 +90,7 @@ def _case(key: str) -> str:
 def measure(key: str, processes: int) -> dict:
     kind = _case(key)
     return {"adamw": CASES[key][1], "micro_batches": CASES[key][2], "lookups": lookups_as_rows(kind),
-            **setting_arms.arm_peaks(kind, processes, {}, DENSE, ("plain", "as rows", "dense"))}
+            **setting_arms.arm_peaks(kind, processes, {}, [DENSE], ("plain", "as rows", "dense"))}
 
 
 def main() -> None:

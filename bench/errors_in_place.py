@@ -79,7 +79,7 @@ def step_times_ms(kind: str, repeats: int, options: dict | None = None) -> dict[
 def measure(key: str, processes: int) -> dict:
     kind, options = CASES[key]
     return {"options": options, "errors": errors_in_place(kind, options),
-            **setting_arms.arm_peaks(kind, processes, options, {**options, **IN_A_BUFFER},
+            **setting_arms.arm_peaks(kind, processes, options, [{**options, **IN_A_BUFFER}],
                                      ("plain", "in place", "in a buffer"))}
 
 

@@ -18,13 +18,13 @@ import os
 import sys
 
 import torch
-from results_page import recorded_products
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import overhead  # noqa: E402  (the bench's model builders and graph reader)
 from harness import load_results, products_setting, save_results  # noqa: E402
+from results_page import recorded_products  # noqa: E402
 
 # group -> the autograd nodes it gathers; a tensor held by several nodes goes to the first group here that holds it.
 GROUPS = {

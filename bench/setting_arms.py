@@ -18,11 +18,9 @@ import torch
 from harness import load_results, products_setting, save_results
 
 
-def arm_peaks(kind: str, processes: int, options: dict, other: dict | Sequence[dict], arms: Sequence[str]) -> dict:
+def arm_peaks(kind: str, processes: int, options: dict, others: Sequence[dict], arms: Sequence[str]) -> dict:
     """``{"default": {arm: [MiB per process]}, "fixed": {arm: MiB}}`` of the plain model and of its CPT 8/8 copy with
-    ``options`` and with ``other`` (the setting switched; a list: each of its settings), in that order as ``arms``
-    names them."""
-    others = [other] if isinstance(other, dict) else list(other)
+    ``options`` and with each of ``others`` (the setting switched), in that order as ``arms`` names them."""
     default = overhead.peak_memories_mib(kind, True, processes, options=options, other_options=others)
     fixed = [overhead.peak_memory_mib(kind, quantized, True, env=overhead.FIXED_MMAP_THRESHOLD, options=arm)[0]
              for quantized, arm in ((False, options), (True, options), *((True, each) for each in others))]

@@ -114,11 +114,11 @@ class RecomputedActivationMixin:
         if torch.compiler.is_dynamo_compiling():  # traced layers tag nothing
             return self.float_forward(x)
         recipe = getattr(x, RECOMPUTABLE, None) if isinstance(x, torch.Tensor) else None
-        if recipe is None and isinstance(x, torch.Tensor) and torch.is_grad_enabled() and not getattr(
-                self, "inplace", False):
+        # autograd records this call: the activation may keep codes in place of its input
+        recorded = isinstance(x, torch.Tensor) and torch.is_grad_enabled() and not getattr(self, "inplace", False)
+        if recipe is None and recorded:
             _ask_for_codes(x)
-        if (recipe is None or recipe.tensors is None or not torch.is_grad_enabled() or not recipe.matches(x)
-                or getattr(self, "inplace", False)):
+        if recipe is None or recipe.tensors is None or not recorded or not recipe.matches(x):
             if self.masks_relu_output and isinstance(x, torch.Tensor) and relu_masks.runs_here(x):
                 return relu_masks.relu_handing_over(x, self.inplace)
             return self.float_forward(x)
