@@ -64,25 +64,26 @@ def products_on_codes(kind: str, arm: str = "on codes") -> dict[str, int]:
     return {"float32": counts["float32"], "float64": counts["float64"]}
 
 
+def arm_models(kind: str) -> tuple[dict, dict]:
+    """The batch of case ``kind`` and its models, the same initial weights: ``{"plain": model, arm: CPT 8/8 copy}``."""
+    build, batch = getattr(overhead, kind)()
+    models = {}
+    for arm, options in {"plain": None, **ARMS}.items():
+        torch.manual_seed(0)
+        models[arm] = build() if options is None else overhead.cpt_copy(build(), True, **options)
+    return batch, models
+
+
 def kept_for_backward(kind: str) -> dict[str, float]:
     """MiB a training forward (after a first step) keeps for its backward (parameters aside): plain and each arm."""
-    build, batch = getattr(overhead, kind)()
-    torch.manual_seed(0)
-    kept = {"plain": overhead.saved_activation_mib(build(), batch)}
-    for arm, options in ARMS.items():
-        torch.manual_seed(0)
-        kept[arm] = overhead.saved_activation_mib(overhead.cpt_copy(build(), True, **options), batch)
-    return kept
+    batch, models = arm_models(kind)
+    return {arm: overhead.saved_activation_mib(model, batch) for arm, model in models.items()}
 
 
 def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
-    build, batch = getattr(overhead, kind)()
-    torch.manual_seed(0)
-    steps = {"plain": overhead.training_step(build(), batch)}
-    for arm, options in ARMS.items():
-        torch.manual_seed(0)
-        steps[arm] = overhead.training_step(overhead.cpt_copy(build(), True, **options), batch)
-    return setting_arms.step_times_ms(steps, repeats)
+    batch, models = arm_models(kind)
+    return setting_arms.step_times_ms({arm: overhead.training_step(model, batch) for arm, model in models.items()},
+                                      repeats)
 
 
 def measure(key: str, processes: int) -> dict:
