@@ -341,8 +341,9 @@ class _Rotate(torch.autograd.Function):
 
 
 def _values_never_formed(x: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``x``'s shape, dtype and device over one NaN element (zero strides)."""
-    return torch.empty_strided(x.shape, (0,) * x.dim(), dtype=x.dtype, device=x.device).fill_(math.nan)
+    """A tensor of ``x``'s shape, dtype and device over one NaN element (zero strides). The element is filled before
+    the strides are set: a fill through zero strides writes every index of the shape, all to that one element."""
+    return torch.full((1,), math.nan, dtype=x.dtype, device=x.device).as_strided(x.shape, (0,) * x.dim())
 
 
 class _RotationStandIn(_Rotate):
