@@ -231,7 +231,7 @@ def peak_phases_section(phases: dict) -> list[str]:
     return lines
 
 
-FLOAT_PRODUCTS_RUN = "overhead_float_products.json"  # bench/overhead.py on a CPU with no int8 dot products
+NO_INT8_DOT_RUN = "overhead_no_int8_dot.json"  # bench/overhead.py on a CPU with no int8 dot products
 KEPT_FLOAT_PRODUCTS_RUN = "kept_memory_float_products.json"  # bench/kept_memory.py on such a CPU
 
 
@@ -631,15 +631,14 @@ def main() -> None:
     overhead = results_page.load(args.results, "overhead.json")
     if overhead:
         replace_block(args.readme, "overhead-summary", overhead_summary(overhead))
-    # The same bench on a CPU without int8 dot products (float products), beside the README's run on whichever CPU
-    # ran it last: the two kinds of CPU give ratios that compare only with their own kind.
-    float_products = results_page.load(args.results, FLOAT_PRODUCTS_RUN)
-    if float_products:
-        if float_products.get("integer_products"):
-            raise SystemExit(f"{FLOAT_PRODUCTS_RUN} holds a run on a CPU with int8 dot products: its place is "
+    # The same bench on a CPU without int8 dot products, beside the README's run on whichever CPU ran it last: the two
+    # kinds of CPU give ratios that compare only with their own kind.
+    no_int8_dot = results_page.load(args.results, NO_INT8_DOT_RUN)
+    if no_int8_dot:
+        if no_int8_dot.get("integer_products"):
+            raise SystemExit(f"{NO_INT8_DOT_RUN} holds a run on a CPU with int8 dot products: its place is "
                              "overhead.json (the README's table)")
-        replace_block(os.path.join(args.docs, "benchmarks.md"), "overhead-float-products",
-                      overhead_summary(float_products))
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "overhead-no-int8-dot", overhead_summary(no_int8_dot))
     kept = results_page.load(args.results, "kept_memory.json")
     if kept:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory", kept_memory_section(kept))

@@ -633,18 +633,18 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     # them is refused there (its place is overhead.json).
     results, docs = tmp_path / "results", tmp_path / "docs"
     results.mkdir(), docs.mkdir()
-    block = "<!-- overhead-float-products:start -->\n<!-- overhead-float-products:end -->\n"
+    block = "<!-- overhead-no-int8-dot:start -->\n<!-- overhead-no-int8-dot:end -->\n"
     (docs / "benchmarks.md").write_text("a\n" + block)
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- results-summary:start -->\n<!-- results-summary:end -->\n")
     arguments = [os.path.join(ROOT, "bench", "report.py"), "--results", str(results), "--docs", str(docs),
                  "--readme", str(readme)]
-    (results / report.FLOAT_PRODUCTS_RUN).write_text(json.dumps({**overhead, "integer_products": False,
+    (results / report.NO_INT8_DOT_RUN).write_text(json.dumps({**overhead, "integer_products": False,
                                                                  "auto_products": False}))
     run_python(arguments, check=True, timeout=300)
     page = (docs / "benchmarks.md").read_text()
     assert "float products (no int8 dot products on this CPU)" in page and f"| {row['case']} | " in page
-    (results / report.FLOAT_PRODUCTS_RUN).write_text(json.dumps({**overhead, "integer_products": True}))
+    (results / report.NO_INT8_DOT_RUN).write_text(json.dumps({**overhead, "integer_products": True}))
     refused = run_python(arguments, timeout=300)
     assert refused.returncode != 0 and "int8 dot products" in refused.stderr
     # The renderer judges each figure against its own target: a memory ratio above its case's target, a first
