@@ -45,7 +45,7 @@ from torch import nn
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.nn import dropout_masks, products
-from hf_cpt.nn.precision import PrecisionState
+from hf_cpt.nn.precision import PrecisionState, resolve_integer_matmul
 from hf_cpt.nn.relu_masks import kept_output_of
 from hf_cpt.numerics import code_kernels, native, rotation, scratch
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
@@ -801,6 +801,9 @@ def main() -> None:
 
     print(f"command: python {' '.join(sys.argv)}")
     integer_products = integer_matmul_supported()  # what integer_matmul="auto" does on this CPU
+    # Whether the default step runs any product on codes (every layer's, or those an activation reads), so that
+    # --compare-products times a different step (until 2026-12-01 only on a CPU with int8 dot products).
+    some_products_on_codes = resolve_integer_matmul("auto") is not False
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"error quantizer: {'fused' if fused else 'eager'}, repeats {args.repeats}, "
           f"products on integer codes: {'yes' if integer_products else 'no (no int8 dot products on this CPU)'}")
@@ -837,7 +840,7 @@ def main() -> None:
         if args.in_process or len(selected) == 1:
             case = cases[key]()
             result = run_case(case, args.repeats, args.compare_kernels and fused and case.target is not None,
-                              args.compare_products and integer_products and case.target is not None,
+                              args.compare_products and some_products_on_codes and case.target is not None,
                               args.compare_native and case.target is not None,
                               args.compare_threads and case.target is not None,
                               args.compare_recompute and key in memory_kinds,

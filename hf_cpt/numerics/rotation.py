@@ -341,8 +341,7 @@ class _Rotate(torch.autograd.Function):
 
 
 def _values_never_formed(x: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``x``'s shape, dtype and device over one NaN element (zero strides). The element is filled before
-    the strides are set: a fill through zero strides writes every index of the shape, all to that one element."""
+    """``x``'s shape, dtype and device over one NaN element, filled before the zero strides are set."""
     return torch.full((1,), math.nan, dtype=x.dtype, device=x.device).as_strided(x.shape, (0,) * x.dim())
 
 
