@@ -689,7 +689,7 @@ def main() -> None:
                         "(interleaved with the others)")
     parser.add_argument("--compare-products", action="store_true",
                         help="also time each quantized case with float products instead of products on integer codes "
-                        "(integer_matmul=False; interleaved with the others), where this CPU runs them on codes")
+                        "(integer_matmul=False; interleaved with the others), where the default runs any on codes")
     parser.add_argument("--compare-native", action="store_true",
                         help="also time each quantized case with the torch formulas instead of the C kernels for "
                         "codes, ranges, products on codes and rotations (interleaved with the others)")

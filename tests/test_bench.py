@@ -641,7 +641,7 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     arguments = [os.path.join(ROOT, "bench", "report.py"), "--results", str(results), "--docs", str(docs),
                  "--readme", str(readme)]
     (results / report.NO_INT8_DOT_RUN).write_text(json.dumps({**overhead, "integer_products": False,
-                                                                 "auto_products": False}))
+                                                              "auto_products": False}))
     run_python(arguments, check=True, timeout=300)
     page = (docs / "benchmarks.md").read_text()
     assert "float products (no int8 dot products on this CPU)" in page and f"| {row['case']} | " in page
