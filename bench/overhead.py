@@ -45,11 +45,10 @@ from torch import nn
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.nn import dropout_masks, products
-from hf_cpt.nn.precision import PrecisionState, resolve_integer_matmul
+from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.nn.relu_masks import kept_output_of
 from hf_cpt.numerics import code_kernels, native, rotation, scratch
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
-from hf_cpt.numerics.integer_matmul import integer_matmul_supported
 
 Step = Callable[[], None]
 
@@ -800,13 +799,14 @@ def main() -> None:
         selected.remove("minilm")
 
     print(f"command: python {' '.join(sys.argv)}")
-    integer_products = integer_matmul_supported()  # what integer_matmul="auto" does on this CPU
+    products_setting = harness.products_setting()  # this CPU's int8 dot products, what integer_matmul="auto" does
     # Whether the default step runs any product on codes (every layer's, or those an activation reads), so that
     # --compare-products times a different step (until 2026-12-01 only on a CPU with int8 dot products).
-    some_products_on_codes = resolve_integer_matmul("auto") is not False
+    some_products_on_codes = products_setting["auto_products"] is not False
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"error quantizer: {'fused' if fused else 'eager'}, repeats {args.repeats}, "
-          f"products on integer codes: {'yes' if integer_products else 'no (no int8 dot products on this CPU)'}")
+          f"int8 dot products: {'yes' if products_setting['integer_products'] else 'no'}, "
+          f"products on integer codes (integer_matmul='auto'): {products_setting['auto_products']}")
     print(f"quantized: 8-bit weights/activations, 8-bit errors; AdamW: {args.adamw}; times are medians per step")
     # Other processes on the same cores stall multi-threaded ops; the load average says how busy it was.
     load_at_start = os.getloadavg()[0]
@@ -819,7 +819,7 @@ def main() -> None:
     print("-" * len(header))
     settings = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quant_scheme": QUANT_SCHEME,
                 "adamw": args.adamw, "fused": fused, "repeats": args.repeats, "compare_kernels": args.compare_kernels,
-                **harness.products_setting(),
+                **products_setting,
                 "memory_steps": {"min": MIN_MEMORY_STEPS, "settle": SETTLE_STEPS, "max": MAX_MEMORY_STEPS}}
     earlier = _earlier_results(args.output, settings) if args.resume else {"rows": [], "startup": {}}
     rows = [row for row in earlier["rows"] if row.get("key") in selected]
