@@ -11,13 +11,13 @@ from torch import nn
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
-def tiny_bert_config(num_labels: int = 3):
+def tiny_bert_config(num_labels: int = 3, layers: int = 2):
     from transformers import BertConfig
 
     return BertConfig(
         vocab_size=128,
         hidden_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=64,
@@ -25,10 +25,10 @@ def tiny_bert_config(num_labels: int = 3):
     )
 
 
-def tiny_gpt2_config():
+def tiny_gpt2_config(layers: int = 2):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    return GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=layers, n_head=2)
 
 
 class TinyCNN(nn.Module):

@@ -27,9 +27,9 @@ def _args(tmp_path, **overrides):
     return TrainingArguments(**values)
 
 
-def _model():
+def _model(layers: int = 2):
     torch.manual_seed(0)
-    return BertForSequenceClassification(tiny_bert_config())
+    return BertForSequenceClassification(tiny_bert_config(layers=layers))
 
 
 def _losses(trainer):
@@ -143,7 +143,7 @@ def test_torch_compile_visits_every_bit_width_and_accumulates_without_recompilin
         config = CPTConfig(schedule="cpt", bits_min=3, num_cycles=1, fidelity_threshold=None,
                            quantize_attention=True, integer_matmul=False)
         compile_args = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
-        model = _model()
+        model = _model(layers=1)  # one block: dynamo's tracing takes seconds a block
         model.config.problem_type = "single_label_classification"  # else set by the first call: a guard that fails
         trainer = CPTTrainer(model=model, args=_args(tmp_path / str(compiled), max_steps=12,
                                                         per_device_train_batch_size=4, gradient_accumulation_steps=2,
@@ -177,7 +177,7 @@ def test_a_compiled_model_outside_the_trainer_is_not_recompiled_by_the_counts_of
 
     torch._dynamo.reset()
     counters.clear()
-    model = _model()
+    model = _model(layers=1)  # one block: dynamo's tracing takes seconds a block
     model.config.problem_type = "single_label_classification"  # else set by the first call: a guard that fails
     quantize_model(model, CPTConfig(integer_matmul="activations"))
     model.train()

@@ -28,12 +28,12 @@ def rows_calls(monkeypatch):
     return calls
 
 
-def tiny_gpt2_pair(**options):
+def tiny_gpt2_pair(layers: int = 2, **options):
     """A tiny GPT-2 (tied head) quantized with embedding row gradients, and the same model with dense ones."""
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
-    base = GPT2LMHeadModel(tiny_gpt2_config())
+    base = GPT2LMHeadModel(tiny_gpt2_config(layers))
     rows, dense = copy.deepcopy(base), copy.deepcopy(base)
     report = quantize_model(rows, CPTConfig(**options))
     quantize_model(dense, CPTConfig(embedding_row_gradients=False, **options))
@@ -326,7 +326,7 @@ def _initial_token_table() -> torch.Tensor:
 def test_a_compiled_model_looks_up_as_it_was(rows_calls):
     """Under torch.compile the lookups and the head's hook step aside: the traced graph trains with dense table
     gradients."""
-    rows, _, _ = tiny_gpt2_pair()
+    rows, _, _ = tiny_gpt2_pair(layers=1)  # one block: dynamo's tracing takes seconds a block
     compiled = torch.compile(rows, backend="eager")  # dynamo traces the lookups and hooks; no kernel compiled
     ids = torch.randint(0, 40, (2, 16))
     for _ in range(2):
