@@ -10,6 +10,7 @@ are quantized by their own node. `quantized_input` forms the input operand that 
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -19,6 +20,7 @@ from ..numerics import scratch
 from ..numerics.error_ownership import error_held_alone
 from ..numerics.errors import quantize_error
 from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact, token_range
+from ..numerics.rotated_codes import rotated_token_codes
 from ..numerics.rotation import Rotation
 from .recompute import mark_float_product, mark_recomputable
 from .relu_masks import hand_over_input
@@ -80,13 +82,19 @@ def quantized_input(x: torch.Tensor, dim: int, rotation: Rotation | None, bits: 
                     keep: bool, integer: bool) -> SharedInput:
     """``x`` rotated over ``dim``, its per-token range and its quantized operand (codes alone for products on codes,
     ``integer``; codes kept for the backward where ``keep``). In CPU training only ``x R``'s range and codes are
-    read (the product reads the values made from them), so ``x R`` goes into a reused buffer and the graph holds a
-    stand-in (docs/method.md §3); the fake-quantized values a float product reads go into a reused buffer of their
-    own, whose generation the entry records."""
+    read (the product reads the values made from them), so the graph holds a stand-in and ``x R`` is never formed
+    where the native kernel makes its range and codes in one pass (`rotated_token_codes`), else goes into a reused
+    buffer (docs/method.md §3); the fake-quantized values a float product reads go into a reused buffer of their own,
+    whose generation the entry records."""
     buffered = keep and compact and not integer and x.device.type == "cpu"
+    generation = (lambda: scratch.generation(SHARED_INPUT_BUFFER)) if buffered else (lambda: None)
     if rotation is not None and (integer or buffered):
-        source = rotation.apply(x.detach(), dim, **INPUT_ROTATION_BUFFERS)
         rotated = rotation.stand_in(x, dim)
+        fused = rotated_token_codes(x.detach(), dim, rotation, bits, values=buffered,
+                                    out=functools.partial(scratch.take, SHARED_INPUT_BUFFER))
+        if fused is not None:  # x R's range and codes in one pass, x R never formed
+            return SharedInput(rotated, *fused, generation())
+        source = rotation.apply(x.detach(), dim, **INPUT_ROTATION_BUFFERS)
     else:
         rotated = None if rotation is None else rotation.apply(x, dim)
         source = x if rotated is None else rotated
@@ -95,7 +103,7 @@ def quantized_input(x: torch.Tensor, dim: int, rotation: Rotation | None, bits: 
         quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only
                      else quantized_operand(source.detach(), *x_range, bits, compact, keep,
                                             SHARED_INPUT_BUFFER if buffered else None))
-    return SharedInput(rotated, x_range, quantized, scratch.generation(SHARED_INPUT_BUFFER) if buffered else None)
+    return SharedInput(rotated, x_range, quantized, generation())
 
 
 def _not_a_view(t: torch.Tensor) -> torch.Tensor:

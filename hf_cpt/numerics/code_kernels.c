@@ -1,18 +1,17 @@
 /* Quantization codes on CPU in one pass (docs/method.md §2, "Codes in one pass").
  *
- * The C twin of fake_quant.quantization_codes and restore_compact, value for value: each element is shifted by
- * its range's minimum, divided by its scale, clamped to [0, L] and rounded half to even, in the same float32
- * order (built with -ffp-contract=off, so no fused multiply-add changes a rounding). The torch formula makes five
- * full-size float passes and a conversion; this reads the input once and writes one byte per element (and, when
- * asked, the fake-quantized value codes * s + m). A range is one value per row (stride 1 along rows), per column
- * (stride 1 along columns) or one for the tensor (both strides 0). Also the float32 result of a product on codes
- * from its sums (integer_matmul.code_matmul's scales and rank-one terms) in one pass, and the centred float32
- * operands of a product on codes through the float32 GEMM with their integer sums. Rows are split over
- * threads (native_threads.h); no result depends on the thread count.
+ * The C twin of fake_quant.quantization_codes and restore_compact, value for value (a row's codes: native_codes.h).
+ * The torch formula makes five full-size float passes and a conversion; this reads the input once and writes one
+ * byte per element (and, when asked, the fake-quantized value codes * s + m). A range is one value per row (stride 1
+ * along rows), per column (stride 1 along columns) or one for the tensor (both strides 0). Also the float32 result
+ * of a product on codes from its sums (integer_matmul.code_matmul's scales and rank-one terms) in one pass, and the
+ * centred float32 operands of a product on codes through the float32 GEMM with their integer sums. Rows are split
+ * over threads (native_threads.h); no result depends on the thread count.
  */
 #include <math.h>
 #include <stdint.h>
 
+#include "native_codes.h"
 #include "native_threads.h"
 #include "native_vectors.h"
 
@@ -28,20 +27,6 @@ typedef struct {
     int64_t row_stride, column_stride, columns;
     float top;
 } codes_args;
-
-/* One row; `per_column` and `keep_values` are constants at each call, so each variant is its own vector loop. */
-static inline __attribute__((always_inline)) void quantize_row(
-    const float *restrict x, uint8_t *restrict codes, float *restrict values, const float *restrict m,
-    const float *restrict s, int64_t columns, float top, const int per_column, const int keep_values) {
-    for (int64_t i = 0; i < columns; i++) {
-        const float minimum = per_column ? m[i] : m[0], scale = per_column ? s[i] : s[0];
-        float code = (x[i] - minimum) / scale;
-        code = code < 0.0f ? 0.0f : code;
-        code = rintf(code > top ? top : code);
-        codes[i] = (uint8_t)code;
-        if (keep_values) values[i] = code * scale + minimum;
-    }
-}
 
 static int quantize_rows(const void *args, int64_t first_row, int64_t last_row) {
     const codes_args *a = (const codes_args *)args;

@@ -6,12 +6,14 @@
  * transform of each block (log2 P butterfly stages instead of a P x P product), then A across the blocks. The
  * transpose R^T = (A^T ⊗ H_P / sqrt(P)) diag(s) runs the steps backwards. Each row stays in cache through every
  * step; rows are split over threads (native_threads.h), and no result depends on the thread count. The values equal
- * rotation.py's factor-by-factor products up to float32 rounding (a different order of the same sums).
+ * rotation.py's factor-by-factor products up to float32 rounding (a different order of the same sums). With
+ * quantization (hf_cpt_rotate_codes), each rotated row is quantized over its own range while still in cache.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native_codes.h"
 #include "native_threads.h"
 #include "native_vectors.h"
 
@@ -142,43 +144,62 @@ static void lead_product(const float *t, float *y, const float *coefficients, in
     }
 }
 
-static int rotate_rows(const void *args, int64_t first_row, int64_t last_row) {
-    const rotate_args *a = (const rotate_args *)args;
+/* What a thread rotates its rows with: a scratch row (aligned: every vector load stays within a cache line) and
+ * C[in][out] = A, or A^T for the transpose, so that lead_product reads both the same way; `row` (with `rotated_row`): a
+ * second scratch row that holds each rotated row of a rotation with quantization. */
+typedef struct {
+    float *t, *coefficients, *row;
+} workspace;
+
+static void free_workspace(workspace *w) {
+    free(w->t);
+    free(w->coefficients);
+    free(w->row);
+}
+
+/* 0, or 1 when out of memory. */
+static int make_workspace(const rotate_args *a, int rotated_row, workspace *w) {
+    const int64_t n = a->lead_size, d = n * a->power;
+    *w = (workspace){0, 0, 0};
+    if (rotated_row && !(w->row = (float *)aligned_alloc(64, sizeof(float) * (size_t)d))) return 1;
+    if (!a->lead) return 0;
+    w->t = (float *)aligned_alloc(64, sizeof(float) * (size_t)d);
+    w->coefficients = (float *)malloc(sizeof(float) * (size_t)(n * n));
+    if (!w->t || !w->coefficients) {
+        free_workspace(w);
+        return 1;
+    }
+    for (int64_t in = 0; in < n; in++)
+        for (int64_t out = 0; out < n; out++)
+            w->coefficients[in * n + out] = a->transpose ? a->lead[out * n + in] : a->lead[in * n + out];
+    return 0;
+}
+
+/* y = x R (x R^T with transpose) for one row x of lead_size * power values. */
+static void rotate_row(const rotate_args *a, const workspace *w, const float *x, float *y) {
     const int64_t n = a->lead_size, power = a->power, d = n * power;
     const float norm = (float)(1.0 / sqrt((double)power));
     /* R = diag(s) (A ⊗ H) / sqrt(P): forward the signs first, the transpose last. */
     const float *before = a->transpose ? 0 : a->signs, *after = a->transpose ? a->signs : 0;
-    /* A scratch row (aligned: every vector load stays within a cache line) and C[in][out] = A, or A^T for the
-     * transpose, so that lead_product reads both the same way. */
-    float *t = 0, *coefficients = 0;
+    float *h = a->lead ? w->t : y; /* the transformed blocks: a scratch row when A still follows */
+    for (int64_t i = 0; i < n; i++)
+        walsh_hadamard(x + i * power, before ? before + i * power : 0, h + i * power, power);
     if (a->lead) {
-        t = (float *)aligned_alloc(64, sizeof(float) * (size_t)d);
-        coefficients = (float *)malloc(sizeof(float) * (size_t)(n * n));
-        if (!t || !coefficients) {
-            free(t);
-            free(coefficients);
-            return 1;
-        }
-        for (int64_t in = 0; in < n; in++)
-            for (int64_t out = 0; out < n; out++)
-                coefficients[in * n + out] = a->transpose ? a->lead[out * n + in] : a->lead[in * n + out];
+        lead_product(w->t, y, w->coefficients, n, power, norm, after);
+    } else {
+        const unaligned_lanes *sign = (const unaligned_lanes *)after;
+        unaligned_lanes *v = (unaligned_lanes *)y;
+        for (int64_t k = 0; k < d / LANES; k++) v[k] = after ? v[k] * norm * sign[k] : v[k] * norm;
     }
-    for (int64_t row = first_row; row < last_row; row++) {
-        const float *x = a->x + row * d;
-        float *y = a->y + row * d;
-        float *h = a->lead ? t : y; /* the transformed blocks: a scratch row when A still follows */
-        for (int64_t i = 0; i < n; i++)
-            walsh_hadamard(x + i * power, before ? before + i * power : 0, h + i * power, power);
-        if (a->lead) {
-            lead_product(t, y, coefficients, n, power, norm, after);
-        } else {
-            const unaligned_lanes *sign = (const unaligned_lanes *)after;
-            unaligned_lanes *v = (unaligned_lanes *)y;
-            for (int64_t k = 0; k < d / LANES; k++) v[k] = after ? v[k] * norm * sign[k] : v[k] * norm;
-        }
-    }
-    free(t);
-    free(coefficients);
+}
+
+static int rotate_rows(const void *args, int64_t first_row, int64_t last_row) {
+    const rotate_args *a = (const rotate_args *)args;
+    const int64_t d = a->lead_size * a->power;
+    workspace w;
+    if (make_workspace(a, 0, &w)) return 1;
+    for (int64_t row = first_row; row < last_row; row++) rotate_row(a, &w, a->x + row * d, a->y + row * d);
+    free_workspace(&w);
     return 0;
 }
 
@@ -191,4 +212,46 @@ int hf_cpt_rotate(const float *x, float *y, const float *signs, const float *lea
                   int64_t rows, int transpose, int threads) {
     const rotate_args args = {x, y, signs, lead, lead_size, power, transpose};
     return split_items(rotate_rows, &args, rows, rows * lead_size * power, MIN_ELEMENTS_PER_THREAD, threads);
+}
+
+typedef struct {
+    rotate_args rotation;
+    uint8_t *codes;
+    float *values, *minimum, *maximum, *scale; /* values: may be null */
+    float top, min_scale;
+} rotate_codes_args;
+
+/* Each row rotated into a scratch row that stays in cache, then its range, scale and codes (and values). */
+static int rotate_codes_rows(const void *args, int64_t first_row, int64_t last_row) {
+    const rotate_codes_args *a = (const rotate_codes_args *)args;
+    const int64_t d = a->rotation.lead_size * a->rotation.power;
+    workspace w;
+    if (make_workspace(&a->rotation, 1, &w)) return 1;
+    for (int64_t row = first_row; row < last_row; row++) {
+        rotate_row(&a->rotation, &w, a->rotation.x + row * d, w.row);
+        float low, high;
+        if (row_bounds(w.row, d, 0, &low, &high)) low = high = NAN; /* as torch's amin / amax */
+        const float scale = quantization_scale(low, high, a->top, a->min_scale);
+        a->minimum[row] = low;
+        a->maximum[row] = high;
+        a->scale[row] = scale;
+        if (a->values)
+            quantize_row(w.row, a->codes + row * d, a->values + row * d, &low, &scale, d, a->top, 0, 1);
+        else
+            quantize_row(w.row, a->codes + row * d, 0, &low, &scale, d, a->top, 0, 0);
+    }
+    free_workspace(&w);
+    return 0;
+}
+
+/* Each row of x R (not formed) quantized over its own range in one pass: its min, max and scale (max((max - min) /
+ * top, min_scale)), its uint8 codes, and, when values is given, codes * scale + min: the values of rotating, then
+ * code_kernels.c's ranges and codes, bit for bit, without writing or reading x R. The number of threads used, or -1
+ * when out of memory. */
+int hf_cpt_rotate_codes(const float *x, const float *signs, const float *lead, int64_t lead_size, int64_t power,
+                        int64_t rows, float top, float min_scale, uint8_t *codes, float *values, float *minimum,
+                        float *maximum, float *scale, int threads) {
+    const rotate_codes_args args = {{x, 0, signs, lead, lead_size, power, 0}, codes, values, minimum, maximum, scale,
+                                    top, min_scale};
+    return split_items(rotate_codes_rows, &args, rows, rows * lead_size * power, MIN_ELEMENTS_PER_THREAD, threads);
 }

@@ -1,0 +1,70 @@
+"""A rotated input's per-token codes in one pass on CPU (docs/method.md §3, "Rotation with its codes").
+
+A rotated layer's training forward on CPU reads ``x R`` only for its per-token range and codes (the product reads the
+values made from them). Made step by step, ``x R`` is written out whole (`Rotation.apply`), read for its ranges and
+read again for its codes (`hf_cpt.numerics.code_kernels`). The native kernel (``rotation_kernels.c``,
+``hf_cpt_rotate_codes``) rotates one row into a scratch row that stays in cache, takes its min and max, and writes its
+codes (and the fake-quantized values) from there: the same rotation, ranges, scales, codes and values bit for bit, with
+``x R`` never written to memory.
+
+This module knows nothing about layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from . import native
+from .code_kernels import Allocate
+from .fake_quant import MIN_SCALE, levels_on
+from .rotation import NATIVE_MIN_NUMEL, Rotation
+from .scratch import kept
+
+# (x's range as (min, max), each shaped to broadcast against x; (values or None, (uint8 codes, scale, minimum)))
+RotatedCodes = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]]
+
+
+@functools.cache
+def _library():
+    return native.bind("rotation_kernels", {
+        "hf_cpt_rotate_codes": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 2
+                                + [ctypes.c_void_p] * 5 + [ctypes.c_int], ctypes.c_int)})
+
+
+def rotated_token_codes(x: torch.Tensor, dim: int, rotation: Rotation, bits: torch.Tensor, values: bool,
+                        out: Allocate | None = None) -> RotatedCodes | None:
+    """``x R`` over ``dim``, the last axis, quantized per token at ``bits`` (at most 8), without forming ``x R``:
+    its range (`fake_quant.token_range` of ``x R``) and ``(values, (codes, scale, minimum))`` as
+    `fake_quant.fake_quantize_compact` of ``x R`` over that range gives them (``values`` None unless asked; written
+    into ``out(shape, dtype)`` if given), bit for bit. None where the kernel does not serve the call: another axis,
+    not a contiguous float32 CPU tensor with a float32 rotation, small, traced by torch.compile, a gradient asked of
+    ``x``, or a rotation `Rotation.apply`'s kernel does not take (a Sylvester part under 16)."""
+    if (x.dim() == 0 or dim % x.dim() != x.dim() - 1 or x.dtype != torch.float32
+            or (torch.is_grad_enabled() and x.requires_grad) or not native.takes(x, NATIVE_MIN_NUMEL)
+            or x.shape[-1] != rotation.features or rotation.signs.device.type != "cpu"
+            or rotation.signs.dtype != torch.float32):
+        return None
+    lead = None if rotation.kinds[0] == "sylvester" else rotation.factors[0].contiguous()
+    lead_size = 1 if lead is None else lead.shape[0]
+    power = rotation.features // lead_size
+    if power % 16 or _library() is None:
+        return None
+    top = float(levels_on(bits, x.device, torch.float32))
+    if top > 255:
+        return None
+    rows = x.numel() // rotation.features
+    range_shape = (*x.shape[:-1], 1)
+    minimum, maximum, scale = (torch.empty(range_shape) for _ in range(3))
+    codes = kept(x.shape, torch.uint8)  # kept for the backward (in a mapping of its own where a run asks)
+    value_tensor = None if not values else out(x.shape, torch.float32) if out else torch.empty(x.shape)
+    signs = rotation.signs.contiguous()
+    threads = _library().hf_cpt_rotate_codes(
+        x.data_ptr(), signs.data_ptr(), None if lead is None else lead.data_ptr(), lead_size, power, rows, top,
+        MIN_SCALE, codes.data_ptr(), None if value_tensor is None else value_tensor.data_ptr(), minimum.data_ptr(),
+        maximum.data_ptr(), scale.data_ptr(), native.threads())
+    if threads < 0:  # out of memory for a scratch row
+        return None
+    return (minimum, maximum), (value_tensor, (codes, scale, minimum))
