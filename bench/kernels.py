@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 
 from hf_cpt.numerics import code_kernels, error_kernels, mask_kernels, native
+from hf_cpt.numerics.fake_quant import quantization_scale
+from hf_cpt.numerics.rotated_codes import rotated_token_codes
 from hf_cpt.numerics.rotation import get_rotation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,7 +34,9 @@ TOKENS, FEATURES, WIDE = 2048, 768, 3072
 # kernel / copy of its input, at most: a range reads its input (no write); codes and rebuilt values write one
 # or two outputs; the error kernel hashes a noise per value; a mask's backward reads a bit a value besides; a
 # rotation makes log2 P additions and a leading factor's multiply-adds per value.
-TARGETS = {"ranges": 1.5, "codes": 3.0, "restore": 2.5, "error": 4.0, "masks": 2.5, "rotation": 8.0}
+# A rotated input's range, codes and values: a rotation's, a range's and codes' targets together, one pass or three.
+TARGETS = {"ranges": 1.5, "codes": 3.0, "restore": 2.5, "error": 4.0, "masks": 2.5, "rotation": 8.0,
+           "rotated codes": 12.5}
 
 
 def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
@@ -41,7 +45,7 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
     x = torch.randn(TOKENS, FEATURES, generator=generator)
     wide = torch.randn(FEATURES, WIDE, generator=generator)
     low, high = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
-    levels = torch.tensor(255.0)
+    eight_bits, levels = torch.tensor(8.0), torch.tensor(255.0)
     scale = (high - low) / levels
     values = torch.empty_like(x)
     codes = code_kernels.quantize_codes_native(x, low, scale, levels, False)[0]
@@ -76,7 +80,25 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
         rows = torch.randn(TOKENS * FEATURES // features, features, generator=generator)
         cases.append((f"rotation of {features} features", "rotation", rows,
                       lambda r=rotation, t=rows: r.apply(t, in_place=True)))
+    for features in (768, 3072):  # a rotated input's range, codes and values, as a layer's training forward makes them
+        rotation = get_rotation(features)
+        rows = torch.randn(TOKENS * FEATURES // features, features, generator=generator)
+        cases += [
+            (f"rotated codes and values of {features} features, step by step", "rotated codes", rows,
+             lambda r=rotation, t=rows: _rotated_codes_step_by_step(t, r, levels, into_values)),
+            (f"rotated codes and values of {features} features, one pass", "rotated codes", rows,
+             lambda r=rotation, t=rows: rotated_token_codes(t, -1, r, eight_bits, values=True, out=into_values)),
+        ]
     return cases
+
+
+def _rotated_codes_step_by_step(x: torch.Tensor, rotation, levels: torch.Tensor, out) -> tuple:
+    """What `rotated_token_codes` makes, in the steps it replaces: ``x R`` into a reused buffer, its ranges, its
+    codes and values."""
+    rotated = rotation.apply(x, scratch="rotated")
+    low, high = code_kernels.ranges_native(rotated, 1, False)
+    scale = quantization_scale(low, high, levels).view(-1, 1)
+    return code_kernels.quantize_codes_native(rotated, low.view(-1, 1), scale, levels, True, out)
 
 
 def time_case(kernel: Callable[[], object], source: torch.Tensor, repeats: int) -> tuple[float, float]:

@@ -418,7 +418,10 @@ def kernels_section(results: dict) -> list[str]:
                      f"threads, medians of {run['repeats']} interleaved repeats)")
     header = "| kernel | target (copies) | " + " | ".join(f"{label}: ns a value (copies)" for label in runs) + " |"
     lines += ["", header, "|---|---:|" + "---:|" * len(runs)]
-    by_case = {row["case"]: row for row in next(iter(runs.values()))["rows"]}
+    by_case = {}  # every run's cases, in the order the runs list them (a later run may time a kernel added since)
+    for run in runs.values():
+        for row in run["rows"]:
+            by_case.setdefault(row["case"], row)
     for case, first in by_case.items():
         cells = []
         for run in runs.values():

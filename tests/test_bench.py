@@ -1156,7 +1156,8 @@ def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a
     runs = json.loads(output.read_text())["runs"]
     assert list(runs) == ["now", "again"]  # one run per label, kept side by side
     rows = runs["now"]["rows"]
-    assert {row["kind"] for row in rows} == {"ranges", "codes", "restore", "error", "masks", "rotation"}
+    assert {row["kind"] for row in rows} == {"ranges", "codes", "restore", "error", "masks", "rotation",
+                                             "rotated codes"}
     assert all(row["ns_per_value"] > 0 and row["copy_ns_per_value"] > 0 for row in rows)
     assert all(row["ratio"] == pytest.approx(row["ns_per_value"] / row["copy_ns_per_value"]) for row in rows)
 
@@ -1165,7 +1166,10 @@ def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a
     spec.loader.exec_module(report)
     rows[0].update(ns_per_value=1.0, ratio=9.0, target=1.5)
     del runs["again"]["rows"][1]  # a case a run lacks shows as "-"
+    added = rows.pop()  # a kernel added since the first run: its row shows too, "-" in that run's column
     table = report.kernels_section({"runs": runs})
     assert f"| {rows[0]['case']} | 1.5 | 1.000 (9.00 missed) | " in "\n".join(table)
-    assert table[-len(rows) + 1].endswith(" | - |")
+    line_of = {line.split(" | ")[0]: line for line in table}
+    assert line_of[f"| {rows[1]['case']}"].endswith(" | - |")
+    assert line_of[f"| {added['case']}"].split(" | ")[2] == "-"
     assert "again: ns a value (copies)" in table[table.index("") + 1]
