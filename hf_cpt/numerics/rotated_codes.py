@@ -20,7 +20,7 @@ import torch
 from . import native
 from .code_kernels import Allocate
 from .fake_quant import MIN_SCALE, levels_on
-from .rotation import NATIVE_MIN_NUMEL, Rotation
+from .rotation import NATIVE_MIN_NUMEL, Rotation, native_layout
 from .scratch import kept
 
 # (x's range as (min, max), each shaped to broadcast against x; (values or None, (uint8 codes, scale, minimum)))
@@ -47,11 +47,10 @@ def rotated_token_codes(x: torch.Tensor, dim: int, rotation: Rotation, bits: tor
             or x.shape[-1] != rotation.features or rotation.signs.device.type != "cpu"
             or rotation.signs.dtype != torch.float32):
         return None
-    lead = None if rotation.kinds[0] == "sylvester" else rotation.factors[0].contiguous()
-    lead_size = 1 if lead is None else lead.shape[0]
-    power = rotation.features // lead_size
-    if power % 16 or _library() is None:
+    layout = native_layout(rotation.signs, rotation.factors, rotation.kinds)
+    if layout is None or _library() is None:
         return None
+    lead, lead_size, power = layout
     top = float(levels_on(bits, x.device, torch.float32))
     if top > 255:
         return None

@@ -2,8 +2,7 @@
 
 Pretrained transformers carry a few feature channels hundreds of times larger than the rest; a quantization range set
 by them leaves the other values almost no levels. Rotating the input features by an orthogonal ``R`` (``x -> x R``,
-``W -> W R``, so ``x R (W R)^T = x W^T``) spreads each outlier over every channel before quantizing, as QuaRot /
-SpinQuant do for inference.
+``W -> W R``, so ``x R (W R)^T = x W^T``) spreads each outlier over every channel before quantizing (QuaRot, SpinQuant).
 
 ``R = diag(s) (H_1 ⊗ H_2 ⊗ ...) / sqrt(d)`` with random signs ``s`` and small Hadamard factors (entries ±1): a power of
 two split into factors of at most `MAX_FACTOR`, and for feature sizes with an odd part (384 = 12 x 32, 1536 = 12 x 128,
@@ -277,8 +276,7 @@ def _out_of(role: str | None, shape, operation, a: torch.Tensor, b: torch.Tensor
     return operation(a, b, out=take(role, shape, torch.promote_types(a.dtype, b.dtype)))
 
 
-# Below this many values the factor-by-factor products are as fast as the native kernel.
-NATIVE_MIN_NUMEL = 1 << 15
+NATIVE_MIN_NUMEL = 1 << 15  # below this many values the factor-by-factor products are as fast as the C kernel
 
 
 @functools.cache
@@ -291,26 +289,28 @@ def _rotate_native(
     x: torch.Tensor, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...],
     scratch: str | None = None, in_place: bool = False,
 ) -> torch.Tensor | None:
-    """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``: the signs, a fast Walsh-Hadamard
-    transform of the Sylvester part, the leading factor; one row at a time, in cache), or None where it does not
-    serve the call: not a contiguous float32 CPU tensor, traced by torch.compile, small, or a Sylvester part
-    under 16. (Along another axis the batched products measured faster than a column-tiled C kernel.)
-    ``in_place``: over ``x`` (the kernel reads each row, or block, before it writes it)."""
-    if (not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or signs.dtype != torch.float32
-            or any(f.dtype != torch.float32 for f in factors)):
+    """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``, a row at a time), or None where it does
+    not serve the call: not a contiguous float32 CPU tensor, traced, small, or not `native_layout`. (Along another axis
+    the batched products ran faster than a column-tiled C kernel.) ``in_place``: over ``x`` (each row read first)."""
+    layout = native_layout(signs, factors, kinds)
+    if (layout is None or not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32
+            or any(t.dtype != torch.float32 for t in (signs, *factors)) or _native_library() is None):
         return None
+    lead, lead_size, power = layout
+    out = x if in_place else torch.empty_like(x) if scratch is None else take(scratch, x.shape, x.dtype)
+    threads = _native_library().hf_cpt_rotate(x.data_ptr(), out.data_ptr(), signs.contiguous().data_ptr(),
+                                               None if lead is None else lead.data_ptr(), lead_size, power,
+                                               x.numel() // signs.numel(), int(transpose), native.threads())
+    return None if threads < 0 else out  # out of memory for a scratch row
+
+
+def native_layout(signs, factors, kinds) -> tuple[torch.Tensor | None, int, int] | None:
+    """(the leading factor, contiguous, or None; its order n; the Sylvester part's order P) as the C kernels take a
+    rotation's ``signs``, ``factors`` and ``kinds``, or None for one they do not take (P not a multiple of 16)."""
     lead = None if kinds[0] == "sylvester" else factors[0].contiguous()
     lead_size = 1 if lead is None else lead.shape[0]
-    features = signs.numel()
-    power = features // lead_size
-    if power % 16 or _native_library() is None:
-        return None
-    out = x if in_place else torch.empty_like(x) if scratch is None else take(scratch, x.shape, x.dtype)
-    signs = signs.contiguous()
-    threads = _native_library().hf_cpt_rotate(x.data_ptr(), out.data_ptr(), signs.data_ptr(),
-                                               None if lead is None else lead.data_ptr(), lead_size, power,
-                                               x.numel() // features, int(transpose), native.threads())
-    return None if threads < 0 else out  # out of memory for a scratch row
+    power = signs.numel() // lead_size
+    return None if power % 16 else (lead, lead_size, power)
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
