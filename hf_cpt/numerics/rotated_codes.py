@@ -20,7 +20,7 @@ import torch
 from . import native
 from .code_kernels import Allocate
 from .fake_quant import MIN_SCALE, levels_on
-from .rotation import NATIVE_MIN_NUMEL, Rotation, native_layout
+from .rotation import Rotation, native_layout
 from .scratch import kept
 
 # (x's range as (min, max), each shaped to broadcast against x; (values or None, (uint8 codes, scale, minimum)))
@@ -39,15 +39,11 @@ def rotated_token_codes(x: torch.Tensor, dim: int, rotation: Rotation, bits: tor
     """``x R`` over ``dim``, the last axis, quantized per token at ``bits`` (at most 8), without forming ``x R``:
     its range (`fake_quant.token_range` of ``x R``) and ``(values, (codes, scale, minimum))`` as
     `fake_quant.fake_quantize_compact` of ``x R`` over that range gives them (``values`` None unless asked; written
-    into ``out(shape, dtype)`` if given), bit for bit. None where the kernel does not serve the call: another axis,
-    not a contiguous float32 CPU tensor with a float32 rotation, small, traced by torch.compile, a gradient asked of
-    ``x``, or a rotation `Rotation.apply`'s kernel does not take (a Sylvester part under 16)."""
-    if (x.dim() == 0 or dim % x.dim() != x.dim() - 1 or x.dtype != torch.float32
-            or (torch.is_grad_enabled() and x.requires_grad) or not native.takes(x, NATIVE_MIN_NUMEL)
-            or x.shape[-1] != rotation.features or rotation.signs.device.type != "cpu"
-            or rotation.signs.dtype != torch.float32):
+    into ``out(shape, dtype)`` if given), bit for bit. None where the kernel does not serve the call: another axis, a
+    gradient asked of ``x``, or a tensor or rotation the rotation kernel does not take (`rotation.native_layout`)."""
+    if x.dim() == 0 or dim % x.dim() != x.dim() - 1 or (torch.is_grad_enabled() and x.requires_grad):
         return None
-    layout = native_layout(rotation.signs, rotation.factors, rotation.kinds)
+    layout = native_layout(x, rotation.signs, rotation.factors, rotation.kinds)
     if layout is None or _library() is None:
         return None
     lead, lead_size, power = layout

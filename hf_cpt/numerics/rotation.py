@@ -289,12 +289,9 @@ def _rotate_native(
     x: torch.Tensor, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...],
     scratch: str | None = None, in_place: bool = False,
 ) -> torch.Tensor | None:
-    """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``, a row at a time), or None where it does
-    not serve the call: not a contiguous float32 CPU tensor, traced, small, or not `native_layout`. (Along another axis
-    the batched products ran faster than a column-tiled C kernel.) ``in_place``: over ``x`` (each row read first)."""
-    layout = native_layout(signs, factors, kinds)
-    if (layout is None or not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32
-            or any(t.dtype != torch.float32 for t in (signs, *factors)) or _native_library() is None):
+    """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``, a row at a time; along another axis batched
+    products ran faster), or None where it does not serve (`native_layout`). ``in_place``: over ``x``, row by row."""
+    if (layout := native_layout(x, signs, factors, kinds)) is None or _native_library() is None:
         return None
     lead, lead_size, power = layout
     out = x if in_place else torch.empty_like(x) if scratch is None else take(scratch, x.shape, x.dtype)
@@ -304,9 +301,12 @@ def _rotate_native(
     return None if threads < 0 else out  # out of memory for a scratch row
 
 
-def native_layout(signs, factors, kinds) -> tuple[torch.Tensor | None, int, int] | None:
-    """(the leading factor, contiguous, or None; its order n; the Sylvester part's order P) as the C kernels take a
-    rotation's ``signs``, ``factors`` and ``kinds``, or None for one they do not take (P not a multiple of 16)."""
+def native_layout(x, signs, factors, kinds) -> tuple[torch.Tensor | None, int, int] | None:
+    """(the leading factor, contiguous, or None; its order n; the Sylvester part's order P) where the C kernels rotate
+    ``x``'s last axis (a large contiguous float32 CPU tensor, not traced; a float32 rotation; P a multiple of 16)."""
+    if (not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or x.shape[-1] != signs.numel()
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (signs, *factors))):
+        return None
     lead = None if kinds[0] == "sylvester" else factors[0].contiguous()
     lead_size = 1 if lead is None else lead.shape[0]
     power = signs.numel() // lead_size
