@@ -153,7 +153,9 @@ def test_integer_products_setting_resolves_per_device():
     assert not PrecisionState(integer_matmul=True).integer_products(meta)  # CPU only
     assert not PrecisionState(integer_matmul=False).integer_products(cpu)
     with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False):
-        auto = PrecisionState(integer_matmul="auto")  # codes for the activations alone
+        assert PrecisionState(integer_matmul="auto").integer_on_cpu is False  # float products: the fastest step there
+        assert not PrecisionState(integer_matmul="auto").learns_products_on_codes(cpu)
+        auto = PrecisionState(integer_matmul="activations")  # codes for the activations alone
         assert auto.integer_on_cpu == "activations" and auto.learns_products_on_codes(cpu)
         asked, not_asked = nn.Linear(2, 2), nn.Linear(2, 2)
         auto.mark_products_on_codes(asked)
@@ -162,7 +164,7 @@ def test_integer_products_setting_resolves_per_device():
         assert auto.integer_products(cpu, asked) and not auto.integer_products(meta, asked)
         assert not auto.integer_products(cpu, not_asked) and not auto.integer_products(cpu)
         assert not auto.learns_products_on_codes(meta)
-        without_recomputation = PrecisionState(integer_matmul="auto", recompute_activation_inputs=False)
+        without_recomputation = PrecisionState(integer_matmul="activations", recompute_activation_inputs=False)
         assert not without_recomputation.integer_products(cpu, asked)
         assert not without_recomputation.learns_products_on_codes(cpu)
     with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=True):

@@ -177,8 +177,9 @@ class ActivationConfig:
         "CPU training forward of Linear / GPT-2 Conv1D layers at 8 bits or fewer on the operands' integer codes (exact "
         "int32 sums, scaled) instead of a float GEMM of fake-quantized values: True in every layer; 'activations' in "
         "the layers whose output an activation reads, which then recomputes it from the codes (from the next optimizer "
-        "step on); False never; 'auto' True on a CPU with int8 dot products (VNNI, AMX), else 'activations'. The same "
-        "values up to float rounding; eval and exports unchanged (docs/method.md §2)."
+        "step on: a float tensor less per MLP for one more product on codes per step); False never; 'auto' True on "
+        "a CPU with int8 dot products (VNNI, AMX), else False (the fastest step there). The same values up to float "
+        "rounding; eval and exports unchanged (docs/method.md §2)."
     )
 
     recompute_activation_inputs: bool = setting(

@@ -101,8 +101,8 @@ def environment_report() -> dict[str, str]:
     else:
         accelerator = "none (CPU)"
     products = ("on integer codes (this CPU has int8 dot products)" if integer_matmul_supported() else
-                "on fake-quantized floats, and on codes through the float32 GEMM in the layers whose output an "
-                "activation recomputes from them (no int8 dot products; integer_matmul='auto')")
+                "on fake-quantized floats (no int8 dot products; integer_matmul='auto'; 'activations' trades time "
+                "for memory)")
     if os.environ.get(native.DISABLE_VARIABLE) == "0":
         kernels = f"off (${native.DISABLE_VARIABLE}=0): torch formulas"
     else:

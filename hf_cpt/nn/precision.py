@@ -33,10 +33,11 @@ def _start_products_on_codes(optimizer, args, kwargs) -> None:
 
 def resolve_integer_matmul(integer_matmul: bool | str, recompute_activation_inputs: bool = True) -> bool | str:
     """Where CPU training products run on codes under the setting ``integer_matmul``: True (every layer's), False or
-    "activations"; "auto" is True on a CPU with int8 dot products, else "activations" where activations recompute
-    their inputs (else False: no layer would gain from its codes)."""
+    "activations" (False where activations do not recompute their inputs: no layer would gain from its codes).
+    "auto" is True on a CPU with int8 dot products and False elsewhere, where a product on codes goes through the
+    float32 GEMM and the activations' recomputation costs a second GEMM per MLP and step (docs/method.md §2)."""
     if integer_matmul == "auto":
-        integer_matmul = True if integer_matmul_supported() else "activations"
+        return integer_matmul_supported()
     if integer_matmul == "activations":
         return "activations" if recompute_activation_inputs else False
     return bool(integer_matmul)

@@ -11,11 +11,11 @@ gradient bit for bit, for one more product on codes per layer and step (the cost
 Activations are converted in place, like the layers (same object, ``isinstance`` holds, no state). One that is fed
 anything else (a normalization's output, an edited tensor) runs as before.
 
-Which layers multiply codes is `integer_matmul`'s choice. Under ``"activations"`` (the default on a CPU without int8
-dot products, where a product on codes costs more than a float one) a layer multiplies floats until an activation
-it feeds asks for its codes: its float product tags its output (`mark_float_product`), a converted activation fed
-that output marks the layer (`PrecisionState.mark_products_on_codes`), and from the next optimizer step on its
-product runs on codes and its output is recomputable (docs/method.md §2, "Integer products").
+Which layers multiply codes is `integer_matmul`'s choice. Under ``"activations"`` (an option on a CPU without int8
+dot products, where a product on codes costs more than a float one: memory for time) a layer multiplies floats until
+an activation it feeds asks for its codes: its float product tags its output (`mark_float_product`), a converted
+activation fed that output marks the layer (`PrecisionState.mark_products_on_codes`), and from the next optimizer
+step on its product runs on codes and its output is recomputable (docs/method.md §2, "Integer products").
 """
 
 from __future__ import annotations
