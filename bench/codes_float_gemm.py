@@ -1,6 +1,6 @@
 """What products on codes cost and save on a CPU without int8 dot products: each model step with its layers' training
 forward on float products (`CPTConfig(integer_matmul=False)`), on codes where an activation recomputes its input
-from them (``integer_matmul="activations"``, what ``"auto"`` resolves to on such a CPU) and on codes in every layer
+from them (``integer_matmul="activations"``; ``"auto"`` is ``False`` on such a CPU) and on codes in every layer
 (``integer_matmul=True``; the codes go through the float32 GEMM, whose sums are proven exact, or in float64),
 beside the plain model's.
 

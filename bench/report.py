@@ -162,7 +162,8 @@ def op_counts_summary(counts: dict) -> list[str]:
 PRODUCT_NOTES = {True: "layers' training products on integer codes (this CPU has int8 dot products)",
                  False: "float products (no int8 dot products on this CPU)",
                  "activations": "float products, on codes where an activation recomputes its input from them (no int8 "
-                                "dot products on this CPU, `integer_matmul=\"auto\"`)"}
+                                "dot products on this CPU; `integer_matmul=\"activations\"`, what `\"auto\"` meant "
+                                "there until 2026-12-02)"}
 
 
 def products_note(results: dict, end: str = "; ") -> str:
@@ -361,8 +362,8 @@ def codes_float_gemm_section(results: dict) -> list[str]:
     arms = ("float products", "for activations", "on codes")
     return _peaks_against_plain(
         results, arms, "the layers' training forward on fake-quantized floats (`integer_matmul=False`), on codes "
-        "where an activation recomputes its input from them (`integer_matmul=\"activations\"`, what `\"auto\"` "
-        "resolves to on this CPU; from the second step on) or on codes in every layer (`integer_matmul=True`), "
+        "where an activation recomputes its input from them (`integer_matmul=\"activations\"`, from the second step "
+        "on) or on codes in every layer (`integer_matmul=True`), "
         "through the float32 GEMM; AdamW fused, as transformers' Trainer makes it",
         "products on codes of one step, float32 GEMM / float64: for activations; on codes | kept for backward, MiB: "
         + " / ".join(("plain", *arms)),
