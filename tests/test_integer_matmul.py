@@ -155,15 +155,15 @@ def test_integer_products_setting_resolves_per_device():
     with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False):
         assert PrecisionState(integer_matmul="auto").integer_on_cpu is False  # float products: the fastest step there
         assert not PrecisionState(integer_matmul="auto").learns_products_on_codes(cpu)
-        auto = PrecisionState(integer_matmul="activations")  # codes for the activations alone
-        assert auto.integer_on_cpu == "activations" and auto.learns_products_on_codes(cpu)
+        activations = PrecisionState(integer_matmul="activations")  # codes for the activations alone
+        assert activations.integer_on_cpu == "activations" and activations.learns_products_on_codes(cpu)
         asked, not_asked = nn.Linear(2, 2), nn.Linear(2, 2)
-        auto.mark_products_on_codes(asked)
-        assert not auto.integer_products(cpu, asked)  # not before an optimizer step
+        activations.mark_products_on_codes(asked)
+        assert not activations.integer_products(cpu, asked)  # not before an optimizer step
         torch.optim.SGD(asked.parameters(), lr=0.1).step()  # any optimizer's
-        assert auto.integer_products(cpu, asked) and not auto.integer_products(meta, asked)
-        assert not auto.integer_products(cpu, not_asked) and not auto.integer_products(cpu)
-        assert not auto.learns_products_on_codes(meta)
+        assert activations.integer_products(cpu, asked) and not activations.integer_products(meta, asked)
+        assert not activations.integer_products(cpu, not_asked) and not activations.integer_products(cpu)
+        assert not activations.learns_products_on_codes(meta)
         without_recomputation = PrecisionState(integer_matmul="activations", recompute_activation_inputs=False)
         assert not without_recomputation.integer_products(cpu, asked)
         assert not without_recomputation.learns_products_on_codes(cpu)
