@@ -336,9 +336,32 @@ def test_native_rotation_makes_the_values_of_its_operations_in_order(features):
         assert torch.equal(_native_served(x, rotation, transpose), _kernel_order_reference(x, rotation, transpose))
 
 
+# Paley 12 x 64, Sylvester 1024, dense 9 x 64, Paley 12 x 256; 100 columns: three whole blocks and a part
+@pytest.mark.parametrize("features", [768, 1024, 576, 3072])
+def test_native_rotation_of_a_matrix_first_axis_is_the_row_kernel_on_its_transpose(features, monkeypatch):
+    """A GPT-2 Conv1D's weight, (input features, outputs), rotates over its first axis: the C kernel rotates its
+    columns a block at a time with the row kernel's operations in its order, so each column is bit for bit the row
+    kernel's rotation of that column, at every thread count, and within float32 rounding of ``R^T W``."""
+    if rotation_module._native_library() is None:
+        pytest.skip("no C compiler on this machine")
+    rotation = get_rotation(features)
+    dense = kronecker_reference(get_rotation(features, dtype=torch.float64))
+    weight = torch.randn(features, 100) * torch.logspace(-3, 2, features)[:, None]
+    for transpose in (False, True):
+        rows = _native_served(weight.t().contiguous(), rotation, transpose).t()
+        for count in (1, 2, 3):
+            monkeypatch.setenv(native.THREADS_VARIABLE, str(count))
+            columns = rotation_module._rotate_native(weight, transpose, rotation.signs, rotation.factors,
+                                                     rotation.kinds, dim=0)
+            assert columns is not None and torch.equal(columns, rows)
+        assert torch.equal(rotation.apply(weight, 0, transpose=transpose), rows)  # what the layers call
+        expected = (dense if transpose else dense.T) @ weight.double()
+        assert ((rows.double() - expected).abs().max() / expected.abs().max()) < 1e-6
+
+
 def test_calls_the_native_rotation_does_not_serve_keep_the_products():
     """bf16, a transposed view, a Sylvester part under 16 (96 = 12 x 8) and a small tensor take the factor-by-factor
-    products; so does a rotation along another axis (a GPT-2 Conv1D weight), still the same matrix."""
+    products; so does a rotation along a middle axis, still the same matrix."""
     rotation = get_rotation(768)
     big = torch.randn(64, 768)
     assert _native_served(big.bfloat16(), rotation.to(torch.device("cpu"), torch.bfloat16)) is None
@@ -346,12 +369,12 @@ def test_calls_the_native_rotation_does_not_serve_keep_the_products():
     assert _native_served(torch.randn(4, 768), rotation) is None
     small = get_rotation(96)
     assert _native_served(torch.randn(1024, 96), small) is None
-    column = torch.randn(768, 64)
+    middle = torch.randn(2, 768, 64)
     dense = kronecker_reference(get_rotation(768, dtype=torch.float64))
-    assert torch.allclose(rotation.apply(column, dim=0).double(), dense.T @ column.double(), atol=1e-5)
+    assert torch.allclose(rotation.apply(middle, dim=1).double(), dense.T @ middle.double(), atol=1e-5)
 
 
-@pytest.mark.parametrize("features,dim", [(768, -1), (768, 0), (3072, 0), (96, -1), (576, 0)])
+@pytest.mark.parametrize("features,dim", [(768, -1), (768, 0), (3072, 0), (96, -1), (576, 0), (768, 1)])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, transpose):
     """``scratch``: the result lands in that role's buffer (its intermediates in a second one, ``between`` where
@@ -360,7 +383,7 @@ def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, tran
     from hf_cpt.numerics import scratch
 
     rotation = get_rotation(features)
-    shape = (features, 512) if dim == 0 else (300, features)
+    shape = {-1: (300, features), 0: (features, 512), 1: (2, features, 256)}[dim]
     x = torch.randn(*shape) * torch.logspace(-3, 2, shape[-1])
     scratch.release()
     try:
@@ -371,7 +394,7 @@ def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, tran
         again = rotation.apply(x.flip(0), dim, transpose, scratch="rotated")
         assert again.data_ptr() == buffer.data_ptr() and torch.equal(again, rotation.apply(x.flip(0), dim, transpose))
         stepped = ("rotated:step", torch.float32) in scratch._local.buffers  # factor by factor, not the C kernel
-        assert stepped == (dim == 0 or features == 96)  # (96 features: under the C kernel's size)
+        assert stepped == (dim == 1 or features == 96)  # a middle axis; 96 features: under the C kernel's size
         scratch.release()
         between = rotation.apply(x, dim, transpose, scratch="rotated", between="idle")
         assert torch.equal(between, rotation.apply(x, dim, transpose))
@@ -382,19 +405,20 @@ def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, tran
         scratch.release()
 
 
-@pytest.mark.parametrize("features,dim", [(768, -1), (1024, -1), (768, 0), (96, -1)])
+@pytest.mark.parametrize("features,dim", [(768, -1), (1024, -1), (768, 0), (96, -1), (768, 1)])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_a_rotation_in_place_equals_the_fresh_one(features, dim, transpose):
-    """``in_place``: where the C kernel serves (the last axis, 16K values or more) the result is written over the
-    input, bit for bit the fresh rotation's, with a leading factor (768 = 12 x 64) or without (1024); elsewhere a
-    new tensor, the input untouched; a tensor that needs its gradient is refused."""
+    """``in_place``: where the C kernel serves (the last axis or a matrix's first, 32K values or more) the result is
+    written over the input, bit for bit the fresh rotation's, with a leading factor (768 = 12 x 64) or without (1024);
+    elsewhere (a middle axis, 96 features) a new tensor, the input untouched; a tensor that needs its gradient is
+    refused."""
     rotation = get_rotation(features)
-    shape = (features, 512) if dim == 0 else (300, features)
+    shape = {-1: (300, features), 0: (features, 512), 1: (2, features, 256)}[dim]
     x = torch.randn(*shape) * torch.logspace(-3, 2, shape[-1])
     expected, owned = rotation.apply(x, dim, transpose), x.clone()
     result = rotation.apply(owned, dim, transpose, in_place=True)
     assert torch.equal(result, expected)
-    native_served = dim == -1 and features != 96 and rotation_module._native_library() is not None
+    native_served = dim in (-1, 0) and features != 96 and rotation_module._native_library() is not None
     assert (result.data_ptr() == owned.data_ptr()) == native_served
     assert torch.equal(owned, expected if native_served else x)
     with pytest.raises(ValueError, match="x.detach"):

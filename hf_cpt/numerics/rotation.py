@@ -11,8 +11,7 @@ matrix gets a dense random orthogonal factor. The rotation is applied over its f
 one block of at most 256, each other factor on its own axis: far fewer operations per value than ``d`` for a dense
 matrix) and is a deterministic function of ``(d, seed)``, so a reloaded checkpoint rebuilds the same one (packed
 checkpoints also store the tensors, so a loaded layer computes with its very rotation). Every tensor is built on an
-explicit CPU device: transformers builds models under a meta-device context before loading weights, and a rotation built
-there would have no data. This module knows nothing about layers or training.
+explicit CPU device (transformers builds models on the meta device before loading weights). Knows nothing of layers.
 """
 
 from __future__ import annotations
@@ -235,16 +234,16 @@ def _rotate(
 
     Each step (`_axis_steps`) contracts one axis of a view of ``x`` as ``(lead, size, trailing)`` by a (batched)
     matrix product, along any ``dim``, so no step copies the tensor to move an axis (docs/method.md, "Rotation").
-    Over the last axis of a float32 CPU tensor the C kernel runs instead (`_rotate_native`). With ``scratch`` (a
-    role; CPU tensors outside a compiled graph), the result goes into that role's reused buffer and the
-    intermediates alternate with a second one (``between``, else ``"<scratch>:step"``).
+    Over the last axis of a float32 CPU tensor, or a matrix's first, the C kernel runs (`_rotate_native`). With
+    ``scratch`` (a role; CPU tensors outside a compiled graph), the result goes into that role's reused buffer and
+    the intermediates alternate with a second one (``between``, else ``"<scratch>:step"``).
     """
     dim = dim % x.dim()
     trailing = math.prod(x.shape[dim + 1:])
     if scratch is not None and (x.device.type != "cpu" or torch.compiler.is_dynamo_compiling()):
         scratch = None
-    if trailing == 1:
-        rotated = _rotate_native(x, transpose, signs, factors, kinds, scratch, in_place)
+    if trailing == 1 or (dim == 0 and x.dim() == 2):
+        rotated = _rotate_native(x, transpose, signs, factors, kinds, scratch, in_place, -1 if trailing == 1 else 0)
         if rotated is not None:
             return rotated
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
@@ -281,30 +280,31 @@ NATIVE_MIN_NUMEL = 1 << 15  # below this many values the factor-by-factor produc
 
 @functools.cache
 def _native_library():
-    return native.bind("rotation_kernels", {
-        "hf_cpt_rotate": ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2, ctypes.c_int)})
+    signature = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    return native.bind("rotation_kernels", {"hf_cpt_rotate": (signature, ctypes.c_int),
+                                            "hf_cpt_rotate_columns": (signature, ctypes.c_int)})
 
 
 def _rotate_native(
     x: torch.Tensor, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...],
-    scratch: str | None = None, in_place: bool = False,
+    scratch: str | None = None, in_place: bool = False, dim: int = -1,
 ) -> torch.Tensor | None:
-    """`_rotate` over the last axis by the C kernel (``rotation_kernels.c``, a row at a time; along another axis batched
-    products ran faster), or None where it does not serve (`native_layout`). ``in_place``: over ``x``, row by row."""
-    if (layout := native_layout(x, signs, factors, kinds)) is None or _native_library() is None:
+    """`_rotate` over the last axis, or a matrix's first (``dim=0``: a Conv1D's weight), by the C kernel (rows, or
+    blocks of columns), or None where it does not serve (`native_layout`). ``in_place``: over ``x``."""
+    if (layout := native_layout(x, signs, factors, kinds, dim)) is None or _native_library() is None:
         return None
     lead, lead_size, power = layout
     out = x if in_place else torch.empty_like(x) if scratch is None else take(scratch, x.shape, x.dtype)
-    threads = _native_library().hf_cpt_rotate(x.data_ptr(), out.data_ptr(), signs.contiguous().data_ptr(),
-                                               None if lead is None else lead.data_ptr(), lead_size, power,
-                                               x.numel() // signs.numel(), int(transpose), native.threads())
+    kernel = _native_library().hf_cpt_rotate_columns if dim == 0 else _native_library().hf_cpt_rotate
+    threads = kernel(x.data_ptr(), out.data_ptr(), signs.contiguous().data_ptr(), None if lead is None else
+                     lead.data_ptr(), lead_size, power, x.numel() // signs.numel(), int(transpose), native.threads())
     return None if threads < 0 else out  # out of memory for a scratch row
 
 
-def native_layout(x, signs, factors, kinds) -> tuple[torch.Tensor | None, int, int] | None:
+def native_layout(x, signs, factors, kinds, dim: int = -1) -> tuple[torch.Tensor | None, int, int] | None:
     """(the leading factor, contiguous, or None; its order n; the Sylvester part's order P) where the C kernels rotate
-    ``x``'s last axis (a large contiguous float32 CPU tensor, not traced; a float32 rotation; P a multiple of 16)."""
-    if (not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or x.shape[-1] != signs.numel()
+    ``x`` over ``dim`` (a large contiguous float32 CPU tensor, untraced; a float32 rotation; P a multiple of 16)."""
+    if (not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or x.shape[dim] != signs.numel()
             or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (signs, *factors))):
         return None
     lead = None if kinds[0] == "sylvester" else factors[0].contiguous()

@@ -1,4 +1,4 @@
-/* Rotations of the last axis on CPU, one row at a time (docs/method.md §3, "Rotation").
+/* Rotations of the last axis (and of a matrix's first, a block of columns at a time) on CPU, one row at a time (docs/method.md §3, "Rotation").
  *
  * R = diag(s) (A ⊗ H_P / sqrt(P)): random signs s, an optional leading factor A of order n (Paley or dense,
  * orthonormal), and the Sylvester-Hadamard part of order P = d / n (the Kronecker product of rotation.py's
@@ -212,6 +212,107 @@ int hf_cpt_rotate(const float *x, float *y, const float *signs, const float *lea
                   int64_t rows, int transpose, int threads) {
     const rotate_args args = {x, y, signs, lead, lead_size, power, transpose};
     return split_items(rotate_rows, &args, rows, rows * lead_size * power, MIN_ELEMENTS_PER_THREAD, threads);
+}
+
+/* Columns rotated together by hf_cpt_rotate_columns: d x 32 floats stay in cache through every step. */
+#define COLUMN_BLOCK 32
+#define BLOCK_LANES (COLUMN_BLOCK / LANES)
+
+typedef struct {
+    rotate_args rotation;
+    int64_t columns;
+} rotate_columns_args;
+
+/* Blocks [first, last) of COLUMN_BLOCK columns, each column rotated as rotate_row rotates a row, by the same
+ * operations in the same order (so the values of the row kernel on the transpose, bit for bit): the signs, the
+ * butterfly stages of distance 1, 2, 4, ... within each block of `power` rows, then A across the blocks (0, + c * t
+ * for each input block in turn, * norm, * sign), each operation on a row's segment of the block's columns at once. */
+static int rotate_column_blocks(const void *args, int64_t first, int64_t last) {
+    const rotate_columns_args *a = (const rotate_columns_args *)args;
+    const rotate_args *r = &a->rotation;
+    const int64_t n = r->lead_size, power = r->power, d = n * power, m = a->columns;
+    /* A block of `power` rows of the segment a row longer: blocks a power of two apart would share cache sets. */
+    const int64_t stride = (power + 1) * BLOCK_LANES;
+    const float norm = (float)(1.0 / sqrt((double)power));
+    const float *before = r->transpose ? 0 : r->signs, *after = r->transpose ? r->signs : 0;
+    workspace w;
+    if (make_workspace(r, 0, &w)) return 1;
+    lanes *t = (lanes *)aligned_alloc(64, sizeof(lanes) * (size_t)(n * stride));
+    if (!t) {
+        free_workspace(&w);
+        return 1;
+    }
+    for (int64_t block = first; block < last; block++) {
+        const int64_t c0 = block * COLUMN_BLOCK, width = m - c0 < COLUMN_BLOCK ? m - c0 : COLUMN_BLOCK;
+        for (int64_t i = 0; i < d; i++) {
+            const float *source = r->x + i * m + c0;
+            lanes *segment = t + (i / power) * stride + (i % power) * BLOCK_LANES;
+            if (width == COLUMN_BLOCK) {
+                for (int64_t k = 0; k < BLOCK_LANES; k++) {
+                    const lanes v = *(const unaligned_lanes *)(source + k * LANES);
+                    segment[k] = before ? v * before[i] : v;
+                }
+            } else {
+                for (int64_t k = 0; k < COLUMN_BLOCK; k++)
+                    ((float *)segment)[k] = k >= width ? 0.0f : before ? source[k] * before[i] : source[k];
+            }
+        }
+        for (int64_t b = 0; b < n; b++) {
+            lanes *rows = t + b * stride;
+            for (int64_t h = 1; h < power; h <<= 1)
+                for (int64_t i = 0; i < power; i += h << 1)
+                    for (int64_t j = i; j < i + h; j++)
+                        for (int64_t k = 0; k < BLOCK_LANES; k++) {
+                            const lanes x0 = rows[j * BLOCK_LANES + k], x1 = rows[(j + h) * BLOCK_LANES + k];
+                            rows[j * BLOCK_LANES + k] = x0 + x1;
+                            rows[(j + h) * BLOCK_LANES + k] = x0 - x1;
+                        }
+        }
+        for (int64_t p = 0; p < power; p++) {
+            for (int64_t k = 0; k < BLOCK_LANES; k++) {
+                lanes sums[4];
+                for (int64_t out = 0; out < n; out += 4) {
+                    const int64_t outputs = n - out < 4 ? n - out : 4;
+                    if (r->lead) {
+                        for (int q = 0; q < 4; q++) sums[q] = (lanes){0};
+                        for (int64_t in = 0; in < n; in++) {
+                            const lanes v = t[in * stride + p * BLOCK_LANES + k];
+                            const float *c = w.coefficients + in * n + out;
+                            for (int q = 0; q < outputs; q++) sums[q] = sums[q] + c[q] * v;
+                        }
+                    } else {
+                        sums[0] = t[p * BLOCK_LANES + k];
+                    }
+                    for (int q = 0; q < outputs; q++) {
+                        const int64_t row = (out + q) * power + p;
+                        lanes value = sums[q] * norm;
+                        if (after) value = value * after[row];
+                        float *target = r->y + row * m + c0 + k * LANES;
+                        if (width == COLUMN_BLOCK) {
+                            *(unaligned_lanes *)target = value;
+                        } else {
+                            for (int64_t lane = 0; lane < LANES && k * LANES + lane < width; lane++)
+                                target[lane] = value[lane];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(t);
+    free_workspace(&w);
+    return 0;
+}
+
+/* y = R^T x (R x with transpose) for x of (lead_size * power) rows and `columns` columns (contiguous): the rotation
+ * of the first axis (a GPT-2 Conv1D's weight), each column's values those of hf_cpt_rotate on the transpose. The
+ * number of threads used, or -1 when out of memory. */
+int hf_cpt_rotate_columns(const float *x, float *y, const float *signs, const float *lead, int64_t lead_size,
+                          int64_t power, int64_t columns, int transpose, int threads) {
+    const rotate_columns_args args = {{x, y, signs, lead, lead_size, power, transpose}, columns};
+    const int64_t blocks = (columns + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+    return split_items(rotate_column_blocks, &args, blocks, columns * lead_size * power, MIN_ELEMENTS_PER_THREAD,
+                       threads);
 }
 
 typedef struct {
