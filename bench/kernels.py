@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from hf_cpt.numerics import code_kernels, error_kernels, mask_kernels, native
+from hf_cpt.numerics import rotation as rotation_module
 from hf_cpt.numerics.fake_quant import quantization_scale
 from hf_cpt.numerics.rotated_codes import rotated_token_codes
 from hf_cpt.numerics.rotation import get_rotation
@@ -80,6 +81,10 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
         rows = torch.randn(TOKENS * FEATURES // features, features, generator=generator)
         cases.append((f"rotation of {features} features", "rotation", rows,
                       lambda r=rotation, t=rows: r.apply(t, in_place=True)))
+    weight_rotation = get_rotation(FEATURES)
+    for name in ("factor by factor", "C kernel"):  # a GPT-2 Conv1D's [in, out] weight, over its input features
+        cases.append((f"rotation of a {FEATURES} x {WIDE} weight's first axis, {name}", "rotation", wide,
+                      lambda by_factors=name != "C kernel": _first_axis_rotation(wide, weight_rotation, by_factors)))
     for features in (768, 3072):  # a rotated input's range, codes and values, as a layer's training forward makes them
         rotation = get_rotation(features)
         rows = torch.randn(TOKENS * FEATURES // features, features, generator=generator)
@@ -90,6 +95,17 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
              lambda r=rotation, t=rows: rotated_token_codes(t, -1, r, eight_bits, values=True, out=into_values)),
         ]
     return cases
+
+
+def _first_axis_rotation(weight: torch.Tensor, rotation, by_factors: bool) -> torch.Tensor:
+    """``R^T W`` into a reused buffer, as a Conv1D's training forward rotates its weight: by the C kernel, or by
+    torch's products factor by factor (what ran before the kernel served that axis)."""
+    saved = rotation_module.NATIVE_MIN_NUMEL
+    rotation_module.NATIVE_MIN_NUMEL = sys.maxsize if by_factors else saved
+    try:
+        return rotation.apply(weight, 0, scratch="rotated")
+    finally:
+        rotation_module.NATIVE_MIN_NUMEL = saved
 
 
 def _rotated_codes_step_by_step(x: torch.Tensor, rotation, levels: torch.Tensor, out) -> tuple:

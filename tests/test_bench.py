@@ -1160,6 +1160,8 @@ def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a
                                              "rotated codes"}
     assert all(row["ns_per_value"] > 0 and row["copy_ns_per_value"] > 0 for row in rows)
     assert all(row["ratio"] == pytest.approx(row["ns_per_value"] / row["copy_ns_per_value"]) for row in rows)
+    first_axis = [row["case"] for row in rows if "weight's first axis" in row["case"]]  # a Conv1D weight's rotation
+    assert [case.rsplit(", ", 1)[1] for case in first_axis] == ["factor by factor", "C kernel"]
 
     spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
     report = importlib.util.module_from_spec(spec)
