@@ -1,4 +1,5 @@
-/* Rotations of the last axis (and of a matrix's first, a block of columns at a time) on CPU, one row at a time (docs/method.md §3, "Rotation").
+/* Rotations on CPU of the last axis, one row at a time, and of a matrix's first axis, a block of columns at a time
+ * (docs/method.md §3, "Rotation").
  *
  * R = diag(s) (A ⊗ H_P / sqrt(P)): random signs s, an optional leading factor A of order n (Paley or dense,
  * orthonormal), and the Sylvester-Hadamard part of order P = d / n (the Kronecker product of rotation.py's
