@@ -370,6 +370,8 @@ def test_calls_the_native_rotation_does_not_serve_keep_the_products():
     small = get_rotation(96)
     assert _native_served(torch.randn(1024, 96), small) is None
     middle = torch.randn(2, 768, 64)
+    assert rotation_module.native_layout(middle.transpose(0, 1).contiguous(), rotation.signs, rotation.factors,
+                                         rotation.kinds, dim=0) is None  # a first axis of a matrix only
     dense = kronecker_reference(get_rotation(768, dtype=torch.float64))
     assert torch.allclose(rotation.apply(middle, dim=1).double(), dense.T @ middle.double(), atol=1e-5)
 

@@ -242,7 +242,7 @@ def _rotate(
     trailing = math.prod(x.shape[dim + 1:])
     if scratch is not None and (x.device.type != "cpu" or torch.compiler.is_dynamo_compiling()):
         scratch = None
-    if trailing == 1 or (dim == 0 and x.dim() == 2):
+    if trailing == 1 or dim == 0:
         rotated = _rotate_native(x, transpose, signs, factors, kinds, scratch, in_place, -1 if trailing == 1 else 0)
         if rotated is not None:
             return rotated
@@ -280,9 +280,8 @@ NATIVE_MIN_NUMEL = 1 << 15  # below this many values the factor-by-factor produc
 
 @functools.cache
 def _native_library():
-    signature = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    return native.bind("rotation_kernels", {"hf_cpt_rotate": (signature, ctypes.c_int),
-                                            "hf_cpt_rotate_columns": (signature, ctypes.c_int)})
+    signature = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2, ctypes.c_int)  # both kernels'
+    return native.bind("rotation_kernels", {"hf_cpt_rotate": signature, "hf_cpt_rotate_columns": signature})
 
 
 def _rotate_native(
@@ -303,13 +302,14 @@ def _rotate_native(
 
 def native_layout(x, signs, factors, kinds, dim: int = -1) -> tuple[torch.Tensor | None, int, int] | None:
     """(the leading factor, contiguous, or None; its order n; the Sylvester part's order P) where the C kernels rotate
-    ``x`` over ``dim`` (a large contiguous float32 CPU tensor, untraced; a float32 rotation; P a multiple of 16)."""
-    if (not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32 or x.shape[dim] != signs.numel()
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (signs, *factors))):
+    ``x`` over ``dim`` (-1, or 0 of a matrix; large, contiguous, float32, CPU, untraced; P a multiple of 16)."""
+    served_axis = dim == -1 or (dim == 0 and x.dim() == 2)
+    if (not served_axis or not native.takes(x, NATIVE_MIN_NUMEL) or x.dtype != torch.float32
+            or x.shape[dim] != signs.numel() or any(t.dtype != torch.float32 or t.device.type != "cpu"
+                                                    for t in (signs, *factors))):
         return None
     lead = None if kinds[0] == "sylvester" else factors[0].contiguous()
-    lead_size = 1 if lead is None else lead.shape[0]
-    power = signs.numel() // lead_size
+    power = signs.numel() // (lead_size := 1 if lead is None else lead.shape[0])
     return None if power % 16 else (lead, lead_size, power)
 
 
