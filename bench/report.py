@@ -295,6 +295,28 @@ def own_mappings_section(results: dict) -> list[str]:
         lambda row: f"{row['codes']['mapped']} ({row['codes']['mapped_mib']:,.0f}) / {row['codes']['heap']}")
 
 
+def heap_use_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of what glibc's heap holds at the end of each phase of a training step, plain
+    beside CPT 8/8, from `bench/heap_use.py`'s JSON."""
+    lines = [f"`{results['command']}` (torch {results['torch']}; {products_note(results)}{adamw_text(results)}; "
+             "MiB of glibc's heap at the end of each phase of a training step, the last of "
+             f"{results['steps']} in a fresh process per side under glibc's default: in use, and the free holes below "
+             "the heap's top, which stay resident; the process's peak resident memory (VmHWM), CPT 8/8 / plain):", "",
+             "| case | side | " + " | ".join(f"{phase}'s end: in use | holes" for phase in ("forward", "backward"))
+             + " | after the optimizer step: in use | holes | peak |",
+             "|---|---|" + "---:|" * 7]
+    for row in results["rows"]:
+        plain_peak = row["sides"]["plain"]["peak_mib"]
+        for side, label in (("plain", "plain"), ("quant", "CPT 8/8")):
+            figures = row["sides"][side]
+            cells = [f"{figures['phases'][phase][part]:,.0f}" for phase in ("forward", "backward", "optimizer step")
+                     for part in ("in_use", "holes")]
+            peak = figures["peak_mib"]
+            cells.append(f"{peak:,.0f}" + (f" ({peak / plain_peak:.3f})" if side == "quant" else ""))
+            lines.append(f"| {row['key']} | {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def allocators_section(results: dict) -> list[str]:
     """docs/benchmarks.md's table of each model step's peak memory and time under each CPU memory allocator, plain
     beside CPT 8/8, from `bench/allocators.py`'s JSON."""
@@ -660,6 +682,7 @@ def main() -> None:
                                  ("embedding_rows.json", "embedding-rows", embedding_rows_section),
                                  ("codes_float_gemm.json", "codes-float-gemm", codes_float_gemm_section),
                                  ("own_mappings.json", "own-mappings", own_mappings_section),
+                                 ("heap_use.json", "heap-use", heap_use_section),
                                  ("allocators.json", "allocators", allocators_section),
                                  ("kernels.json", "kernels", kernels_section)):
         results = results_page.load(args.results, name)

@@ -1133,6 +1133,55 @@ def test_peak_phases_trims_hand_the_heaps_free_pages_back_where_asked_and_refuse
         assert len(seconds) == 2 and all(s > 0 for s in seconds)  # the steps after the first
 
 
+class _KeepsEveryOtherBlock(torch.nn.Module):
+    """A forward that makes 512 blocks of 64 KiB (below glibc's mmap threshold: in the heap) and keeps every other
+    one for its backward: 16 MiB kept until the backward, 16 MiB freed between them during the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        blocks = [torch.ones(16 * 1024) + x for _ in range(512)]
+        return {"loss": sum((block * self.scale).sum() for block in blocks[::2])}
+
+
+def _glibc_mallinfo2_or_skip(heap_use):
+    try:
+        return heap_use._mallinfo2()
+    except RuntimeError:
+        pytest.skip("this C library has no mallinfo2 (glibc 2.33 or later)")
+
+
+def test_heap_use_tells_the_heaps_blocks_in_use_from_its_free_holes_in_each_phase():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import heap_use
+
+    mallinfo2 = _glibc_mallinfo2_or_skip(heap_use)
+    blocks = [torch.ones(16 * 1024) for _ in range(1024)]  # 64 MiB of 64 KiB blocks
+    before = heap_use.heap_now(mallinfo2)
+    del blocks[::2]  # 32 MiB of them freed between the others: holes that stay in the heap
+    after = heap_use.heap_now(mallinfo2)
+    assert before["in_use"] - after["in_use"] > 30
+    assert after["holes"] - before["holes"] > 30
+
+    figures = heap_use.phase_heaps(_KeepsEveryOtherBlock(), {"x": torch.zeros(())}, steps=2)
+    phases = figures["phases"]
+    assert list(phases) == list(heap_use.PHASES)
+    # the 16 MiB the forward keeps are in use at its end and freed by the backward
+    assert phases["forward"]["in_use"] - phases["backward"]["in_use"] > 14
+    assert figures["peak_mib"] > phases["forward"]["in_use"]
+
+    side = {"phases": {phase: {"in_use": 10.0, "holes": 2.0} for phase in heap_use.PHASES}, "peak_mib": 100.0}
+    quant = {"phases": {phase: {"in_use": 8.0, "holes": 4.0} for phase in heap_use.PHASES}, "peak_mib": 95.0}
+    lines = _load_report().heap_use_section({"command": "python bench/heap_use.py", "steps": 6, "torch": "2",
+                                             "adamw": "fused", "rows": [{"key": "bert", "sides": {
+                                                 "plain": side, "quant": quant}}]})
+    assert "the last of 6 in a fresh process per side" in lines[0]
+    assert lines[-2] == "| bert | plain | 10 | 2 | 10 | 2 | 10 | 2 | 100 |"
+    assert lines[-1] == "| bert | CPT 8/8 | 8 | 4 | 8 | 4 | 8 | 4 | 95 (0.950) |"
+
+
 class _LossOf(torch.nn.Module):
     """A model's summed output as a training loss, in the ``{"loss": ...}`` form the bench's steps read."""
 
