@@ -20,8 +20,6 @@ import sys
 
 import torch
 
-from hf_cpt.convert import find_precision_state, is_quantized
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -60,29 +58,14 @@ def heap_now(mallinfo2) -> dict[str, float]:
 
 
 def phase_heaps(model: torch.nn.Module, batch: dict, steps: int = STEPS) -> dict:
-    """`heap_now` at the end of each phase of the last of ``steps`` training steps (forward, backward, AdamW step with
-    the gradients then freed), and the process's peak resident MiB."""
+    """`heap_now` at the end of each phase of the last of ``steps`` training steps (`overhead.training_step`:
+    forward, backward, AdamW step with the gradients then freed), and the process's peak resident MiB."""
     mallinfo2 = _mallinfo2()  # refuse before any step where it cannot be read
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **overhead.ADAMW_OPTIONS)
-    # a CPT model's weight epoch advances as under the Trainer (`overhead.training_step`)
-    reused = find_precision_state(model).reused_weights if is_quantized(model) else None
     heaps: dict[str, dict[str, float]] = {}
+    step = overhead.training_step(model, batch, micro_batches=1,
+                                  phase_ended=lambda phase: heaps.__setitem__(phase, heap_now(mallinfo2)))
     for _ in range(steps):
-        if reused is not None:
-            reused.begin_step(1)
-        loss = model(**batch)["loss"]
-        heaps["forward"] = heap_now(mallinfo2)
-        loss.backward()
-        del loss
-        heaps["backward"] = heap_now(mallinfo2)
-        if reused is not None:
-            reused.end_step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if reused is not None:
-            reused.end_step()
-        heaps["optimizer step"] = heap_now(mallinfo2)
+        step()
     return {"phases": heaps, "peak_mib": overhead.vm_hwm_mib()}
 
 

@@ -185,21 +185,28 @@ def bert_steps(batch_size: int, seq_len: int, fused: bool) -> tuple[Step, Step]:
     return make(plain), make(quantized)
 
 
-def training_step(model: nn.Module, batch: dict, micro_batches: int | None = None) -> Step:
+def training_step(model: nn.Module, batch: dict, micro_batches: int | None = None,
+                  phase_ended: Callable[[str], None] | None = None) -> Step:
     """One training step (forward, backward, AdamW) of ``model`` on ``batch``; with ``micro_batches`` > 1, that many
     forward + backward passes accumulate before the optimizer step. A CPT model's weight epoch advances as the Trainer
     integration advances it (`hf_cpt.nn.reused_weights`), so the micro-batches share one quantized copy of each
-    weight and what a Trainer run keeps is measured."""
+    weight and what a Trainer run keeps is measured. ``phase_ended`` is called with "forward", "backward" and
+    "optimizer step" as each ends (the gradients freed after the last)."""
     micro_batches = MICRO_BATCHES if micro_batches is None else micro_batches
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **ADAMW_OPTIONS)
     reused = find_precision_state(model).reused_weights if is_quantized(model) else None
+    ended = phase_ended or (lambda phase: None)
 
     def step() -> None:
         if reused is not None:
             reused.begin_step(micro_batches)
         for micro_batch in range(micro_batches):
-            (model(**batch)["loss"] / micro_batches).backward()
+            loss = model(**batch)["loss"] / micro_batches
+            ended("forward")
+            loss.backward()
+            del loss
+            ended("backward")
             if reused is not None and micro_batch < micro_batches - 1:
                 reused.end_micro_batch()
         if reused is not None:
@@ -208,6 +215,7 @@ def training_step(model: nn.Module, batch: dict, micro_batches: int | None = Non
         optimizer.zero_grad(set_to_none=True)
         if reused is not None:
             reused.end_step()
+        ended("optimizer step")
 
     return step
 
