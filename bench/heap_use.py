@@ -26,7 +26,7 @@ sys.path.insert(0, HERE)
 import overhead  # noqa: E402  (the bench's model builders and fresh-process runner)
 from harness import load_results, products_setting, save_results  # noqa: E402
 
-PHASES = ("forward", "backward", "optimizer step")
+PHASES = overhead.PHASES
 # key -> the bench's model builder
 CASES = {"bert-base-16": "bert_base_16", "minilm": "minilm", "gpt2": "gpt2_small", "vit-s": "vit_small",
          "resnet20": "resnet20"}

@@ -51,6 +51,8 @@ from hf_cpt.numerics import code_kernels, native, rotation, scratch
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 
 Step = Callable[[], None]
+# the phases of a training step, in order (`training_step`'s ``phase_ended``)
+PHASES = ("forward", "backward", "optimizer step")
 
 
 @dataclass
@@ -190,8 +192,8 @@ def training_step(model: nn.Module, batch: dict, micro_batches: int | None = Non
     """One training step (forward, backward, AdamW) of ``model`` on ``batch``; with ``micro_batches`` > 1, that many
     forward + backward passes accumulate before the optimizer step. A CPT model's weight epoch advances as the Trainer
     integration advances it (`hf_cpt.nn.reused_weights`), so the micro-batches share one quantized copy of each
-    weight and what a Trainer run keeps is measured. ``phase_ended`` is called with "forward", "backward" and
-    "optimizer step" as each ends (the gradients freed after the last)."""
+    weight and what a Trainer run keeps is measured. ``phase_ended`` is called with each of `PHASES` as it ends
+    (the gradients freed after the optimizer step)."""
     micro_batches = MICRO_BATCHES if micro_batches is None else micro_batches
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **ADAMW_OPTIONS)
@@ -203,10 +205,10 @@ def training_step(model: nn.Module, batch: dict, micro_batches: int | None = Non
             reused.begin_step(micro_batches)
         for micro_batch in range(micro_batches):
             loss = model(**batch)["loss"] / micro_batches
-            ended("forward")
+            ended(PHASES[0])
             loss.backward()
             del loss
-            ended("backward")
+            ended(PHASES[1])
             if reused is not None and micro_batch < micro_batches - 1:
                 reused.end_micro_batch()
         if reused is not None:
@@ -215,7 +217,7 @@ def training_step(model: nn.Module, batch: dict, micro_batches: int | None = Non
         optimizer.zero_grad(set_to_none=True)
         if reused is not None:
             reused.end_step()
-        ended("optimizer step")
+        ended(PHASES[2])
 
     return step
 

@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 import overhead  # noqa: E402  (the bench's model builders and fresh-process runner)
 from harness import load_results, products_setting, save_results  # noqa: E402
 
-PHASES = ("forward", "backward", "optimizer step")
+PHASES = overhead.PHASES
 # key -> the bench's model builder
 CASES = {"bert-base-16": "bert_base_16", "gpt2": "gpt2_small", "resnet18": "resnet18", "resnet20": "resnet20"}
 # allocator -> (extra environment, where the heap is trimmed: None, "backward" or "products")

@@ -1170,7 +1170,6 @@ def test_heap_use_tells_the_heaps_blocks_in_use_from_its_free_holes_in_each_phas
     assert list(phases) == list(heap_use.PHASES)
     # the 16 MiB the forward keeps are in use at its end and freed by the backward
     assert phases["forward"]["in_use"] - phases["backward"]["in_use"] > 14
-    assert figures["peak_mib"] > phases["forward"]["in_use"]
 
     side = {"phases": {phase: {"in_use": 10.0, "holes": 2.0} for phase in heap_use.PHASES}, "peak_mib": 100.0}
     quant = {"phases": {phase: {"in_use": 8.0, "holes": 4.0} for phase in heap_use.PHASES}, "peak_mib": 95.0}
