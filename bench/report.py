@@ -295,6 +295,18 @@ def own_mappings_section(results: dict) -> list[str]:
         lambda row: f"{row['codes']['mapped']} ({row['codes']['mapped_mib']:,.0f}) / {row['codes']['heap']}")
 
 
+def output_mappings_section(results: dict) -> list[str]:
+    """docs/benchmarks.md's table of each model step's peak memory and time with the blocks its layers, GELUs and
+    dropouts hand on in mappings of their own and from torch's allocator, from `bench/output_mappings.py`'s JSON."""
+    adamws = {row.get("adamw", "torch") for row in results["rows"]}
+    return _peaks_against_plain(
+        results, ("own mappings", "heap"), "outputs and input gradients of 1 MiB or more that quantized layers, GELUs "
+        "and dropouts make, in mappings of their own (`output_mappings=True`, the default) or from torch's allocator "
+        "(`output_mappings=False`); " + "; ".join(adamw_text({"adamw": adamw}) for adamw in sorted(adamws)),
+        "blocks of one step: own mappings (MiB) / torch's allocator",
+        lambda row: f"{row['blocks']['mapped']} ({row['blocks']['mapped_mib']:,.0f}) / {row['blocks']['heap']}")
+
+
 def heap_use_section(results: dict) -> list[str]:
     """docs/benchmarks.md's table of what glibc's heap holds at the end of each phase of a training step, plain
     beside CPT 8/8, from `bench/heap_use.py`'s JSON."""
@@ -682,6 +694,7 @@ def main() -> None:
                                  ("embedding_rows.json", "embedding-rows", embedding_rows_section),
                                  ("codes_float_gemm.json", "codes-float-gemm", codes_float_gemm_section),
                                  ("own_mappings.json", "own-mappings", own_mappings_section),
+                                 ("output_mappings.json", "output-mappings", output_mappings_section),
                                  ("heap_use.json", "heap-use", heap_use_section),
                                  ("allocators.json", "allocators", allocators_section),
                                  ("kernels.json", "kernels", kernels_section)):

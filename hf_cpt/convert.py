@@ -204,10 +204,10 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
         )
     report.attention = _prepare_attention(model, config, precision)
     for name, module in list(model.named_modules()):
-        if convert_activation(module, config.recompute_activation_inputs, config.relu_masks):
+        if convert_activation(module, config.recompute_activation_inputs, config.relu_masks, config.output_mappings):
             report.recomputing += [name] if config.recompute_activation_inputs else []
             report.relu_masks += [name] if isinstance(module, ReLUKeepingMask) else []
-        elif config.dropout_masks and convert_dropout(module):
+        elif config.dropout_masks and convert_dropout(module, config.output_mappings):
             report.dropout_masks.append(name)
         elif config.relu_masks and convert_max_pool(module, precision):
             report.max_pools.append(name)

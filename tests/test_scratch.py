@@ -6,6 +6,8 @@ import torch
 
 from hf_cpt.numerics import scratch
 
+from .helpers import mapped_alone
+
 
 @pytest.fixture(autouse=True)
 def _fresh_buffers():
@@ -162,12 +164,6 @@ def test_holds_tells_a_buffers_tensor_from_any_other():
     assert not scratch.holds(torch.empty(64, 64)) and not scratch.holds(taken.clone())
 
 
-def _mapped_alone(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory is the start of an anonymous mapping of the process (as `scratch.kept` maps one)."""
-    with open("/proc/self/maps") as maps:
-        return any(int(line.split("-")[0], 16) == t.data_ptr() for line in maps)
-
-
 def _advised_huge(t: torch.Tensor) -> bool:
     """Whether the mapping that starts at ``t``'s memory was advised to use transparent huge pages (its VmFlags)."""
     with open("/proc/self/smaps") as smaps:
@@ -186,12 +182,12 @@ def _mapped_at(address: int) -> bool:
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
 def test_a_large_kept_tensor_has_a_mapping_of_its_own_where_asked_unmapped_when_freed(monkeypatch):
     monkeypatch.delenv(scratch.OWN_MAPPING_VARIABLE, raising=False)
-    assert not _mapped_alone(scratch.kept((2048, 768), torch.uint8))  # by default: torch's allocator
+    assert not mapped_alone(scratch.kept((2048, 768), torch.uint8))  # by default: torch's allocator
     size = scratch.SUGGESTED_OWN_MAPPING_BYTES
     monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, str(size))
     large = scratch.kept((2048, 768), torch.uint8)  # 1.5 MiB: a BERT-base layer's input codes at 2048 tokens
     assert large.shape == (2048, 768) and large.dtype == torch.uint8 and large.is_contiguous()
-    assert _mapped_alone(large) and not scratch.holds(large)
+    assert mapped_alone(large) and not scratch.holds(large)
     assert not _advised_huge(large)  # 4 KiB pages: a fresh mapping in every step (the reused buffers' are huge)
     if scratch.huge_pages():
         assert _advised_huge(scratch.take("input", (1 << 22,), torch.float32))
@@ -201,15 +197,15 @@ def test_a_large_kept_tensor_has_a_mapping_of_its_own_where_asked_unmapped_when_
     del large
     assert not _mapped_at(address)  # back to the system with the tensor
     small = scratch.kept((size - 1,), torch.uint8)
-    assert not _mapped_alone(small)  # torch's allocator
-    assert _mapped_alone(scratch.kept((size // 4,), torch.float32))  # counted in bytes
+    assert not mapped_alone(small)  # torch's allocator
+    assert mapped_alone(scratch.kept((size // 4,), torch.float32))  # counted in bytes
 
 
 def test_the_environment_sets_the_size_of_own_mappings_and_a_bad_value_is_refused(monkeypatch):
     monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, "0")
     assert scratch.own_mapping_bytes() == 0
     if os.path.exists("/proc/self/maps"):
-        assert not _mapped_alone(scratch.kept((1 << 22,), torch.uint8))  # none: torch's allocator serves all
+        assert not mapped_alone(scratch.kept((1 << 22,), torch.uint8))  # none: torch's allocator serves all
     monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, "4096")
     assert scratch.own_mapping_bytes() == 4096
     for bad in ("a lot", "-1"):
@@ -227,3 +223,22 @@ def test_a_refused_mapping_falls_back_to_torchs_allocator(monkeypatch):
     monkeypatch.setattr(scratch, "_mapped", refused)
     t = scratch.kept((1 << 20,), torch.uint8)
     assert t.shape == (1 << 20,) and t.dtype == torch.uint8 and t.is_contiguous()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
+def test_a_handed_on_block_of_a_mib_or_more_has_a_mapping_of_its_own_unmapped_when_freed():
+    large = scratch.handed_on((256, 1024), torch.float32)  # 1 MiB
+    assert large.shape == (256, 1024) and large.dtype == torch.float32 and large.is_contiguous()
+    assert large._base is None  # not a view: an autograd function may return it, a caller edit it in place
+    assert mapped_alone(large) and not scratch.holds(large)
+    assert not _advised_huge(large)  # 4 KiB pages, like the kept codes': fresh in every step
+    large.fill_(2.0)
+    assert float(large.sum()) == 2.0 * 256 * 1024
+    address = large.data_ptr()
+    view = large[3:]
+    del large
+    assert _mapped_at(address)  # a view keeps the mapping
+    del view
+    assert not _mapped_at(address)  # back to the system with the last reference
+    assert not mapped_alone(scratch.handed_on((scratch.HANDED_ON_MAPPING_BYTES // 4 - 1,), torch.float32))
+    assert mapped_alone(scratch.handed_on((scratch.HANDED_ON_MAPPING_BYTES // 2,), torch.bfloat16))  # in bytes

@@ -215,6 +215,13 @@ class ActivationConfig:
         "else holds that gradient: the same values bit for bit, no second error-sized tensor (docs/method.md §2)."
     )
 
+    output_mappings: bool = setting(
+        True,
+        "In CPU training, the outputs and input gradients of 1 MiB or more that quantized layers, GELU activations and "
+        "dropouts make get mappings of their own, unmapped when freed, instead of glibc's heap, where the float inputs "
+        "a quantized forward frees leave holes that stay resident: the same values, a lower peak (docs/method.md §2)."
+    )
+
     embedding_row_gradients: bool = setting(
         True,
         "In CPU training, an nn.Embedding whose gradient adds to another (a tied head's, an earlier micro-batch's) "
@@ -225,7 +232,7 @@ class ActivationConfig:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
         for name in ("recompute_activation_inputs", "relu_masks", "dropout_masks", "hand_back_buffers",
-                     "errors_in_place", "embedding_row_gradients"):
+                     "errors_in_place", "output_mappings", "embedding_row_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
         check_choice(owner, "integer_matmul", self.integer_matmul, INTEGER_MATMUL)

@@ -352,9 +352,12 @@ class QuantLayerMixin:
         raise NotImplementedError
 
     # ``compute_on_codes(x, weight, bits, bias)``: `compute` from each operand's (uint8 codes, scale, minimum) and the
-    # bias, in float32,
-    # for layers whose product is a matrix product (`hf_cpt.numerics.integer_matmul`); None: the float product only.
+    # bias, in float32, for a matrix product (`hf_cpt.numerics.integer_matmul`); None: the float product only.
     compute_on_codes = None
+    # ``compute_into(x, weight, allocate)``, ``input_gradient_into(error, x, weight, allocate)``: `compute` and
+    # `input_gradient`, the same values written into ``allocate(shape, dtype)`` (`hf_cpt.numerics.scratch.handed_on`),
+    # or None where they cannot; None: never.
+    compute_into = input_gradient_into = None
 
     # Whether `input_gradient` reads the input's values: if not, training does not keep the input for it and
     # passes a meta tensor of its shape.

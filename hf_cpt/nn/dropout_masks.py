@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..numerics import scratch
 from ..numerics.mask_kernels import dropout_backward_bits, pack_flags
 
 
@@ -34,11 +35,19 @@ def runs_here(x: torch.Tensor, p: float, training: bool) -> bool:
 
 class _DropoutKeepingBits(torch.autograd.Function):
     """``torch.native_dropout(x, p, True)[0]`` keeping its mask for backward one bit a value where the native kernel
-    packs it (`pack_flags`), else as the bool tensor; the gradient is ``native_dropout_backward``'s bit for bit."""
+    packs it (`pack_flags`), else as the bool tensor; the gradient is ``native_dropout_backward``'s bit for bit. With
+    ``output_mappings``, a contiguous input's output goes into a mapping of its own (`scratch.handed_on`): the steps
+    of ``native_dropout``'s CPU kernel (a bool mask drawn by ``bernoulli_``, the input times it, times the scale),
+    written out, so the same values and random numbers."""
 
     @staticmethod
-    def forward(ctx, x, p):
-        output, mask = torch.native_dropout(x, p, True)
+    def forward(ctx, x, p, output_mappings=False):
+        if output_mappings and x.is_contiguous():
+            mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
+            output = scratch.handed_on(x.shape, x.dtype)
+            torch.mul(x, mask, out=output).mul_(1.0 / (1.0 - p))
+        else:
+            output, mask = torch.native_dropout(x, p, True)
         bits = pack_flags(mask)
         ctx.scale = 1.0 / (1.0 - p)  # the scale native_dropout's own backward multiplies by
         ctx.save_for_backward(mask if bits is None else bits)
@@ -48,52 +57,63 @@ class _DropoutKeepingBits(torch.autograd.Function):
     def backward(ctx, grad):
         (kept,) = ctx.saved_tensors
         if kept.dtype == torch.bool:
-            return torch.ops.aten.native_dropout_backward(grad, kept, ctx.scale), None
-        return dropout_backward_bits(grad, kept, ctx.scale), None
+            return torch.ops.aten.native_dropout_backward(grad, kept, ctx.scale), None, None
+        return dropout_backward_bits(grad, kept, ctx.scale), None, None
 
 
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """``F.dropout(x, p, training)``, bit for bit, keeping a packed (or bool) mask for backward where `runs_here`."""
+def dropout(x: torch.Tensor, p: float, training: bool, output_mappings: bool = False) -> torch.Tensor:
+    """``F.dropout(x, p, training)``, bit for bit, keeping a packed (or bool) mask for backward where `runs_here`
+    (its output in a mapping of its own with ``output_mappings``, `_DropoutKeepingBits`)."""
     if runs_here(x, p, training):
-        return _DropoutKeepingBits.apply(x, p)
+        return _DropoutKeepingBits.apply(x, p, output_mappings)
     return nn.functional.dropout(x, p=p, training=training)
 
 
 class DropoutKeepingBoolMask(nn.Dropout):
     """``nn.Dropout`` whose CPU training forward keeps a bool mask for backward (`dropout`); in place, as it was."""
 
+    output_mappings = False  # set on a converted module by ``CPTConfig.output_mappings``
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inplace:
             return super().forward(x)
-        return dropout(x, self.p, self.training)
+        return dropout(x, self.p, self.training, self.output_mappings)
 
 
-def convert_dropout(module: nn.Module) -> bool:
-    """Make an ``nn.Dropout`` (the class itself, not a subclass) a `DropoutKeepingBoolMask`, in place; False for any
-    other module."""
+def convert_dropout(module: nn.Module, output_mappings: bool = False) -> bool:
+    """Make an ``nn.Dropout`` (the class itself, not a subclass) a `DropoutKeepingBoolMask`, in place, its CPU
+    training output in a mapping of its own with ``output_mappings``; False for any other module."""
     if type(module) is not nn.Dropout:
         return False
     module.__class__ = DropoutKeepingBoolMask
+    if output_mappings:
+        module.output_mappings = True
     return True
 
 
 def restore_dropout(module: nn.Module) -> None:
     """Undo `convert_dropout`."""
     if type(module) is DropoutKeepingBoolMask:
+        module.__dict__.pop("output_mappings", None)
         module.__class__ = nn.Dropout
 
 
 class sdpa_keeping_bool_mask(TorchFunctionMode):  # noqa: N801 - used as a context manager, like torch's own modes
     """Within it, ``F.scaled_dot_product_attention`` on float32 CPU tensors with dropout in training runs SDPA's
     math path written out (`_math_attention`), with ``native_dropout``: SDPA's outputs and gradients bit for bit, a
-    bool mask kept instead of a float one. Any other call runs as it was."""
+    bool mask kept instead of a float one (the dropout's output in a mapping of its own with ``output_mappings``).
+    Any other call runs as it was."""
+
+    def __init__(self, output_mappings: bool = False):
+        super().__init__()
+        self.output_mappings = output_mappings
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is nn.functional.scaled_dot_product_attention:
             call = _math_call(*args, **kwargs)
             if call is not None:
-                return _math_attention(**call)
+                return _math_attention(**call, output_mappings=self.output_mappings)
         return func(*args, **kwargs)
 
 
@@ -115,7 +135,7 @@ def _math_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
             "is_causal": is_causal, "scale": scale}
 
 
-def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
+def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, output_mappings=False):
     """SDPA's math path: ``dropout(softmax(q·√s (k·√s)ᵀ + mask)) v``, each operand scaled by the square root of the
     scale, fully masked rows giving zeros, grouped key/value heads repeated; the dropout through ``native_dropout``."""
     root_scale = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
@@ -129,5 +149,5 @@ def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
     scores = torch.matmul(query * root_scale, key.transpose(-2, -1) * root_scale)
     if attn_mask is not None:
         scores = scores + attn_mask
-    weights = _DropoutKeepingBits.apply(torch._safe_softmax(scores, -1), dropout_p)
+    weights = _DropoutKeepingBits.apply(torch._safe_softmax(scores, -1), dropout_p, output_mappings)
     return torch.matmul(weights, value)

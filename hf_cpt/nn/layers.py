@@ -30,13 +30,36 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
         """`compute` on (codes, scale, minimum) of the input and the ``[out, in]`` weight, in float32."""
         return _matmul_on_codes(x, weight, bits, transposed_weight=True, bias=bias)
 
+    def compute_into(self, x: torch.Tensor, weight: torch.Tensor, allocate) -> torch.Tensor | None:
+        return _matmul_into(x, weight.t(), self.bias, allocate)
+
     input_gradient_reads_input = False
 
     def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return error.matmul(weight)
 
+    def input_gradient_into(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, allocate
+                            ) -> torch.Tensor | None:
+        return _matmul_into(error, weight, None, allocate)
+
     def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return error.reshape(-1, error.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+def _matmul_into(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None, allocate) -> torch.Tensor | None:
+    """``x @ matrix (+ bias)`` over the last dimension of ``x``, written into ``allocate(shape, dtype)``: the one GEMM
+    call (``mm``, ``addmm``) that ``F.linear`` and ``matmul`` make of a contiguous input, so the same values; None for
+    an input they would multiply otherwise (strided, of another dtype than the matrix)."""
+    if (not x.is_contiguous() or x.dim() < 2 or x.dtype != matrix.dtype
+            or (bias is not None and (bias.dtype != x.dtype or x.dim() > 3))):  # F.linear: matmul, then the bias
+        return None
+    out = allocate((*x.shape[:-1], matrix.shape[1]), x.dtype)
+    rows, out_rows = x.view(-1, x.shape[-1]), out.view(-1, matrix.shape[1])
+    if bias is None:
+        torch.mm(rows, matrix, out=out_rows)
+    else:
+        torch.addmm(bias, rows, matrix, out=out_rows)
+    return out
 
 
 def _matmul_on_codes(x: tuple, weight: tuple, bits: torch.Tensor, transposed_weight: bool,
@@ -67,6 +90,18 @@ class QuantConv2d(QuantLayerMixin, nn.Conv2d):
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, weight, self.bias)
+
+    def compute_into(self, x: torch.Tensor, weight: torch.Tensor, allocate) -> torch.Tensor | None:
+        """`compute` of a batched input with zero padding: the convolution ``F.conv2d`` calls, written out."""
+        if not self._direct_gradients() or x.dim() != 4 or x.dtype != weight.dtype:
+            return None
+        stride, padding, dilation = _pair(self.stride), _pair(self.padding), _pair(self.dilation)
+        size = [(x.shape[2 + d] + 2 * padding[d] - dilation[d] * (self.kernel_size[d] - 1) - 1) // stride[d] + 1
+                for d in range(2)]
+        out = allocate((x.shape[0], self.out_channels, *size), x.dtype)
+        torch.ops.aten.convolution.out(x, weight, self.bias, stride, padding, dilation, False, [0, 0], self.groups,
+                                       out=out)
+        return out
 
     def _direct_gradients(self) -> bool:
         return self.padding_mode == "zeros" and not isinstance(self.padding, str)
@@ -117,10 +152,17 @@ if Conv1D is not None:
             """`compute` on (codes, scale, minimum) of the input and the ``[in, out]`` weight, in float32."""
             return _matmul_on_codes(x, weight, bits, transposed_weight=False, bias=bias)
 
+        def compute_into(self, x: torch.Tensor, weight: torch.Tensor, allocate) -> torch.Tensor | None:
+            return _matmul_into(x, weight, self.bias, allocate)
+
         input_gradient_reads_input = False
 
         def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return error.matmul(weight.t())
+
+        def input_gradient_into(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, allocate
+                                ) -> torch.Tensor | None:
+            return _matmul_into(error, weight.t(), None, allocate)
 
         def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return x.reshape(-1, x.shape[-1]).t().matmul(error.reshape(-1, error.shape[-1]))

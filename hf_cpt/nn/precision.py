@@ -61,6 +61,7 @@ class PrecisionState:
         dropout_masks: bool = True,
         hand_back_buffers: bool = True,
         errors_in_place: bool = True,
+        output_mappings: bool = True,
     ) -> None:
         self.bits = torch.zeros(())
         self.compact_codes = False
@@ -98,6 +99,8 @@ class PrecisionState:
         self.hand_back_buffers = hand_back_buffers
         # A layer's error is quantized over the gradient autograd hands it where nothing else holds that gradient.
         self.errors_in_place = errors_in_place
+        # Layers' outputs and input gradients in CPU training in mappings of their own (`scratch.handed_on`).
+        self.output_mappings = output_mappings
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
@@ -115,7 +118,7 @@ class PrecisionState:
                    getattr(settings, "integer_matmul", "auto"),  # a checkpoint's settings store neither
                    getattr(settings, "recompute_activation_inputs", True), getattr(settings, "relu_masks", True),
                    getattr(settings, "dropout_masks", True), getattr(settings, "hand_back_buffers", True),
-                   getattr(settings, "errors_in_place", True))
+                   getattr(settings, "errors_in_place", True), getattr(settings, "output_mappings", True))
 
     def on_device(self, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """``bits`` (one of the 0-d bit-width tensors, kept on the CPU) on ``device``, for the layers there.

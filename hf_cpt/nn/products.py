@@ -197,7 +197,9 @@ class QuantizedProducts(torch.autograd.Function):
         if layer.cpt_precision.relu_masks:
             hand_over_input(x, x_saved[0], layer.cpt_precision)
         ctx.save_for_backward(*x_saved, *weight_saved)
-        output = layer.compute(x_value, weight_value)
+        output = _handed_on(layer, layer.compute_into, x_value, weight_value)
+        if output is None:
+            output = layer.compute(x_value, weight_value)
         if learn_codes and keep_x and needs_x and not producer_keeps and not torch.compiler.is_dynamo_compiling():
             mark_float_product(output, layer)  # where it would be recomputable on codes
         return output
@@ -278,9 +280,21 @@ def _gradients(
         both = layer.both_gradients(input_error, x, weight)
         if both is not None:
             return both
-    grad_x = layer.input_gradient(input_error, x, weight) if needs_x else None
+    grad_x = _handed_on(layer, layer.input_gradient_into, input_error, x, weight) if needs_x else None
+    if needs_x and grad_x is None:
+        grad_x = layer.input_gradient(input_error, x, weight)
     grad_weight = _weight_gradient(layer, weight_error, x, weight, rotation) if needs_weight else None
     return grad_x, grad_weight
+
+
+def _handed_on(layer, product, *operands: torch.Tensor) -> torch.Tensor | None:
+    """``product(*operands, scratch.handed_on)`` (a layer's `compute_into` or `input_gradient_into`): its result in a
+    mapping of its own, in CPU training where the layer's settings ask for it (``CPTConfig.output_mappings``),
+    outside autocast (whose casts a product into a given tensor skips) and tracing; None where it does not run."""
+    if (product is None or not layer.cpt_precision.output_mappings or operands[0].device.type != "cpu"
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
+        return None
+    return product(*operands, scratch.handed_on)
 
 
 def _weight_gradient(

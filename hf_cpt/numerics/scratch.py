@@ -116,6 +116,27 @@ def kept(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
         return torch.empty(shape, dtype=dtype)
 
 
+# A block a layer hands on of at least this many bytes gets a mapping of its own (`handed_on`).
+HANDED_ON_MAPPING_BYTES = 1 << 20
+
+
+def handed_on(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor for a block a layer makes and hands on (its output, its input's
+    gradient): of at least `HANDED_ON_MAPPING_BYTES`, in a mapping of its own that goes back to the system when the
+    tensor is freed; else, or where the system refuses a mapping, from torch's allocator. Under glibc's default a
+    quantized forward frees the float inputs its layers keep as codes; the blocks made after them split the holes they
+    leave, which stay resident (docs/method.md §2, "Handed-on blocks"). Not a view: an autograd function may return
+    it and a caller edit it in place."""
+    numel = math.prod(shape)
+    if numel * dtype.itemsize < HANDED_ON_MAPPING_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        flat = _mapped(numel, dtype, huge=False)[0]
+    except OSError:  # out of mappings (vm.max_map_count) or of address space
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)  # the storage holds the mapping
+
+
 def _written(*roles: str) -> None:
     """Mark ``roles`` (every role when none is given) as written over on this thread: `generation` changes."""
     state = _local.__dict__

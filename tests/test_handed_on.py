@@ -1,0 +1,199 @@
+"""Handed-on blocks (`CPTConfig.output_mappings`): the outputs and input gradients of quantized layers, GELUs and
+dropouts in CPU training in mappings of their own (`hf_cpt.numerics.scratch.handed_on`), with the same values bit for
+bit as without."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
+from hf_cpt.nn.handed_on import gelu_approximation
+from hf_cpt.numerics import scratch
+from hf_cpt.utils import ConfigError
+
+from .helpers import mapped_alone
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
+
+MIB_OF_FLOATS = scratch.HANDED_ON_MAPPING_BYTES // 4
+
+
+def test_the_setting_is_a_bool():
+    with pytest.raises(ConfigError, match="output_mappings"):
+        CPTConfig(output_mappings="yes")
+
+
+def test_only_a_gelu_whose_forward_is_f_gelu_gets_its_approximation():
+    from transformers import activations
+
+    assert gelu_approximation(nn.GELU()) == "none" and gelu_approximation(nn.GELU("tanh")) == "tanh"
+    assert gelu_approximation(activations.GELUActivation()) == "none"
+    assert gelu_approximation(activations.GELUTanh()) == "tanh"
+    assert gelu_approximation(activations.GELUActivation(use_gelu_python=True)) is None  # its own formula
+    assert gelu_approximation(activations.NewGELUActivation()) is None
+    assert gelu_approximation(nn.SiLU()) is None
+
+
+class _Mlp(nn.Module):
+    """Linear, GELU, dropout, Linear: a transformer's MLP, its activations 1 MiB and more."""
+
+    def __init__(self, width: int = 256, act: nn.Module | None = None):
+        super().__init__()
+        self.up, self.act, self.drop = nn.Linear(width, 4 * width), act or nn.GELU(), nn.Dropout(0.1)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.down(self.drop(self.act(self.up(x))))
+
+
+def _handed_on_blocks(monkeypatch) -> list[torch.Tensor]:
+    """Record every block `scratch.handed_on` makes (its product modules import the module, so patching it there
+    reaches them)."""
+    made = []
+    original = scratch.handed_on
+
+    def recording(shape, dtype):
+        made.append(original(shape, dtype))
+        return made[-1]
+
+    monkeypatch.setattr(scratch, "handed_on", recording)
+    return made
+
+
+def _train_step(model: nn.Module, x: torch.Tensor, seed: int = 3):
+    torch.manual_seed(seed)
+    x = x.clone().requires_grad_()
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}, torch.rand(4)
+
+
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU("tanh")], ids=["gelu", "gelu-tanh"])
+def test_an_mlps_outputs_and_gradients_are_the_same_bit_for_bit_and_its_blocks_are_mapped(monkeypatch, act):
+    torch.manual_seed(0)
+    plain = _Mlp(act=act)
+    x = torch.randn(16, 64, 256)  # 256 Ki values: the MLP's every output and input gradient is 1 MiB or more
+    sides = {}
+    for mapped in (False, True):
+        model = copy.deepcopy(plain)
+        quantize_model(model, CPTConfig(output_mappings=mapped))
+        set_precision(model, 8, 8)
+        model.train()
+        made = _handed_on_blocks(monkeypatch) if mapped else []
+        sides[mapped] = _train_step(model, x)
+        if mapped:
+            # both Linears' outputs and input gradients (the first's too: x needs its gradient), the GELU's output
+            # and input gradient, the dropout's output
+            assert len(made) == 7 and all(mapped_alone(t) for t in made)
+            assert mapped_alone(sides[True][0])  # (x's gradient: a copy, made since ``made`` holds the block)
+        monkeypatch.undo()
+    (out, grad_x, grads, after), (out_m, grad_x_m, grads_m, after_m) = sides[False], sides[True]
+    assert torch.equal(out, out_m) and torch.equal(grad_x, grad_x_m) and torch.equal(after, after_m)  # same draws
+    assert all(torch.equal(grads[name], grads_m[name]) for name in grads)
+    assert not mapped_alone(out)  # without the setting: torch's allocator
+
+
+def test_a_converted_gelu_and_dropout_compute_as_torchs_own_modules():
+    """Without quantized layers around them, the converted GELU and dropout give what torch's modules give."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Dropout(0.2), nn.Linear(1024, 4))
+    plain = copy.deepcopy(model)
+    quantize_model(model, CPTConfig(include_modules=["3"]))  # only the last Linear is quantized
+    x = torch.randn(8, 64, 256)
+    for m in (model, plain):
+        m.train()
+    quantized_dropout_input = {}
+    model[2].register_forward_hook(lambda m, args, out: quantized_dropout_input.setdefault("out", out))
+    grads = []
+    for m in (model, plain):
+        torch.manual_seed(5)
+        hidden = m[2](m[1](m[0](x)))
+        hidden.square().sum().backward()
+        grads.append((hidden.detach(), m[0].weight.grad.clone()))
+    assert mapped_alone(quantized_dropout_input["out"])
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_a_conv_and_a_gpt2_conv1d_write_into_mappings_the_same_values(monkeypatch):
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    cases = [(nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2,
+                                                                                           padding=1)),
+              torch.randn(32, 16, 32, 32)),
+             (nn.Sequential(Conv1D(1024, 256), nn.ReLU(), Conv1D(256, 1024)), torch.randn(16, 64, 256))]
+    for plain, x in cases:
+        sides = []
+        for mapped in (False, True):
+            model = copy.deepcopy(plain)
+            quantize_model(model, CPTConfig(output_mappings=mapped))
+            set_precision(model, 8, 8)
+            made = _handed_on_blocks(monkeypatch) if mapped else []
+            sides.append(_train_step(model, x))
+            if mapped:
+                assert made and all(mapped_alone(t) for t in made)
+                assert mapped_alone(sides[-1][0])
+            monkeypatch.undo()
+        assert torch.equal(sides[0][0], sides[1][0]) and torch.equal(sides[0][1], sides[1][1])
+        assert all(torch.equal(sides[0][2][name], sides[1][2][name]) for name in sides[0][2])
+
+
+def test_a_bert_step_is_the_same_bit_for_bit_and_no_product_maps_under_autocast_or_in_eval(monkeypatch):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=1024, max_position_embeddings=128)
+    plain = BertForSequenceClassification(config)
+    batch = {"input_ids": torch.randint(0, 512, (8, 128)), "labels": torch.randint(0, 2, (8,))}  # 1 MiB a layer
+    results = []
+    for mapped in (False, True):
+        model = copy.deepcopy(plain)
+        quantize_model(model, CPTConfig(output_mappings=mapped))
+        set_precision(model, 8, 8)
+        model.train()
+        made = _handed_on_blocks(monkeypatch)
+        torch.manual_seed(1)
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        assert (len(made) > 0) == mapped
+        if mapped:
+            made.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(**batch).loss.backward()
+            # products into a given tensor would skip autocast's casts: only the float32 dropouts map theirs
+            assert made and not any(t.shape[-1] == config.intermediate_size for t in made)
+            assert all(t.dtype == torch.float32 for t in made)
+            made.clear()
+            model.eval()
+            with torch.no_grad():
+                model(**batch)
+            assert not made
+            assert not dequantize_model(model).__dict__.get("output_mappings")
+        monkeypatch.undo()
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1].keys() == results[1][1].keys()
+    assert all(torch.equal(results[0][1][name], results[1][1][name]) for name in results[0][1])
+
+
+def test_a_small_block_and_a_strided_input_take_torchs_allocator(monkeypatch):
+    torch.manual_seed(0)
+    model = _Mlp(width=32)
+    quantize_model(model, CPTConfig())
+    set_precision(model, 8, 8)
+    made = _handed_on_blocks(monkeypatch)
+    _train_step(model, torch.randn(2, 8, 32))
+    assert made and not any(mapped_alone(t) for t in made)  # asked for, but below a MiB
+    made.clear()
+    wide = _Mlp()
+    quantize_model(wide, CPTConfig())
+    set_precision(wide, 8, 8)
+    out = wide.act(torch.randn(256, 4 * MIB_OF_FLOATS // 256 // 4, requires_grad=True).t())  # strided
+    assert not made and not mapped_alone(out)
