@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision

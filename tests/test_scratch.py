@@ -168,7 +168,11 @@ def _advised_huge(t: torch.Tensor) -> bool:
     """Whether the mapping that starts at ``t``'s memory was advised to use transparent huge pages (its VmFlags)."""
     with open("/proc/self/smaps") as smaps:
         lines = smaps.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split("-")[0] == f"{t.data_ptr():x}")
+    def holds(line: str) -> bool:  # a mapping's first line: "start-end perms ..."; the kernel may merge neighbours
+        bounds = line.split()[0].split("-") if line and not line.endswith(":") and "-" in line.split()[0] else None
+        return bounds is not None and int(bounds[0], 16) <= t.data_ptr() < int(bounds[1], 16)
+
+    start = next(i for i, line in enumerate(lines) if holds(line))
     flags = next(line for line in lines[start + 1:] if line.startswith("VmFlags:"))
     return "hg" in flags.split()
 
@@ -226,19 +230,27 @@ def test_a_refused_mapping_falls_back_to_torchs_allocator(monkeypatch):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
-def test_a_handed_on_block_of_a_mib_or_more_has_a_mapping_of_its_own_unmapped_when_freed():
+def test_a_handed_on_block_has_a_mapping_of_its_own_that_waits_for_the_next_of_its_size_once_freed():
     large = scratch.handed_on((256, 1024), torch.float32)  # 1 MiB
     assert large.shape == (256, 1024) and large.dtype == torch.float32 and large.is_contiguous()
     assert large._base is None  # not a view: an autograd function may return it, a caller edit it in place
     assert mapped_alone(large) and not scratch.holds(large)
-    assert not _advised_huge(large)  # 4 KiB pages, like the kept codes': fresh in every step
+    assert not _advised_huge(large)  # 4 KiB pages, like the kept codes'
     large.fill_(2.0)
     assert float(large.sum()) == 2.0 * 256 * 1024
     address = large.data_ptr()
     view = large[3:]
     del large
-    assert _mapped_at(address)  # a view keeps the mapping
+    assert scratch.idle_block_bytes() == 0  # a view holds the block
     del view
-    assert not _mapped_at(address)  # back to the system with the last reference
+    assert _mapped_at(address) and scratch.idle_block_bytes() == 1 << 20  # idle, resident, for the next of its size
+    again = scratch.handed_on((1024, 256), torch.float32)
+    assert again.data_ptr() == address and scratch.idle_block_bytes() == 0
+    other = scratch.handed_on((512, 512), torch.float32)
+    other_address = other.data_ptr()
+    del again, other  # one idle block per size: the second freed goes back to the system
+    assert scratch.idle_block_bytes() == 1 << 20 and _mapped_at(address) != _mapped_at(other_address)
+    scratch.release_idle_blocks()
+    assert scratch.idle_block_bytes() == 0 and not _mapped_at(address) and not _mapped_at(other_address)
     assert not mapped_alone(scratch.handed_on((scratch.HANDED_ON_MAPPING_BYTES // 4 - 1,), torch.float32))
     assert mapped_alone(scratch.handed_on((scratch.HANDED_ON_MAPPING_BYTES // 2,), torch.bfloat16))  # in bytes

@@ -266,8 +266,10 @@ def _backward_ran(ctx) -> None:
 
 def _hand_back_idle_buffers(optimizer, args, kwargs) -> None:
     """Optimizer step pre-hook: the calling thread's idle reused buffers go back to the system (CPU autograd runs a
-    backward on the thread that called it, which in a training loop also steps the optimizer)."""
+    backward on the thread that called it, which in a training loop also steps the optimizer), and so do the idle
+    handed-on blocks (`scratch.release_idle_blocks`)."""
     scratch.hand_back_if_idle()
+    scratch.release_idle_blocks()
 
 
 def _gradients(

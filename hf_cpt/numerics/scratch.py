@@ -29,6 +29,7 @@ This module knows nothing about quantization.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import mmap
@@ -116,25 +117,99 @@ def kept(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
         return torch.empty(shape, dtype=dtype)
 
 
-# A block a layer hands on of at least this many bytes gets a mapping of its own (`handed_on`).
+# A block a layer hands on of at least this many bytes gets a mapping of its own (`handed_on`); at most this many
+# freed ones of each size wait, resident, for the next block of their size.
 HANDED_ON_MAPPING_BYTES = 1 << 20
+IDLE_BLOCKS_PER_SIZE = 1
+
+
+class _Blocks:
+    """The mappings of handed-on blocks that no tensor holds, by size, waiting for the next block of their size:
+    a freed block's pages stay resident for it, where a fresh mapping faults each page in again (on this project's
+    virtual machine about as long as writing the page ten times). Process-wide: a block may be freed on any thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: dict[int, list[mmap.mmap]] = {}
+        self.types: dict[int, type] = {}
+
+    def take(self, size: int) -> ctypes.Array:
+        """A block of ``size`` bytes over an idle mapping of that size, else a new one; the mapping goes back to
+        `idle` (or to the system beyond `IDLE_BLOCKS_PER_SIZE`) when the block is freed."""
+        with self.lock:
+            waiting = self.idle.get(size)
+            mapping = waiting.pop() if waiting else None
+            block_type = self.types.get(size)
+            if block_type is None:  # one array type per size, whose instances return their mapping when freed
+                block_type = self.types[size] = type("HandedOnBlock", (ctypes.c_char * size,),
+                                                     {"__del__": lambda block: self.give_back(block.mapping)})
+        if mapping is None:
+            private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+            mapping = mmap.mmap(-1, size, **private)
+        block = block_type.from_address(_address(mapping))  # no buffer export: the mapping may close under it
+        block.mapping = mapping
+        return block
+
+    def give_back(self, mapping: mmap.mmap) -> None:
+        with self.lock:
+            waiting = self.idle.setdefault(len(mapping), [])
+            if len(waiting) < IDLE_BLOCKS_PER_SIZE:
+                waiting.append(mapping)
+                return
+        mapping.close()
+
+    def release(self) -> None:
+        """Return every idle mapping to the system."""
+        with self.lock:
+            idle, self.idle = self.idle, {}
+        for mapping in (m for waiting in idle.values() for m in waiting):
+            mapping.close()
+
+    def idle_bytes(self) -> int:
+        with self.lock:
+            return sum(len(m) for waiting in self.idle.values() for m in waiting)
+
+
+def _address(mapping: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # its export of the mapping
+
+
+_blocks = _Blocks()
 
 
 def handed_on(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized contiguous CPU tensor for a block a layer makes and hands on (its output, its input's
-    gradient): of at least `HANDED_ON_MAPPING_BYTES`, in a mapping of its own that goes back to the system when the
-    tensor is freed; else, or where the system refuses a mapping, from torch's allocator. Under glibc's default a
-    quantized forward frees the float inputs its layers keep as codes; the blocks made after them split the holes they
+    gradient): of at least `HANDED_ON_MAPPING_BYTES`, in a mapping of its own, kept idle for the next block of its
+    size when the tensor is freed (`IDLE_BLOCKS_PER_SIZE`) until `release_idle_blocks`, else returned to the system;
+    smaller ones, or where the system refuses a mapping, from torch's allocator. Under glibc's default a quantized
+    forward frees the float inputs its layers keep as codes, and the blocks made after them split the holes they
     leave, which stay resident (docs/method.md §2, "Handed-on blocks"). Not a view: an autograd function may return
     it and a caller edit it in place."""
     numel = math.prod(shape)
-    if numel * dtype.itemsize < HANDED_ON_MAPPING_BYTES:
+    size = numel * dtype.itemsize
+    if size < HANDED_ON_MAPPING_BYTES:
         return torch.empty(shape, dtype=dtype)
     try:
-        flat = _mapped(numel, dtype, huge=False)[0]
+        block = _blocks.take(size)
     except OSError:  # out of mappings (vm.max_map_count) or of address space
         return torch.empty(shape, dtype=dtype)
-    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)  # the storage holds the mapping
+    flat = torch.frombuffer(block, dtype=dtype, count=numel)  # its storage holds the block until freed
+    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
+
+
+def release_idle_blocks() -> None:
+    """Return the idle handed-on blocks' mappings to the system (at an optimizer step's start, where a model's step
+    may peak, and at the end of training)."""
+    _blocks.release()
+
+
+def idle_block_bytes() -> int:
+    """Bytes of the handed-on blocks' mappings that no tensor holds."""
+    return _blocks.idle_bytes()
 
 
 def _written(*roles: str) -> None:
@@ -208,7 +283,8 @@ def held_bytes() -> int:
 
 
 def release() -> None:
-    """Free the calling thread's buffers (the next `take` makes them anew)."""
+    """Free the calling thread's buffers (the next `take` makes them anew) and the idle handed-on blocks."""
+    release_idle_blocks()
     _local.__dict__.pop("buffers", None)
     _local.__dict__.pop("mappings", None)
     _local.__dict__.pop("generations", None)
