@@ -455,6 +455,34 @@ def test_own_mappings_counts_a_steps_kept_codes_by_place_and_its_table_names_the
     assert lines[-1].startswith("| resnet20 | 21 (26) / 6 | 1,185 | 1,160 (0.979) | 1,190 (1.004) |")
 
 
+def test_output_mappings_counts_a_steps_handed_on_blocks_and_its_table_shows_both_arms_against_plain():
+    """`bench/output_mappings.py` counts the blocks one step hands on: in a ResNet-20 at batch 128 every convolution's
+    output of a MiB or more in a mapping of its own, the smaller ones from torch's allocator. Its table shows those
+    counts beside the arms' peaks and times."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import output_mappings
+    import report
+
+    counts = output_mappings.blocks_mapped("resnet20")
+    assert counts["mapped"] > 0 and counts["heap"] > 0 and counts["mapped_mib"] >= counts["mapped"]
+    assert output_mappings.scratch.handed_on.__name__ == "handed_on"  # the counting wrapper is gone
+    row = {"key": "bert-base-16", "adamw": "fused", "blocks": {"mapped": 250, "mapped_mib": 2100.4, "heap": 0},
+           "default": {"plain": [4550.0, 4490.0, 4552.0], "own mappings": [4000.0, 4010.0, 3990.0],
+                       "heap": [4507.0, 4452.0, 4536.0]},
+           "fixed": {"plain": 3810.0, "own mappings": 3320.0, "heap": 3320.0},
+           "time_ms": {"plain": 10000.0, "own mappings": 11000.0, "heap": 10500.0}}
+    lines = report.output_mappings_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
+                                            "rows": [row], "time_runs": [{"command": "c --repeats 5", "repeats": 5,
+                                                                          "load_average": [1.0, 2.0]}]})
+    assert lines[0].startswith("Times, on this machine's 2 cores: `c --repeats 5` (medians of 5 interleaved repeats")
+    assert "`output_mappings=False`" in lines[2] and "AdamW fused" in lines[2]
+    assert lines[4].startswith("| case | blocks of one step: own mappings (MiB) / torch's allocator | plain | "
+                               "own mappings | heap |")
+    assert lines[5].count("|") == lines[4].count("|") == lines[-1].count("|")
+    assert lines[-1].startswith("| bert-base-16 | 250 (2,100) / 0 | 4,550 | 4,000 (0.879) | 4,507 (0.991) |")
+    assert lines[-1].endswith("| 10,000 | 11,000 (1.100) | 10,500 (1.050) |")
+
+
 def test_allocators_leaves_out_what_it_cannot_find_and_refuses_what_it_cannot_preload(tmp_path, monkeypatch):
     """`bench/allocators.py` leaves out an allocator whose library it cannot find, refuses a named file that is missing
     or whose malloc a fresh process does not call, and tells the library a process's malloc comes from."""

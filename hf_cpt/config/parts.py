@@ -218,8 +218,9 @@ class ActivationConfig:
     output_mappings: bool = setting(
         True,
         "In CPU training, the outputs and input gradients of 1 MiB or more that quantized layers, GELU activations and "
-        "dropouts make get mappings of their own, unmapped when freed, instead of glibc's heap, where the float inputs "
-        "a quantized forward frees leave holes that stay resident: the same values, a lower peak (docs/method.md §2)."
+        "dropouts make get mappings of their own (a freed one kept for the next of its size) instead of glibc's heap, "
+        "where the float inputs a quantized forward frees leave holes that stay resident: the same values, a lower "
+        "peak, pages faulted in again where no idle block serves (docs/method.md §2)."
     )
 
     embedding_row_gradients: bool = setting(

@@ -8,8 +8,8 @@ a `RecomputableOutput` (references to the codes, no copy), an activation convert
 input, and its backward recomputes the input and differentiates the activation as autograd would: the same
 gradient bit for bit, for one more product on codes per layer and step (the cost meter counts it).
 
-Activations are converted in place, like the layers (same object, ``isinstance`` holds, no state). One that is fed
-anything else (a normalization's output, an edited tensor) runs as before.
+Activations are converted in place, like the layers (same object, ``isinstance`` holds, no state but the
+``output_mappings`` flag). One that is fed anything else (a normalization's output, an edited tensor) runs as before.
 
 Which layers multiply codes is `integer_matmul`'s choice. Under ``"activations"`` (an option on a CPU without int8
 dot products, where a product on codes costs more than a float one: memory for time) a layer multiplies floats until

@@ -23,7 +23,9 @@ without int8 dot products (what each bench model's hold: docs/benchmarks.md, pea
 
 `kept` serves the other kind of CPU tensor a layer makes: one kept across a pass (its input's codes, kept for its
 backward), given a mapping of its own, where a run asks for it, once large enough, and unmapped when freed
-(docs/method.md §2, "Kept codes").
+(docs/method.md §2, "Kept codes"). `handed_on` serves a third kind: a block a layer makes and hands on (its
+output, its input's gradient), given a mapping of its own once large enough, which waits for the next block of its
+size once freed (docs/method.md §2, "Handed-on blocks").
 This module knows nothing about quantization.
 """
 
