@@ -29,7 +29,8 @@ from results_page import recorded_products  # noqa: E402
 # group -> the autograd nodes it gathers; a tensor held by several nodes goes to the first group here that holds it.
 GROUPS = {
     "activations (their input or output)": ("ReluBackward0", "_ReLUHandingOverBackward", "GeluBackward0",
-                                            "TanhBackward0", "SigmoidBackward0", "SiluBackward0", "PowBackward0"),
+                                            "_GeluHandedOnBackward", "TanhBackward0", "SigmoidBackward0",
+                                            "SiluBackward0", "PowBackward0"),
     "normalizations (their input)": ("NativeLayerNormBackward0", "NativeBatchNormBackward0"),
     "softmax outputs": ("SoftmaxBackward0", "SafeSoftmaxBackward0"),
     # On CPU F.dropout multiplies by a float32 mask, which the product keeps (on an accelerator: a bool mask; in a

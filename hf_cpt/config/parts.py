@@ -217,10 +217,9 @@ class ActivationConfig:
 
     output_mappings: bool = setting(
         True,
-        "In CPU training, the outputs and input gradients of 1 MiB or more that quantized layers, GELU activations and "
-        "dropouts make get mappings of their own (a freed one kept for the next of its size) instead of glibc's heap, "
-        "where the float inputs a quantized forward frees leave holes that stay resident: the same values, a lower "
-        "peak, pages faulted in again where no idle block serves (docs/method.md §2)."
+        "In CPU training, outputs and input gradients of 1 MiB or more of quantized layers, GELUs and dropouts get "
+        "mappings of their own (a freed one kept for the next of its size), not glibc's heap, where a quantized "
+        "forward's freed inputs leave resident holes: the same values, a lower peak, some page faults (method.md §2)."
     )
 
     embedding_row_gradients: bool = setting(
@@ -251,13 +250,9 @@ class ModuleSelection:
     """Which modules become CPT layers: patterns, opt-ins for embeddings, attention and adapters."""
 
     target_modules: list[str] | None = setting(
-        None,
-        "Only quantize layers whose name matches one of these patterns (default: all)."
-    )
+        None, "Only quantize layers whose name matches one of these patterns (default: all).")
     include_modules: list[str] | None = setting(
-        None,
-        "Quantize these layers even if kept in FP32 by default (e.g. the output head)."
-    )
+        None, "Quantize these layers even if kept in FP32 by default (e.g. the output head).")
     exclude_modules: list[str] | None = setting(None, "Keep layers whose name matches one of these patterns in FP32.")
     quantize_adapters: bool = setting(False, "Also quantize peft adapter layers (lora_A/lora_B).")
     quantize_embeddings: bool = setting(

@@ -58,10 +58,9 @@ def rotation_buffers(features: int) -> dict[str, tuple[int, ...]]:
 class QuantLayerMixin:
     """Shared forward of the quantized layers: rotate, quantize input and weight, compute, mark the error.
 
-    Per layer: activations are quantized per tensor (a running min/max, the CPT paper's scheme) or per
-    token (each row's own min/max, in training and eval); an optional fixed `Rotation` of the input
-    features is applied to input and weight first (docs/method.md).
-    """
+    Per layer: activations are quantized per tensor (a running min/max, the CPT paper's scheme) or per token (each
+    row's own min/max, in training and eval); an optional fixed `Rotation` of the input features is applied to input
+    and weight first (docs/method.md)."""
 
     weight_channel_dim = 0  # dimension of the weight that indexes output channels
     weight_feature_dim = -1  # dimension of the weight that indexes input features
@@ -354,9 +353,8 @@ class QuantLayerMixin:
     # ``compute_on_codes(x, weight, bits, bias)``: `compute` from each operand's (uint8 codes, scale, minimum) and the
     # bias, in float32, for a matrix product (`hf_cpt.numerics.integer_matmul`); None: the float product only.
     compute_on_codes = None
-    # ``compute_into(x, weight, allocate)``, ``input_gradient_into(error, x, weight, allocate)``: `compute` and
-    # `input_gradient`, the same values written into ``allocate(shape, dtype)`` (`hf_cpt.numerics.scratch.handed_on`),
-    # or None where they cannot; None: never.
+    # ``compute_into(x, weight, allocate)``, ``input_gradient_into(error, x, weight, allocate)``: `compute`'s and
+    # `input_gradient`'s values written into ``allocate(shape, dtype)``, or None where they cannot; None: never.
     compute_into = input_gradient_into = None
 
     # Whether `input_gradient` reads the input's values: if not, training does not keep the input for it and
@@ -384,10 +382,8 @@ class QuantLayerMixin:
         return None
 
     def quantized_weight(self, bits: int | None = None, rotated: bool = False) -> torch.Tensor:
-        """The weight as the layer uses it at ``bits`` (default: the eval precision), without grad.
-
-        A rotated layer computes with ``Q(W R)``: ``rotated=True`` returns that, else it is rotated back.
-        """
+        """The weight as the layer uses it at ``bits`` (default: the eval precision), without grad. A rotated layer
+        computes with ``Q(W R)``: ``rotated=True`` returns that, else it is rotated back."""
         with torch.no_grad():
             if bits is None:
                 if not self.cpt_precision.eval_enabled:

@@ -19,9 +19,11 @@ from ..numerics import scratch
 
 
 def runs_here(x: torch.Tensor) -> bool:
-    """Whether a GELU of ``x`` runs here: a contiguous float CPU tensor that needs its gradient, grad mode on, not
-    traced, outside autocast (whose casts a kernel writing into a given tensor skips)."""
+    """Whether a GELU of ``x`` runs here: a contiguous float CPU tensor of a handed-on block's size or more
+    (`scratch.HANDED_ON_MAPPING_BYTES`) that needs its gradient, grad mode on, not traced, outside autocast (whose
+    casts a kernel writing into a given tensor skips)."""
     return (x.device.type == "cpu" and x.is_floating_point() and x.requires_grad and x.is_contiguous()
+            and x.numel() * x.element_size() >= scratch.HANDED_ON_MAPPING_BYTES
             and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling())
 
