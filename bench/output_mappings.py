@@ -1,7 +1,7 @@
 """What handing blocks on in mappings of their own saves and costs: each model step's peak memory and time with the
-outputs and input gradients of 1 MiB or more that quantized layers, GELUs and dropouts make in CPU training in
-mappings of their own (`CPTConfig.output_mappings`, the default) and from torch's allocator, beside the plain model's,
-every side with the AdamW that transformers' Trainer makes by default (fused).
+outputs and input gradients of 1 MiB or more that quantized Linear and Conv1D layers, GELUs and dropouts make in CPU
+training in mappings of their own (`CPTConfig.output_mappings`, the default) and from torch's allocator, beside the
+plain model's, every side with the AdamW that transformers' Trainer makes by default (fused).
 
 For each model case: how many blocks one step maps and their MiB, then the peak resident memory (VmHWM) of the plain
 model and of the CPT 8/8 model both ways, in fresh processes that train until the peak settles, as
@@ -27,9 +27,9 @@ import setting_arms  # noqa: E402
 
 from hf_cpt.numerics import scratch  # noqa: E402
 
-CASES = {  # key -> the bench's model builder
+CASES = {  # key -> the bench's model builder (the CNN: its convolutions take no mappings, docs/method.md §2)
     "bert-base-16": "bert_base_16", "minilm": "minilm", "vit-s": "vit_small", "gpt2": "gpt2_small",
-    "resnet20": "resnet20", "resnet20-functional": "resnet20_functional", "resnet18": "resnet18",
+    "resnet20": "resnet20",
 }
 ARMS = ("plain", "own mappings", "heap")
 HEAP = {"output_mappings": False}

@@ -300,8 +300,9 @@ def output_mappings_section(results: dict) -> list[str]:
     dropouts hand on in mappings of their own and from torch's allocator, from `bench/output_mappings.py`'s JSON."""
     adamws = {row.get("adamw", "torch") for row in results["rows"]}
     return _peaks_against_plain(
-        results, ("own mappings", "heap"), "outputs and input gradients of 1 MiB or more that quantized layers, GELUs "
-        "and dropouts make, in mappings of their own (`output_mappings=True`, the default) or from torch's allocator "
+        results, ("own mappings", "heap"), "outputs and input gradients of 1 MiB or more that quantized Linear and "
+        "Conv1D layers, GELUs and dropouts make, in mappings of their own (`output_mappings=True`, the default) or "
+        "from torch's allocator "
         "(`output_mappings=False`); " + "; ".join(adamw_text({"adamw": adamw}) for adamw in sorted(adamws)),
         "blocks of one step: own mappings (MiB) / torch's allocator",
         lambda row: f"{row['blocks']['mapped']} ({row['blocks']['mapped_mib']:,.0f}) / {row['blocks']['heap']}")

@@ -456,14 +456,14 @@ def test_own_mappings_counts_a_steps_kept_codes_by_place_and_its_table_names_the
 
 
 def test_output_mappings_counts_a_steps_handed_on_blocks_and_its_table_shows_both_arms_against_plain():
-    """`bench/output_mappings.py` counts the blocks one step hands on: in a ResNet-20 at batch 128 every convolution's
-    output of a MiB or more in a mapping of its own, the smaller ones from torch's allocator. Its table shows those
-    counts beside the arms' peaks and times."""
+    """`bench/output_mappings.py` counts the blocks one step hands on: in GPT-2 small at batch 2x128 the MLP's, of a
+    MiB or more, in mappings of their own, the smaller ones from torch's allocator. Its table shows those counts
+    beside the arms' peaks and times."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import output_mappings
     import report
 
-    counts = output_mappings.blocks_mapped("resnet20")
+    counts = output_mappings.blocks_mapped("gpt2_small")
     assert counts["mapped"] > 0 and counts["heap"] > 0 and counts["mapped_mib"] >= counts["mapped"]
     assert output_mappings.scratch.handed_on.__name__ == "handed_on"  # the counting wrapper is gone
     row = {"key": "bert-base-16", "adamw": "fused", "blocks": {"mapped": 250, "mapped_mib": 2100.4, "heap": 0},

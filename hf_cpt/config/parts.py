@@ -217,7 +217,7 @@ class ActivationConfig:
 
     output_mappings: bool = setting(
         True,
-        "In CPU training, outputs and input gradients of 1 MiB or more of quantized layers, GELUs and dropouts get "
+        "In CPU training, outputs and input gradients of 1 MiB or more of Linear/Conv1D layers, GELUs and dropouts get "
         "mappings of their own (a freed one kept for the next of its size), not glibc's heap, where a quantized "
         "forward's freed inputs leave resident holes: the same values, a lower peak, some page faults (method.md §2)."
     )

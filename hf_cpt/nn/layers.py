@@ -91,19 +91,6 @@ class QuantConv2d(QuantLayerMixin, nn.Conv2d):
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, weight, self.bias)
 
-    def compute_into(self, x: torch.Tensor, weight: torch.Tensor, allocate) -> torch.Tensor | None:
-        """`compute` of a batched contiguous input with zero padding: the convolution ``F.conv2d`` calls, written out
-        (a channels-last input would give a channels-last output)."""
-        if not self._direct_gradients() or x.dim() != 4 or not x.is_contiguous() or x.dtype != weight.dtype:
-            return None
-        stride, padding, dilation = _pair(self.stride), _pair(self.padding), _pair(self.dilation)
-        size = [(x.shape[2 + d] + 2 * padding[d] - dilation[d] * (self.kernel_size[d] - 1) - 1) // stride[d] + 1
-                for d in range(2)]
-        out = allocate((x.shape[0], self.out_channels, *size), x.dtype)
-        torch.ops.aten.convolution.out(x, weight, self.bias, stride, padding, dilation, False, [0, 0], self.groups,
-                                       out=out)
-        return out
-
     def _direct_gradients(self) -> bool:
         return self.padding_mode == "zeros" and not isinstance(self.padding, str)
 
