@@ -252,5 +252,10 @@ def test_a_handed_on_block_has_a_mapping_of_its_own_that_waits_for_the_next_of_i
     assert scratch.idle_block_bytes() == 1 << 20 and _mapped_at(address) != _mapped_at(other_address)
     scratch.release_idle_blocks()
     assert scratch.idle_block_bytes() == 0 and not _mapped_at(address) and not _mapped_at(other_address)
+    sizes = [(1 << 20) + 4096 * i for i in range(scratch.IDLE_SIZES + 3)]  # shapes that change from batch to batch
+    for size in sizes:
+        scratch.handed_on((size,), torch.uint8)  # freed at once
+    assert scratch.idle_block_bytes() == sum(sizes[-scratch.IDLE_SIZES:])  # the sizes freed last
+    scratch.release_idle_blocks()
     assert not mapped_alone(scratch.handed_on((scratch.HANDED_ON_MAPPING_BYTES // 4 - 1,), torch.float32))
     assert mapped_alone(scratch.handed_on((scratch.HANDED_ON_MAPPING_BYTES // 2,), torch.bfloat16))  # in bytes

@@ -120,9 +120,11 @@ def kept(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
 
 
 # A block a layer hands on of at least this many bytes gets a mapping of its own (`handed_on`); at most this many
-# freed ones of each size wait, resident, for the next block of their size.
+# freed ones of each size, of the sizes last freed, wait, resident, for the next block of their size (shapes that
+# change from batch to batch leave no more than that many behind).
 HANDED_ON_MAPPING_BYTES = 1 << 20
 IDLE_BLOCKS_PER_SIZE = 1
+IDLE_SIZES = 16
 
 
 class _Blocks:
@@ -153,12 +155,17 @@ class _Blocks:
         return block
 
     def give_back(self, mapping: mmap.mmap) -> None:
+        closing = [mapping]
         with self.lock:
-            waiting = self.idle.setdefault(len(mapping), [])
+            waiting = self.idle.pop(len(mapping), [])
             if len(waiting) < IDLE_BLOCKS_PER_SIZE:
                 waiting.append(mapping)
-                return
-        mapping.close()
+                closing.pop()
+            self.idle[len(mapping)] = waiting  # the size last freed goes last
+            while len(self.idle) > IDLE_SIZES:  # the size freed longest ago goes back
+                closing += self.idle.pop(next(iter(self.idle)))
+        for each in closing:
+            each.close()
 
     def release(self) -> None:
         """Return every idle mapping to the system."""
