@@ -179,7 +179,8 @@ def test_a_bert_step_is_the_same_bit_for_bit_and_no_product_maps_under_autocast_
             with torch.no_grad():
                 model(**batch)
             assert not made
-            assert not dequantize_model(model).__dict__.get("output_mappings")
+            assert any("output_mappings" in m.__dict__ for m in model.modules())  # the GELUs and dropouts
+            assert not any("output_mappings" in m.__dict__ for m in dequantize_model(model).modules())
         monkeypatch.undo()
     assert torch.equal(results[0][0], results[1][0])
     assert results[0][1].keys() == results[1][1].keys()
