@@ -145,6 +145,8 @@ class _Blocks:
             mapping = waiting.pop() if waiting else None
             block_type = self.types.get(size)
             if block_type is None:  # one array type per size, whose instances return their mapping when freed
+                if len(self.types) >= 4 * IDLE_SIZES:  # shapes that change from batch to batch: a live block
+                    self.types.clear()  # keeps its own type
                 block_type = self.types[size] = type("HandedOnBlock", (ctypes.c_char * size,),
                                                      {"__del__": lambda block: self.give_back(block.mapping)})
         if mapping is None:
