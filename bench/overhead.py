@@ -304,8 +304,8 @@ def resnet18() -> tuple[Callable[[], nn.Module], dict]:
 
 
 def resnet20() -> tuple[Callable[[], nn.Module], dict]:
-    """The CPT paper's CIFAR model, a ResNet-20 (`cifar10.CifarResNet`), at batch 128: every conv quantized."""
-    from cifar10 import CifarResNet
+    """The CPT paper's CIFAR model, a ResNet-20 (`cifar_resnet.CifarResNet`), at batch 128: every conv quantized."""
+    from cifar_resnet import CifarResNet
 
     batch = {"pixel_values": torch.randn(128, 3, 32, 32), "labels": torch.randint(0, 10, (128,))}
     return lambda: CifarResNet(20), batch
@@ -313,7 +313,7 @@ def resnet20() -> tuple[Callable[[], nn.Module], dict]:
 
 def resnet20_functional() -> tuple[Callable[[], nn.Module], dict]:
     """The same ResNet-20 calling ``torch.relu`` instead of ReLU modules, as much CIFAR code does."""
-    from cifar10 import CifarResNet
+    from cifar_resnet import CifarResNet
 
     return lambda: CifarResNet(20, functional_relu=True), resnet20()[1]
 
