@@ -165,8 +165,9 @@ os.register_at_fork(after_in_child=_forget_pending)
 
 def build_ahead() -> None:
     """Start building the package's libraries missing from the cache on a background thread, and return at once.
-    `hf_cpt.quantize_model` calls it, so that on a new machine the build (about half a second) overlaps the rest of
-    a run's setup instead of stalling its first training step; `load` waits for it where it has not finished."""
+    `hf_cpt.quantize_model` calls it, so that on a new machine the build (a few seconds of compiler time) overlaps
+    the rest of a run's setup instead of stalling its first training step; `load` waits for it where it has not
+    finished."""
     global _pending
     if _pending is not None or os.environ.get(DISABLE_VARIABLE) == "0":
         return
