@@ -737,6 +737,18 @@ def test_peak_memory_is_measured_in_interleaved_fresh_processes(monkeypatch):
     assert calls == [(False, None), (True, None), (True, others[0]), (True, others[1])] * 2 and len(runs) == 4
 
 
+def test_resnet20_cases_build_their_model_without_importing_the_trainer():
+    """The ResNet-20 memory cases measure a training step's peak in a fresh process: importing the Trainer there
+    (its datasets, pandas, pyarrow) would add the same resident memory to both sides and pull the ratio to 1."""
+    code = ("import sys; sys.path.insert(0, 'bench'); import overhead; "
+            "[overhead.resnet20()[0](), overhead.resnet20_functional()[0]()]; "
+            "print(sorted(m for m in sys.modules if m in ('transformers.trainer', 'hf_cpt.integrations.trainer', "
+            "'datasets', 'cifar10')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_peak_memory_is_read_once_it_stops_rising():
     """A process's peak rises over its first steps (the optimizer's states, then the heap's growth): the bench
     trains until it has not risen for two steps in a row, at least three steps and at most ten."""
