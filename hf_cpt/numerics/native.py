@@ -134,61 +134,66 @@ def _target(source: Path) -> Path:
 _built: dict[Path, str | None] = {}
 
 
+def _missing() -> list[tuple[Path, Path]]:
+    """(target, source) of each package library neither in the cache nor tried by this process, the largest source
+    first: its build takes longest, so started first it ends with the others (and the rotation and codes kernels,
+    the largest, are what a first forward needs)."""
+    sources = sorted(Path(__file__).parent.glob("*.c"), key=lambda source: (-source.stat().st_size, source.name))
+    targets = [(_target(source), source) for source in sources]
+    return [(target, source) for target, source in targets if target not in _built and not target.exists()]
+
+
+def _build_one(target: Path, source: Path, compiler: str) -> None:
+    try:
+        _built[target] = _build(source, target, compiler)
+    except OSError as error:  # an unwritable cache directory
+        _built[target] = f"{type(error).__name__}: {error}"
+
+
 def _build_missing(compiler: str) -> None:
     """Build every package library missing from the cache, concurrently: a run soon needs all of them, and a new
     machine then waits for the slowest build instead of their sum."""
-    targets = {_target(source): source for source in sorted(Path(__file__).parent.glob("*.c"))}
-    missing = [(target, source) for target, source in targets.items() if target not in _built and not target.exists()]
-
-    def build(job: tuple[Path, Path]) -> str | None:
-        target, source = job
-        try:
-            return _build(source, target, compiler)
-        except OSError as error:  # an unwritable cache directory
-            return f"{type(error).__name__}: {error}"
-
+    missing = _missing()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(missing))) as pool:
-        _built.update(zip((target for target, _ in missing), pool.map(build, missing)))
+        for future in [pool.submit(_build_one, *job, compiler) for job in missing]:
+            future.result()
 
 
-# The build `build_ahead` started on a background thread, until `load` has waited for it.
-_pending: concurrent.futures.Future | None = None
+# The builds `build_ahead` started on background threads, by library, until `load` has waited for each.
+_pending: dict[Path, concurrent.futures.Future] = {}
 
 
 def _forget_pending() -> None:  # a forked child has no build thread: it builds (or finds) the libraries itself
-    global _pending
-    _pending = None
+    _pending.clear()
 
 
 os.register_at_fork(after_in_child=_forget_pending)
 
 
 def build_ahead() -> None:
-    """Start building the package's libraries missing from the cache on a background thread, and return at once.
-    `hf_cpt.quantize_model` calls it, so that on a new machine the build (a few seconds of compiler time) overlaps
-    the rest of a run's setup instead of stalling its first training step; `load` waits for it where it has not
-    finished."""
-    global _pending
-    if _pending is not None or os.environ.get(DISABLE_VARIABLE) == "0":
+    """Start building the package's libraries missing from the cache on background threads, one per core at a time,
+    the largest first, and return at once. `hf_cpt.quantize_model` calls it, so that on a new machine the build (a
+    few seconds of compiler time) overlaps the rest of a run's setup instead of stalling its first training step;
+    `load` waits for the library it loads where its build has not finished, not for the others."""
+    if _pending or os.environ.get(DISABLE_VARIABLE) == "0":
         return
-    if all(_target(source).exists() for source in Path(__file__).parent.glob("*.c")):
-        return
-    compiler = _compiler()
+    missing = _missing()
+    compiler = _compiler() if missing else None
     if compiler is None:
         return
-    builder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cpt-build")
-    _pending = builder.submit(_build_missing, compiler)
-    builder.shutdown(wait=False)  # its thread ends with the build
+    builder = concurrent.futures.ThreadPoolExecutor(max_workers=min(len(missing), os.cpu_count() or 1),
+                                                    thread_name_prefix="hf_cpt-build")
+    _pending.update((target, builder.submit(_build_one, target, source, compiler)) for target, source in missing)
+    builder.shutdown(wait=False)  # its threads end with the builds
 
 
-def _wait_for_pending() -> None:
-    global _pending
-    pending, _pending = _pending, None
+def _wait_for_pending(target: Path) -> None:
+    pending = _pending.pop(target, None)
     if pending is not None:
         try:
             pending.result()
         except Exception as error:  # noqa: BLE001  (its outcome is recorded per library; load reports a failure)
-            logger.info("hf_cpt: the background build of the native kernels stopped (%s)", error)
+            logger.info("hf_cpt: the background build of %s stopped (%s)", target.name, error)
 
 
 def bind(name: str, entries: dict[str, tuple[list, type | None]]) -> ctypes.CDLL | None:
@@ -208,8 +213,8 @@ def load(name: str) -> ctypes.CDLL | None:
     libraries, then cached; or by `build_ahead`), or None."""
     if os.environ.get(DISABLE_VARIABLE) == "0":
         return None
-    _wait_for_pending()
     target = _target(Path(__file__).with_name(f"{name}.c"))
+    _wait_for_pending(target)
     if not target.exists():
         compiler = _compiler()
         if compiler is None:
