@@ -135,12 +135,13 @@ _built: dict[Path, str | None] = {}
 
 
 def _missing() -> list[tuple[Path, Path]]:
-    """(target, source) of each package library neither in the cache nor tried by this process, the largest source
-    first: its build takes longest, so started first it ends with the others (and the rotation and codes kernels,
-    the largest, are what a first forward needs)."""
+    """(target, source) of each package library neither in the cache, nor tried by this process, nor building ahead
+    (`build_ahead`), the largest source first: its build takes longest, so started first it ends with the others
+    (and the rotation and codes kernels, the largest, are what a first forward needs)."""
     sources = sorted(Path(__file__).parent.glob("*.c"), key=lambda source: (-source.stat().st_size, source.name))
     targets = [(_target(source), source) for source in sources]
-    return [(target, source) for target, source in targets if target not in _built and not target.exists()]
+    return [(target, source) for target, source in targets
+            if target not in _built and target not in _pending and not target.exists()]
 
 
 def _build_one(target: Path, source: Path, compiler: str) -> None:
