@@ -40,12 +40,13 @@ def step_times_ms(steps: dict[str, Callable[[], None]], repeats: int) -> dict[st
 
 
 def counting_sizes(make: Callable[..., torch.Tensor], threshold: int, counts: dict) -> Callable[..., torch.Tensor]:
-    """``make(shape, dtype)``, counting into ``counts`` each tensor of ``threshold`` bytes or more (``"mapped"``, and
-    its MiB in ``"mapped_mib"``) and each smaller one (``"heap"``)."""
-    def counting(shape, dtype):
-        t = make(shape, dtype)
+    """``make(shape, dtype, ...)``, counting into ``counts`` each tensor of ``threshold`` bytes or more that it put in a
+    mapping of its own (``"mapped"``, and its MiB in ``"mapped_mib"``) and each other one (``"heap"``: smaller ones,
+    and those `scratch.handed_on` takes from the heap for an owner whose blocks outlive the pass)."""
+    def counting(shape, dtype, *args, **kwargs):
+        t = make(shape, dtype, *args, **kwargs)
         size = t.numel() * t.element_size()
-        if size >= threshold:
+        if size >= threshold and in_own_mapping(t):
             counts["mapped"] += 1
             counts["mapped_mib"] += size / 2**20
         else:
@@ -53,6 +54,16 @@ def counting_sizes(make: Callable[..., torch.Tensor], threshold: int, counts: di
         return t
 
     return counting
+
+
+def in_own_mapping(t: torch.Tensor) -> bool:
+    """Whether ``t`` starts a page of an anonymous mapping (Linux's /proc/self/maps: a line of five fields), as
+    `scratch` maps a block of its own; glibc's blocks start past a header."""
+    if t.data_ptr() % os.sysconf("SC_PAGE_SIZE"):
+        return False
+    with open("/proc/self/maps") as maps:
+        spans = [(line.split(), line.split()[0].split("-")) for line in maps]
+    return any(int(low, 16) <= t.data_ptr() < int(high, 16) and len(fields) == 5 for fields, (low, high) in spans)
 
 
 def missing_model(kind: str) -> str | None:

@@ -57,8 +57,8 @@ def _handed_on_blocks(monkeypatch) -> list[torch.Tensor]:
     made = []
     original = scratch.handed_on
 
-    def recording(shape, dtype):
-        made.append(original(shape, dtype))
+    def recording(shape, dtype, *args, **kwargs):
+        made.append(original(shape, dtype, *args, **kwargs))
         return made[-1]
 
     monkeypatch.setattr(scratch, "handed_on", recording)
@@ -202,3 +202,50 @@ def test_a_small_block_and_a_strided_input_take_torchs_allocator(monkeypatch):
     set_precision(wide, 8, 8)
     out = wide.act(torch.randn(256, 4 * MIB_OF_FLOATS // 256 // 4, requires_grad=True).t())  # strided
     assert not made and not mapped_alone(out)
+
+
+class _KeptByTheNextOp(nn.Module):
+    """A Linear whose output the op after it keeps for its backward, as an attention keeps its query, key and value."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(256, 1024)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h * h
+
+
+def _where_blocks_go(monkeypatch) -> list[tuple[tuple[int, ...], bool]]:
+    """Record the shape of every block `scratch.handed_on` makes and whether it is mapped, holding none of them."""
+    made, original = [], scratch.handed_on
+
+    def recording(shape, dtype, *args, **kwargs):
+        block = original(shape, dtype, *args, **kwargs)
+        made.append((tuple(shape), mapped_alone(block)))
+        return block
+
+    monkeypatch.setattr(scratch, "handed_on", recording)
+    return made
+
+
+def test_an_output_kept_for_the_backward_comes_from_the_heap_from_the_next_step_on(monkeypatch):
+    """A block that lives through the backward leaves no hole in the forward: from the step after the layer's first,
+    its output comes from the heap, which holds it without faulting fresh pages in; the values stay the same."""
+    torch.manual_seed(0)
+    plain, x = _KeptByTheNextOp(), torch.randn(16, 64, 256)
+    steps = {}
+    for mapped in (False, True):
+        model = copy.deepcopy(plain)
+        quantize_model(model, CPTConfig(output_mappings=mapped))
+        set_precision(model, 8, 8)
+        model.train()
+        made = _where_blocks_go(monkeypatch)
+        steps[mapped] = [_train_step(model, x, seed) for seed in (3, 4, 5)]
+        monkeypatch.undo()
+        if mapped:  # per step: the output (16x64x1024), then x's gradient (16x64x256), made in the backward
+            assert [shape for shape, _ in made] == [(16, 64, 1024), (16, 64, 256)] * 3
+            assert [where for _, where in made] == [True, True, False, True, False, True]
+    for (out, grad_x, grads, _), (out_m, grad_x_m, grads_m, _) in zip(steps[False], steps[True]):
+        assert torch.equal(out, out_m) and torch.equal(grad_x, grad_x_m)
+        assert all(torch.equal(grads[name], grads_m[name]) for name in grads)

@@ -3,6 +3,7 @@ import threading
 
 import pytest
 import torch
+from torch import nn
 
 from hf_cpt.numerics import scratch
 
@@ -259,3 +260,44 @@ def test_a_handed_on_block_has_a_mapping_of_its_own_that_waits_for_the_next_of_i
     scratch.release_idle_blocks()
     assert not mapped_alone(scratch.handed_on((scratch.HANDED_ON_MAPPING_BYTES // 4 - 1,), torch.float32))
     assert mapped_alone(scratch.handed_on((scratch.HANDED_ON_MAPPING_BYTES // 2,), torch.bfloat16))  # in bytes
+
+
+def _freed_in_a_backward(blocks: list) -> None:
+    """Drop ``blocks``' references while a backward runs (in a hook on one of its gradients)."""
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: blocks.clear())
+    y.sum().backward()
+    assert not blocks
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
+def test_an_owner_whose_block_outlived_its_forward_gets_the_next_from_the_heap_until_one_is_freed_within_it():
+    owner = nn.Linear(1, 1)  # the module making the blocks
+    shape = (256, 1024)  # 1 MiB
+    first = scratch.handed_on(shape, torch.float32, owner)
+    assert mapped_alone(first)
+    del first  # freed within the pass that made it: the next one is mapped too
+    held = [scratch.handed_on(shape, torch.float32, owner)]
+    assert mapped_alone(held[0])
+    other = scratch.handed_on(shape, torch.float32, nn.Linear(1, 1))  # another owner learns on its own
+    _freed_in_a_backward(held)  # kept for a backward: the next one comes from the heap
+    held = [scratch.handed_on(shape, torch.float32, owner)]
+    assert not mapped_alone(held[0]) and held[0].is_contiguous() and held[0].shape == shape
+    held[0].fill_(3.0)  # its memory is its own: written and read back whole
+    assert held[0].sum().item() == 3.0 * held[0].numel()
+    assert mapped_alone(other) and mapped_alone(scratch.handed_on(shape, torch.float32))  # no owner: mapped
+    _freed_in_a_backward(held)  # a heap block is watched the same way
+    assert not mapped_alone(scratch.handed_on(shape, torch.float32, owner))  # freed at once, outside a backward:
+    assert mapped_alone(scratch.handed_on(shape, torch.float32, owner))  # the one after it is mapped again
+
+
+def test_a_block_made_in_a_backward_teaches_its_owner_nothing():
+    owner = nn.Linear(1, 1)
+    made = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: made.append(scratch.handed_on((256, 1024), torch.float32, owner)))
+    y.sum().backward()
+    _freed_in_a_backward(made)  # a gradient made in a backward and freed in one is not kept across a pass
+    assert mapped_alone(scratch.handed_on((256, 1024), torch.float32, owner))

@@ -137,7 +137,8 @@ def cpt_attention_forward(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if precision.dropout_masks and training and dropout > 0 and query.device.type == "cpu":
-            with sdpa_keeping_bool_mask(precision.output_mappings):  # SDPA's math path, a bool mask, bit for bit
+            # SDPA's math path, a bool mask, bit for bit
+            with sdpa_keeping_bool_mask(precision.output_mappings, owner=module):
                 return sdpa_attention_forward(module, query, original_key, original_value, attention_mask,
                                               scaling=scaling, dropout=dropout, **kwargs)
         return sdpa_attention_forward(module, query, original_key, original_value, attention_mask, scaling=scaling,

@@ -41,10 +41,10 @@ class _DropoutKeepingBits(torch.autograd.Function):
     written out, so the same values and random numbers."""
 
     @staticmethod
-    def forward(ctx, x, p, output_mappings=False):
+    def forward(ctx, x, p, output_mappings=False, owner=None):
         if output_mappings and x.is_contiguous():
             mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
-            output = scratch.handed_on(x.shape, x.dtype)
+            output = scratch.handed_on(x.shape, x.dtype, owner)
             torch.mul(x, mask, out=output).mul_(1.0 / (1.0 - p))
         else:
             output, mask = torch.native_dropout(x, p, True)
@@ -57,15 +57,17 @@ class _DropoutKeepingBits(torch.autograd.Function):
     def backward(ctx, grad):
         (kept,) = ctx.saved_tensors
         if kept.dtype == torch.bool:
-            return torch.ops.aten.native_dropout_backward(grad, kept, ctx.scale), None, None
-        return dropout_backward_bits(grad, kept, ctx.scale), None, None
+            return torch.ops.aten.native_dropout_backward(grad, kept, ctx.scale), None, None, None
+        return dropout_backward_bits(grad, kept, ctx.scale), None, None, None
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, output_mappings: bool = False) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, training: bool, output_mappings: bool = False, owner: object = None
+            ) -> torch.Tensor:
     """``F.dropout(x, p, training)``, bit for bit, keeping a packed (or bool) mask for backward where `runs_here`
-    (its output in a mapping of its own with ``output_mappings``, `_DropoutKeepingBits`)."""
+    (its output a handed-on block for ``owner``, the module calling it, with ``output_mappings``,
+    `_DropoutKeepingBits`)."""
     if runs_here(x, p, training):
-        return _DropoutKeepingBits.apply(x, p, output_mappings)
+        return _DropoutKeepingBits.apply(x, p, output_mappings, owner)
     return nn.functional.dropout(x, p=p, training=training)
 
 
@@ -77,7 +79,7 @@ class DropoutKeepingBoolMask(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inplace:
             return super().forward(x)
-        return dropout(x, self.p, self.training, self.output_mappings)
+        return dropout(x, self.p, self.training, self.output_mappings, owner=self)
 
 
 def convert_dropout(module: nn.Module, output_mappings: bool = False) -> bool:
@@ -104,16 +106,16 @@ class sdpa_keeping_bool_mask(TorchFunctionMode):  # noqa: N801 - used as a conte
     bool mask kept instead of a float one (the dropout's output in a mapping of its own with ``output_mappings``).
     Any other call runs as it was."""
 
-    def __init__(self, output_mappings: bool = False):
+    def __init__(self, output_mappings: bool = False, owner: object = None):
         super().__init__()
-        self.output_mappings = output_mappings
+        self.output_mappings, self.owner = output_mappings, owner
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is nn.functional.scaled_dot_product_attention:
             call = _math_call(*args, **kwargs)
             if call is not None:
-                return _math_attention(**call, output_mappings=self.output_mappings)
+                return _math_attention(**call, output_mappings=self.output_mappings, owner=self.owner)
         return func(*args, **kwargs)
 
 
@@ -135,7 +137,7 @@ def _math_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
             "is_causal": is_causal, "scale": scale}
 
 
-def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, output_mappings=False):
+def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, output_mappings=False, owner=None):
     """SDPA's math path: ``dropout(softmax(q·√s (k·√s)ᵀ + mask)) v``, each operand scaled by the square root of the
     scale, fully masked rows giving zeros, grouped key/value heads repeated; the dropout through ``native_dropout``."""
     root_scale = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
@@ -149,5 +151,5 @@ def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, o
     scores = torch.matmul(query * root_scale, key.transpose(-2, -1) * root_scale)
     if attn_mask is not None:
         scores = scores + attn_mask
-    weights = _DropoutKeepingBits.apply(torch._safe_softmax(scores, -1), dropout_p, output_mappings)
+    weights = _DropoutKeepingBits.apply(torch._safe_softmax(scores, -1), dropout_p, output_mappings, owner)
     return torch.matmul(weights, value)

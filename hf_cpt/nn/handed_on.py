@@ -46,8 +46,8 @@ class _GeluHandedOn(torch.autograd.Function):
     """``F.gelu(x, approximate=...)``, its output and its input's gradient in handed-on blocks."""
 
     @staticmethod
-    def forward(ctx, x, approximate):
-        output = scratch.handed_on(x.shape, x.dtype)
+    def forward(ctx, x, approximate, owner):
+        output = scratch.handed_on(x.shape, x.dtype, owner)
         torch._C._nn.gelu(x, approximate=approximate, out=output)
         ctx.approximate = approximate
         ctx.save_for_backward(x)
@@ -58,9 +58,10 @@ class _GeluHandedOn(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         grad_x = scratch.handed_on(x.shape, x.dtype)
         torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=ctx.approximate, grad_input=grad_x)
-        return grad_x, None
+        return grad_x, None, None
 
 
-def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    """``F.gelu(x, approximate=approximate)`` with its output and its input's gradient in handed-on blocks."""
-    return _GeluHandedOn.apply(x, approximate)
+def gelu(x: torch.Tensor, approximate: str, owner: object = None) -> torch.Tensor:
+    """``F.gelu(x, approximate=approximate)`` with its output and its input's gradient in handed-on blocks (the
+    output's for ``owner``, the module calling it: `scratch.handed_on`)."""
+    return _GeluHandedOn.apply(x, approximate, owner)

@@ -197,7 +197,7 @@ class QuantizedProducts(torch.autograd.Function):
         if layer.cpt_precision.relu_masks:
             hand_over_input(x, x_saved[0], layer.cpt_precision)
         ctx.save_for_backward(*x_saved, *weight_saved)
-        output = _handed_on(layer, layer.compute_into, x_value, weight_value)
+        output = _handed_on(layer, layer.compute_into, x_value, weight_value, owner=layer)
         if output is None:
             output = layer.compute(x_value, weight_value)
         if learn_codes and keep_x and needs_x and not producer_keeps and not torch.compiler.is_dynamo_compiling():
@@ -289,14 +289,15 @@ def _gradients(
     return grad_x, grad_weight
 
 
-def _handed_on(layer, product, *operands: torch.Tensor) -> torch.Tensor | None:
-    """``product(*operands, scratch.handed_on)`` (a layer's `compute_into` or `input_gradient_into`): its result in a
-    mapping of its own, in CPU training where the layer's settings ask for it (``CPTConfig.output_mappings``),
-    outside autocast (whose casts a product into a given tensor skips) and tracing; None where it does not run."""
+def _handed_on(layer, product, *operands: torch.Tensor, owner: object = None) -> torch.Tensor | None:
+    """``product(*operands, allocate)`` (a layer's `compute_into` or `input_gradient_into`): its result in a handed-on
+    block (`scratch.handed_on`, for ``owner``), in CPU training where the layer's settings ask for it
+    (``CPTConfig.output_mappings``), outside autocast (whose casts a product into a given tensor skips) and tracing;
+    None where it does not run."""
     if (product is None or not layer.cpt_precision.output_mappings or operands[0].device.type != "cpu"
             or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
         return None
-    return product(*operands, scratch.handed_on)
+    return product(*operands, functools.partial(scratch.handed_on, owner=owner))
 
 
 def _weight_gradient(

@@ -112,7 +112,7 @@ class RecomputedActivationMixin:
         if self.output_mappings and handed_on.runs_here(x):
             approximate = handed_on.gelu_approximation(self)
             if approximate is not None:
-                return handed_on.gelu(x, approximate)
+                return handed_on.gelu(x, approximate, owner=self)
         return self.float_class.forward(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

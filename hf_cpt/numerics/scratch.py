@@ -37,6 +37,7 @@ import math
 import mmap
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -143,18 +144,23 @@ class _Blocks:
         with self.lock:
             waiting = self.idle.get(size)
             mapping = waiting.pop() if waiting else None
-            block_type = self.types.get(size)
-            if block_type is None:  # one array type per size, whose instances return their mapping when freed
-                if len(self.types) >= 4 * IDLE_SIZES:  # shapes that change from batch to batch: a live block
-                    self.types.clear()  # keeps its own type
-                block_type = self.types[size] = type("HandedOnBlock", (ctypes.c_char * size,),
-                                                     {"__del__": lambda block: self.give_back(block.mapping)})
         if mapping is None:
             private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
             mapping = mmap.mmap(-1, size, **private)
-        block = block_type.from_address(_address(mapping))  # no buffer export: the mapping may close under it
+        block = self.block_type(size).from_address(_address(mapping))  # no buffer export: it may close under it
         block.mapping = mapping
         return block
+
+    def block_type(self, size: int) -> type:
+        """The array type of blocks of ``size`` bytes, whose instances return their memory when freed (`_freed`)."""
+        with self.lock:
+            block_type = self.types.get(size)
+            if block_type is None:
+                if len(self.types) >= 4 * IDLE_SIZES:  # shapes that change from batch to batch: a live block
+                    self.types.clear()  # keeps its own type
+                block_type = self.types[size] = type("HandedOnBlock", (ctypes.c_char * size,), {
+                    "__del__": _freed, "mapping": None, "heap": None, "site": None})
+        return block_type
 
     def give_back(self, mapping: mmap.mmap) -> None:
         closing = [mapping]
@@ -181,6 +187,54 @@ class _Blocks:
             return sum(len(m) for waiting in self.idle.values() for m in waiting)
 
 
+class _Site:
+    """What `handed_on` learned of one owner's blocks: whether the last one it made in a forward was still held
+    when a backward ran (the owner's output kept for the backward, by an attention or an activation)."""
+
+    __slots__ = ("outlives_pass",)
+
+    def __init__(self) -> None:
+        self.outlives_pass = False
+
+
+_sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _heap_block(size: int) -> ctypes.Array | None:
+    """A block of ``size`` bytes from the C heap, where torch's CPU allocator takes its own (64-byte aligned, as
+    it aligns them), returned to it when freed; None where the C library has no ``posix_memalign``."""
+    libc, address = _libc(), ctypes.c_void_p()
+    if libc is None or libc.posix_memalign(ctypes.byref(address), 64, size) != 0:
+        return None
+    block = _blocks.block_type(size).from_address(address.value)
+    block.heap = address.value
+    return block
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's allocator, with its signatures; None where the process has no ``posix_memalign``."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+    except (OSError, TypeError, AttributeError):  # Windows: no process-wide C symbols
+        return None
+    libc.posix_memalign.restype = ctypes.c_int
+    libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
+    return libc
+
+
+def _freed(block) -> None:
+    """A handed-on block's ``__del__``: note in its owner's site whether a backward is running (the block outlived
+    the forward that made it), then return its memory (its mapping to `_blocks`, else to the heap)."""
+    if block.site is not None:
+        block.site.outlives_pass = torch._C._current_graph_task_id() != -1
+    if block.mapping is not None:
+        _blocks.give_back(block.mapping)
+    elif block.heap is not None:
+        _libc().free(block.heap)
+
+
 def _address(mapping: mmap.mmap) -> int:
     view = ctypes.c_char.from_buffer(mapping)
     try:
@@ -192,22 +246,34 @@ def _address(mapping: mmap.mmap) -> int:
 _blocks = _Blocks()
 
 
-def handed_on(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def handed_on(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, owner: object = None) -> torch.Tensor:
     """An uninitialized contiguous CPU tensor for a block a layer makes and hands on (its output, its input's
     gradient): of at least `HANDED_ON_MAPPING_BYTES`, in a mapping of its own, kept idle for the next block of its
     size when the tensor is freed (`IDLE_BLOCKS_PER_SIZE`) until `release_idle_blocks`, else returned to the system;
     smaller ones, or where the system refuses a mapping, from torch's allocator. Under glibc's default a quantized
     forward frees the float inputs its layers keep as codes, and the blocks made after them split the holes they
     leave, which stay resident (docs/method.md §2, "Handed-on blocks"). Not a view: an autograd function may return
-    it and a caller edit it in place."""
+    it and a caller edit it in place.
+
+    ``owner`` (the module making it in a forward) lets the block's lifetime decide: where the owner's last block
+    from a forward was still held when a backward ran (kept for it, by an attention or an activation), the block
+    comes from the heap instead. It lives through the pass either way, so a mapping of its own saves no hole; fresh
+    in every step, it would fault its pages in again, and it would leave the heap's holes of its size empty."""
     numel = math.prod(shape)
     size = numel * dtype.itemsize
     if size < HANDED_ON_MAPPING_BYTES:
         return torch.empty(shape, dtype=dtype)
+    site = None
+    if owner is not None and torch._C._current_graph_task_id() == -1:  # made in a forward
+        site = _sites.get(owner)
+        if site is None:
+            site = _sites[owner] = _Site()
     try:
-        block = _blocks.take(size)
+        block = _heap_block(size) if site is not None and site.outlives_pass else None
+        block = _blocks.take(size) if block is None else block
     except OSError:  # out of mappings (vm.max_map_count) or of address space
         return torch.empty(shape, dtype=dtype)
+    block.site = site
     flat = torch.frombuffer(block, dtype=dtype, count=numel)  # its storage holds the block until freed
     return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
 
