@@ -65,6 +65,14 @@ def _handed_on_blocks(monkeypatch) -> list[torch.Tensor]:
     return made
 
 
+def _quantized_copy(plain: nn.Module, mapped: bool) -> nn.Module:
+    """A CPT 8/8 copy of ``plain`` in training mode, its blocks handed on with ``output_mappings=mapped``."""
+    model = copy.deepcopy(plain)
+    quantize_model(model, CPTConfig(output_mappings=mapped))
+    set_precision(model, 8, 8)
+    return model.train()
+
+
 def _train_step(model: nn.Module, x: torch.Tensor, seed: int = 3):
     torch.manual_seed(seed)
     x = x.clone().requires_grad_()
@@ -80,10 +88,7 @@ def test_an_mlps_outputs_and_gradients_are_the_same_bit_for_bit_and_its_blocks_a
     x = torch.randn(16, 64, 256)  # 256 Ki values: the MLP's every output and input gradient is 1 MiB or more
     sides = {}
     for mapped in (False, True):
-        model = copy.deepcopy(plain)
-        quantize_model(model, CPTConfig(output_mappings=mapped))
-        set_precision(model, 8, 8)
-        model.train()
+        model = _quantized_copy(plain, mapped)
         made = _handed_on_blocks(monkeypatch) if mapped else []
         sides[mapped] = _train_step(model, x)
         if mapped:
@@ -130,9 +135,7 @@ def test_a_gpt2_conv1d_writes_into_mappings_the_same_values_and_a_conv2d_keeps_t
     plain, x = nn.Sequential(Conv1D(1024, 256), nn.ReLU(), Conv1D(256, 1024)), torch.randn(16, 64, 256)
     sides = []
     for mapped in (False, True):
-        model = copy.deepcopy(plain)
-        quantize_model(model, CPTConfig(output_mappings=mapped))
-        set_precision(model, 8, 8)
+        model = _quantized_copy(plain, mapped)
         made = _handed_on_blocks(monkeypatch) if mapped else []
         sides.append(_train_step(model, x))
         if mapped:
@@ -158,10 +161,7 @@ def test_a_bert_step_is_the_same_bit_for_bit_and_no_product_maps_under_autocast_
     batch = {"input_ids": torch.randint(0, 512, (8, 128)), "labels": torch.randint(0, 2, (8,))}  # 1 MiB a layer
     results = []
     for mapped in (False, True):
-        model = copy.deepcopy(plain)
-        quantize_model(model, CPTConfig(output_mappings=mapped))
-        set_precision(model, 8, 8)
-        model.train()
+        model = _quantized_copy(plain, mapped)
         made = _handed_on_blocks(monkeypatch)
         torch.manual_seed(1)
         loss = model(**batch).loss
@@ -236,10 +236,7 @@ def test_an_output_kept_for_the_backward_comes_from_the_heap_from_the_next_step_
     plain, x = _KeptByTheNextOp(), torch.randn(16, 64, 256)
     steps = {}
     for mapped in (False, True):
-        model = copy.deepcopy(plain)
-        quantize_model(model, CPTConfig(output_mappings=mapped))
-        set_precision(model, 8, 8)
-        model.train()
+        model = _quantized_copy(plain, mapped)
         made = _where_blocks_go(monkeypatch)
         steps[mapped] = [_train_step(model, x, seed) for seed in (3, 4, 5)]
         monkeypatch.undo()
