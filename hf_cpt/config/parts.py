@@ -217,10 +217,9 @@ class ActivationConfig:
 
     output_mappings: bool = setting(
         True,
-        "In CPU training, outputs and input gradients of 1 MiB or more of Linear/Conv1D layers, GELUs and dropouts get "
-        "mappings of their own (a freed one kept for the next of its size), not glibc's heap, where a quantized "
-        "forward's freed inputs leave resident holes (an output kept for the backward: the heap from its next step): "
-        "the same values, a lower peak, some page faults (method.md §2)."
+        "In CPU training, Linear/Conv1D/GELU/dropout outputs and input gradients of 1 MiB or more get mappings of "
+        "their own (one kept for the next of its size; an output kept for the backward: the heap), not glibc's heap, "
+        "where freed inputs leave resident holes: the same values, a lower peak, some page faults (method.md §2)."
     )
 
     embedding_row_gradients: bool = setting(
