@@ -25,7 +25,8 @@ without int8 dot products (what each bench model's hold: docs/benchmarks.md, pea
 backward), given a mapping of its own, where a run asks for it, once large enough, and unmapped when freed
 (docs/method.md §2, "Kept codes"). `handed_on` serves a third kind: a block a layer makes and hands on (its
 output, its input's gradient), given a mapping of its own once large enough, which waits for the next block of its
-size once freed (docs/method.md §2, "Handed-on blocks").
+size once freed, or a block of the heap where its owner's blocks outlive the pass (docs/method.md §2, "Handed-on
+blocks").
 This module knows nothing about quantization.
 """
 
