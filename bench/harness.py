@@ -54,10 +54,10 @@ def products_setting() -> dict:
     """How this CPU's quantized layers multiply in training by default, for a bench's JSON: ``integer_products``,
     whether it has int8 dot products; ``auto_products``, what ``integer_matmul="auto"`` resolves to (True: codes in
     every layer, "activations": codes where an activation recomputes its input from them, floats elsewhere)."""
-    from hf_cpt.nn.precision import resolve_integer_matmul
-    from hf_cpt.numerics.integer_matmul import integer_matmul_supported
+    from hf_cpt.backends import backend_for
 
-    return {"integer_products": integer_matmul_supported(), "auto_products": resolve_integer_matmul("auto")}
+    cpu = backend_for("cpu")
+    return {"integer_products": cpu.int8_gemm(), "auto_products": cpu.products_on_codes("auto")}
 
 
 def load_results(path: str) -> dict:

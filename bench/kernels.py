@@ -103,7 +103,7 @@ def _first_axis_rotation(weight: torch.Tensor, rotation, by_factors: bool) -> to
     saved = rotation_module.NATIVE_MIN_NUMEL
     rotation_module.NATIVE_MIN_NUMEL = sys.maxsize if by_factors else saved
     try:
-        return rotation.apply(weight, 0, scratch="rotated")
+        return rotation.apply(weight, 0)
     finally:
         rotation_module.NATIVE_MIN_NUMEL = saved
 
@@ -111,7 +111,7 @@ def _first_axis_rotation(weight: torch.Tensor, rotation, by_factors: bool) -> to
 def _rotated_codes_step_by_step(x: torch.Tensor, rotation, levels: torch.Tensor, out) -> tuple:
     """What `rotated_token_codes` makes, in the steps it replaces: ``x R`` into a reused buffer, its ranges, its
     codes and values."""
-    rotated = rotation.apply(x, scratch="rotated")
+    rotated = rotation.apply(x)
     low, high = code_kernels.ranges_native(rotated, 1, False)
     scale = quantization_scale(low, high, levels).view(-1, 1)
     return code_kernels.quantize_codes_native(rotated, low.view(-1, 1), scale, levels, True, out)

@@ -44,10 +44,10 @@ from torch import nn
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
-from hf_cpt.nn import dropout_masks, products
+from hf_cpt.nn import products
 from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.nn.relu_masks import kept_output_of
-from hf_cpt.numerics import code_kernels, native, rotation, scratch
+from hf_cpt.numerics import code_kernels, native, rotation
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 
 Step = Callable[[], None]
@@ -567,38 +567,22 @@ def with_torch_formulas(step: Step) -> Step:
 
 
 def with_kept_activation_inputs(step: Step) -> Step:
-    """``step`` with every activation and dropout keeping what autograd's keeps (as
-    ``recompute_activation_inputs=False, relu_masks=False, dropout_masks=False``): no layer output is tagged as
-    recomputable, no ReLU handed a mask, every dropout through ``F.dropout``."""
+    """``step`` with every activation keeping what autograd's keeps (as
+    ``recompute_activation_inputs=False, relu_masks=False``): no layer output is tagged as recomputable, no ReLU
+    handed a mask."""
     def run():
-        originals = products.mark_recomputable, products.hand_over_input, dropout_masks.runs_here
+        originals = products.mark_recomputable, products.hand_over_input
         products.mark_recomputable = products.hand_over_input = lambda *args: None
-        dropout_masks.runs_here = lambda *args: False
         try:
             step()
         finally:
-            products.mark_recomputable, products.hand_over_input, dropout_masks.runs_here = originals
-
-    return run
-
-
-def with_resident_buffers(step: Step) -> Step:
-    """``step`` with the quantized layers' reused buffers kept resident between passes (`scratch.hand_back`
-    declining): what ``CPTConfig(hand_back_buffers=False)`` does, and where the kernel has no transparent huge pages,
-    without a second copy of the model."""
-    def run():
-        original = scratch.hand_back
-        scratch.hand_back = lambda: None
-        try:
-            step()
-        finally:
-            scratch.hand_back = original
+            products.mark_recomputable, products.hand_over_input = originals
 
     return run
 
 
 def _with_one_thread(step: Step) -> Step:
-    """``step`` with every C kernel on one thread of its own (``HF_CPT_NATIVE_THREADS=1``), not torch's OpenMP team."""
+    """``step`` with every C kernel on one thread (``HF_CPT_NATIVE_THREADS=1``)."""
     def run():
         saved = os.environ.get(native.THREADS_VARIABLE)
         os.environ[native.THREADS_VARIABLE] = "1"
@@ -614,15 +598,14 @@ def _with_one_thread(step: Step) -> Step:
 
 
 def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_products: bool = False,
-             compare_native: bool = False, compare_threads: bool = False, compare_recompute: bool = False,
-             compare_resident: bool = False) -> dict[str, float]:
+             compare_native: bool = False, compare_threads: bool = False, compare_recompute: bool = False
+             ) -> dict[str, float]:
     """Medians of interleaved repeats of the plain and the quantized step; with ``compare_kernels`` also the
     quantized step with the ``torch.compile`` error kernel instead of the C one, with ``compare_products`` the
     quantized step with float products instead of products on integer codes, and with ``compare_native`` the
     quantized step with torch formulas instead of the other C kernels, with ``compare_threads`` the quantized step
     with the C kernels on one thread each, with ``compare_recompute`` the quantized step with activations keeping
-    what autograd's keep, with ``compare_resident`` the quantized step with its reused buffers kept resident,
-    interleaved with the others."""
+    what autograd's keep, interleaved with the others."""
     start = time.perf_counter()
     case.quantized()  # first call: builds the fused error kernels
     warmup = time.perf_counter() - start
@@ -637,8 +620,6 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         arms["one_thread"] = _with_one_thread(case.quantized)
     if compare_recompute:
         arms["kept_inputs"] = with_kept_activation_inputs(case.quantized)
-    if compare_resident:
-        arms["resident"] = with_resident_buffers(case.quantized)
     for step in arms.values():
         step()
     samples: dict[str, list[float]] = {name: [] for name in arms}
@@ -666,8 +647,6 @@ def run_case(case: Case, repeats: int, compare_kernels: bool = False, compare_pr
         result["one_thread_ratio"] = statistics.median(samples["one_thread"]) * 1e3 / plain_ms
     if compare_recompute:
         result["kept_inputs_ratio"] = statistics.median(samples["kept_inputs"]) * 1e3 / plain_ms
-    if compare_resident:
-        result["resident_ratio"] = statistics.median(samples["resident"]) * 1e3 / plain_ms
     return result
 
 
@@ -704,15 +683,10 @@ def main() -> None:
                         "codes, ranges, products on codes and rotations (interleaved with the others)")
     parser.add_argument("--compare-recompute", action="store_true",
                         help="also time the model steps, and measure their memory, with activations and dropouts "
-                        "keeping what autograd's keep (recompute_activation_inputs=False, relu_masks=False, "
-                        "dropout_masks=False)")
-    parser.add_argument("--compare-resident", action="store_true",
-                        help="also time each quantized case with its reused buffers kept resident between passes "
-                        "instead of handed back, as hand_back_buffers=False (interleaved with the others), and "
-                        "measure a model case's peak memory that way too")
+                        "keeping what autograd's keep (recompute_activation_inputs=False, relu_masks=False)")
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
-                        "(HF_CPT_NATIVE_THREADS=1) instead of torch's OpenMP team (interleaved with the others)")
+                        "(HF_CPT_NATIVE_THREADS=1) instead of the default (interleaved with the others)")
     parser.add_argument("--in-process", action="store_true",
                         help="time every case in this process, one after another, instead of each in a fresh process "
                         "of its own (where the heap that earlier cases left does not slow it)")
@@ -853,8 +827,7 @@ def main() -> None:
                               args.compare_products and some_products_on_codes and case.target is not None,
                               args.compare_native and case.target is not None,
                               args.compare_threads and case.target is not None,
-                              args.compare_recompute and key in memory_kinds,
-                              args.compare_resident and case.target is not None)
+                              args.compare_recompute and key in memory_kinds)
             rows.append({"key": key, "case": case.name, "target": case.target, **result})
             if key in memory_kinds:
                 rows[-1]["memory_target"] = case.memory_target
@@ -878,19 +851,13 @@ def main() -> None:
         if "kept_inputs_ratio" in result:
             print(f"{'  same, activations and dropouts keep their own':<44}{'':>10}{'':>10}"
                   f"{result['kept_inputs_ratio']:>8.3f}")
-        if "resident_ratio" in result:
-            print(f"{'  same, reused buffers kept resident':<44}{'':>10}{'':>10}{result['resident_ratio']:>8.3f}")
         memory_target = result.get("memory_target")
         _release_freed_memory()
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
-            # the ⊘ arm: every activation and dropout keeping what autograd's keeps
-            kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False,
-                           "dropout_masks": False}
-            # the buffers-resident arm: what `hand_back_buffers=False` keeps between passes
-            resident = {**(options or {}), "hand_back_buffers": False}
-            others = {name: arm for name, arm, wanted in (("kept inputs", kept_inputs, args.compare_recompute),
-                                                          ("resident", resident, args.compare_resident)) if wanted}
+            # the ⊘ arm: every activation keeping what autograd's keeps
+            kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False}
+            others = {"kept inputs": kept_inputs} if args.compare_recompute else {}
             plain_runs, quant_runs, *other_runs = peak_memories_mib(memory_kinds[key], fused, args.memory_processes,
                                                                     options, list(others.values()))
             runs_of = dict(zip(others, other_runs))
@@ -931,17 +898,6 @@ def main() -> None:
                 print(f"{'  same, activations and dropouts keep their own':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
                       f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed; kept for backward {kept:.0f} MiB)", flush=True)
                 rows[-1].update(memory_ratio_kept_inputs=peak / fixed[0], kept_inputs_saved_mib=kept)
-            if args.compare_resident:  # what handing the reused buffers back saves
-                resident_peaks = [p for p, _ in runs_of["resident"]]
-                resident_mib = statistics.median(resident_peaks)
-                print(f"{'  same, reused buffers kept resident':<44}{plain_mib:>10.0f}{resident_mib:>10.0f}"
-                      f"{resident_mib / plain_mib:>8.3f}  (default glibc, fresh processes interleaved with the above: "
-                      f"{', '.join(f'{p:.0f}' for p in resident_peaks)})", flush=True)
-                peak = peak_memory_mib(memory_kinds[key], True, fused, env=FIXED_MMAP_THRESHOLD, options=resident)[0]
-                print(f"{'  same, reused buffers kept resident':<44}{fixed[0]:>10.0f}{peak:>10.0f}"
-                      f"{peak / fixed[0]:>8.3f}  (mmap threshold fixed)", flush=True)
-                rows[-1].update(memory_ratio_resident_default=resident_mib / plain_mib,
-                                resident_peaks_mib=resident_peaks, memory_ratio_resident=peak / fixed[0])
         write()
     if not args.no_startup and not startup:
         kind = FIRST_STEP_KIND if minilm_path() is not None else "gpt2_small"

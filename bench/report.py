@@ -159,6 +159,8 @@ def op_counts_summary(counts: dict) -> list[str]:
 
 
 # how the measuring CPU's layers multiplied by default (`results_page.recorded_products`)
+NO_INT8_DOT_RUN = "overhead_no_int8_dot.json"  # bench/overhead.py on a CPU with no int8 dot products
+KEPT_FLOAT_PRODUCTS_RUN = "kept_memory_float_products.json"  # bench/kept_memory.py on such a CPU
 PRODUCT_NOTES = {True: "layers' training products on integer codes (this CPU has int8 dot products)",
                  False: "float products (no int8 dot products on this CPU)",
                  "activations": "float products, on codes where an activation recomputes its input from them (no int8 "
@@ -191,142 +193,6 @@ def kept_memory_section(kept: dict) -> list[str]:
             cells.append(f"{plain:,.0f} / {quant:,.0f}")
         name = f"**{group}**" if group == "total" else group
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def peak_phases_section(phases: dict) -> list[str]:
-    """docs/benchmarks.md's table of where in a training step the peak memory falls, from `bench/peak_phases.py`'s
-    JSON: each phase's peak, the step's highest in bold."""
-    products = products_note(phases)
-    machine = f"torch {phases['torch']}, {products}" if "torch" in phases else ""
-    if phases.get("huge_pages") and phases.get("hand_back") == "optimizer step":
-        resident = ("resident until an optimizer step starts after a backward, then handed back (transparent huge "
-                    "pages serve them) until the next forward writes them again")
-    elif phases.get("huge_pages"):  # runs before 2026-11-29
-        resident = ("resident until the last quantized layer of each backward is done, then handed back (transparent "
-                    "huge pages serve them) until the next forward writes them again")
-    elif "huge_pages" in phases:
-        resident = "resident throughout (no transparent huge pages on this machine, so none are handed back)"
-    else:  # runs before 2026-11-28
-        resident = "resident in every phase but the error's, whose pages beyond the pass's first error go back after "
-        resident += "each backward"
-    lines = [f"`{phases['command']}` ({machine}peak resident MiB of each phase of a training step, the highest over "
-             f"{phases['steps']} steps after a first one; a fresh process per side and allocator; reused buffers: "
-             f"the MiB the quantized layers' reused buffers map, {resident}; a heap trim is `malloc_trim(0)`, the "
-             "same policy on both sides, applied by the bench, not by hf_cpt; s a step: the process's median, "
-             "processes run one after another, not interleaved, so an indication only):", "",
-             "| case | allocator | side | forward | backward | optimizer step | CPT / plain, step peak "
-             "| reused buffers | s a step |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for row in phases["rows"]:
-        for allocator, sides in row["peaks"].items():
-            ratio = max(sides["quant"].values()) / max(sides["plain"].values())
-            seconds = row.get("step_seconds", {}).get(allocator, {})  # not recorded before 2026-11-29
-            for side, label in (("plain", "plain"), ("quant", "CPT 8/8")):
-                top = max(sides[side].values())
-                cells = [f"**{mib:,.0f}**" if mib == top else f"{mib:,.0f}" for mib in sides[side].values()]
-                last = [f"{ratio:.3f}", f"{row['reused_buffers_mib']:.0f}" if "reused_buffers_mib" in row else "-"]
-                cells += last if side == "quant" else ["", ""]
-                cells.append(f"{seconds[side]:.2f}" if side in seconds else "-")
-                lines.append(f"| {row['key']} | {allocator} | {label} | " + " | ".join(cells) + " |")
-    return lines
-
-
-NO_INT8_DOT_RUN = "overhead_no_int8_dot.json"  # bench/overhead.py on a CPU with no int8 dot products
-KEPT_FLOAT_PRODUCTS_RUN = "kept_memory_float_products.json"  # bench/kept_memory.py on such a CPU
-
-
-def hand_back_section(results: dict) -> list[str]:
-    """docs/benchmarks.md's table of what handing the reused buffers back costs in time, from a
-    run of `bench/overhead.py --compare-resident`."""
-    products = products_note(results, end="")
-    lines = [f"`{results['command']}` (torch {results['torch']}, {results['threads']} threads, {products}, medians of "
-             f"{results['repeats']} interleaved repeats; load average {results['load_average'][0]:.1f} at the start, "
-             f"{results['load_average'][1]:.1f} at the end):", "",
-             "| case | plain ms | CPT 8/8 ms, buffers handed back | time ratio, handed back / kept resident | "
-             "peak memory ratio, handed back / kept resident | the same, mmap threshold fixed |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for row in results["rows"]:
-        if "resident_ratio" in row:
-            memory = fixed = "-"
-            if "memory_ratio_resident_default" in row:
-                memory = f"{row['memory_ratio']:.3f} / {row['memory_ratio_resident_default']:.3f}"
-                fixed = f"{row['memory_ratio_fixed_mmap']:.3f} / {row['memory_ratio_resident']:.3f}"
-            lines.append(f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} / "
-                         f"{row['resident_ratio']:.3f} | {memory} | {fixed} |")
-    processes = {len(row["resident_peaks_mib"]) for row in results["rows"] if "resident_peaks_mib" in row}
-    if processes:
-        lines += ["", f"Peak memory: CPT / plain VmHWM under glibc's default, the median of "
-                  f"{' or '.join(map(str, sorted(processes)))} fresh processes per arm, interleaved; with the mmap "
-                  "threshold fixed, one process each (the README table's rules)."]
-    return lines
-
-
-def errors_in_place_section(results: dict) -> list[str]:
-    """docs/benchmarks.md's table of each model step's peak memory with its errors quantized in place and into a
-    reused buffer, from `bench/errors_in_place.py`'s JSON."""
-    return _peaks_against_plain(
-        results, ("in place", "in a buffer"), "errors quantized in place (`errors_in_place=True`, the default) or into "
-        "the error's reused buffer (`errors_in_place=False`)", "errors of one step: in place / not",
-        lambda row: f"{row['errors']['in place']} / {row['errors']['not in place']}")
-
-
-def embedding_rows_section(results: dict) -> list[str]:
-    """docs/benchmarks.md's table of each model step's peak memory with its embedding tables' gradients handed over
-    as rows and formed dense, from `bench/embedding_rows.py`'s JSON."""
-    return _peaks_against_plain(
-        results, ("as rows", "dense"), "embedding gradients that add to another part handed to autograd as the "
-        "looked-up rows (`embedding_row_gradients=True`, the default) or formed as dense tables "
-        "(`embedding_row_gradients=False`); AdamW as torch makes it on the CPU, or fused (`fused=True`, the "
-        "Trainer's default)", "AdamW | micro-batches a step | tables / lookups of one step as rows",
-        lambda row: f"{'fused' if row['adamw'].get('fused') else 'torch default'} | {row.get('micro_batches', 1)} | "
-                    f"{row['lookups']['tables']} / {row['lookups']['as rows']}")
-
-
-def own_mappings_section(results: dict) -> list[str]:
-    """docs/benchmarks.md's table of each model step's peak memory with its kept codes in mappings of their own and
-    from torch's allocator, from `bench/own_mappings.py`'s JSON."""
-    adamws = {row.get("adamw", "torch") for row in results["rows"]}
-    return _peaks_against_plain(
-        results, ("own mappings", "heap"), "kept codes of 256 KiB or more in mappings of their own "
-        "(`HF_CPT_OWN_MAPPING_BYTES=262144`) or from torch's allocator (`HF_CPT_OWN_MAPPING_BYTES=0`, the default); "
-        + "; ".join(adamw_text({"adamw": adamw}) for adamw in sorted(adamws)),
-        "kept codes of one step: own mappings (MiB) / torch's allocator",
-        lambda row: f"{row['codes']['mapped']} ({row['codes']['mapped_mib']:,.0f}) / {row['codes']['heap']}")
-
-
-def output_mappings_section(results: dict) -> list[str]:
-    """docs/benchmarks.md's table of each model step's peak memory and time with the blocks its layers, GELUs and
-    dropouts hand on in mappings of their own and from torch's allocator, from `bench/output_mappings.py`'s JSON."""
-    adamws = {row.get("adamw", "torch") for row in results["rows"]}
-    return _peaks_against_plain(
-        results, ("own mappings", "heap"), "outputs and input gradients of 1 MiB or more that quantized Linear and "
-        "Conv1D layers, GELUs and dropouts make, in mappings of their own (`output_mappings=True`, the default) or "
-        "from torch's allocator "
-        "(`output_mappings=False`); " + "; ".join(adamw_text({"adamw": adamw}) for adamw in sorted(adamws)),
-        "blocks of one step: own mappings (MiB) / torch's allocator",
-        lambda row: f"{row['blocks']['mapped']} ({row['blocks']['mapped_mib']:,.0f}) / {row['blocks']['heap']}")
-
-
-def heap_use_section(results: dict) -> list[str]:
-    """docs/benchmarks.md's table of what glibc's heap holds at the end of each phase of a training step, plain
-    beside CPT 8/8, from `bench/heap_use.py`'s JSON."""
-    lines = [f"`{results['command']}` (torch {results['torch']}; {products_note(results)}{adamw_text(results)}; "
-             "MiB of glibc's heap at the end of each phase of a training step, the last of "
-             f"{results['steps']} in a fresh process per side under glibc's default: in use, and the free holes below "
-             "the heap's top, which stay resident; the process's peak resident memory (VmHWM), CPT 8/8 / plain):", "",
-             "| case | side | " + " | ".join(f"{phase}'s end: in use | holes" for phase in ("forward", "backward"))
-             + " | after the optimizer step: in use | holes | peak |",
-             "|---|---|" + "---:|" * 7]
-    for row in results["rows"]:
-        plain_peak = row["sides"]["plain"]["peak_mib"]
-        for side, label in (("plain", "plain"), ("quant", "CPT 8/8")):
-            figures = row["sides"][side]
-            cells = [f"{figures['phases'][phase][part]:,.0f}" for phase in ("forward", "backward", "optimizer step")
-                     for part in ("in_use", "holes")]
-            peak = figures["peak_mib"]
-            cells.append(f"{peak:,.0f}" + (f" ({peak / plain_peak:.3f})" if side == "quant" else ""))
-            lines.append(f"| {row['key']} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -689,14 +555,7 @@ def main() -> None:
         replace_block(os.path.join(args.docs, "benchmarks.md"), "kept-memory-float-products",
                       kept_memory_section(kept_float))
     # docs/benchmarks.md's tables that each render one bench's JSON as it is
-    for name, block, section in (("peak_phases.json", "peak-phases", peak_phases_section),
-                                 ("hand_back.json", "hand-back", hand_back_section),
-                                 ("errors_in_place.json", "errors-in-place", errors_in_place_section),
-                                 ("embedding_rows.json", "embedding-rows", embedding_rows_section),
-                                 ("codes_float_gemm.json", "codes-float-gemm", codes_float_gemm_section),
-                                 ("own_mappings.json", "own-mappings", own_mappings_section),
-                                 ("output_mappings.json", "output-mappings", output_mappings_section),
-                                 ("heap_use.json", "heap-use", heap_use_section),
+    for name, block, section in (("codes_float_gemm.json", "codes-float-gemm", codes_float_gemm_section),
                                  ("allocators.json", "allocators", allocators_section),
                                  ("kernels.json", "kernels", kernels_section)):
         results = results_page.load(args.results, name)

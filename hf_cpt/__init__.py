@@ -22,6 +22,8 @@ _EXPORTS = {
     "ModuleSelection": "config",
     "RangeTestConfig": "config",
     "ScheduleConfig": "config",
+    "ScheduleOptions": "config",
+    "RuntimeSettings": "runtime",
     "ErrorQuantization": "numerics.errors",
     "CheckpointFields": "serialization.format",
     "ExportSettings": "integrations.trainer",

@@ -18,8 +18,6 @@ from torch import nn
 from .config import CPTConfig
 from .nn.attention import attention_support, install_attention, uninstall_attention
 from .nn.base import QuantLayerMixin, input_features
-from .nn.dropout_masks import convert_dropout, restore_dropout
-from .nn.embedding_rows import convert_embedding, restore_embedding
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.pool_indices import convert_max_pool, restore_max_pool
 from .nn.precision import PRODUCTS_ON_CODES, PrecisionState
@@ -48,12 +46,8 @@ class QuantizationReport:
     recomputing: list[str] = field(default_factory=list)
     # ReLUs that keep a mask in place of an output a quantized layer keeps as codes (`hf_cpt.nn.relu_masks`)
     relu_masks: list[str] = field(default_factory=list)
-    # nn.Dropout modules that keep a bool mask in CPU training (`hf_cpt.nn.dropout_masks`)
-    dropout_masks: list[str] = field(default_factory=list)
     # nn.MaxPool2d modules that keep only their indices and hand their input to its ReLU (`hf_cpt.nn.pool_indices`)
     max_pools: list[str] = field(default_factory=list)
-    # nn.Embedding tables whose gradient adds to another's as rows (`hf_cpt.nn.embedding_rows`)
-    embedding_rows: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
@@ -69,13 +63,8 @@ class QuantizationReport:
         if self.relu_masks:
             lines.append(f"  ReLUs that keep a mask where a quantized layer keeps codes of their output: "
                          f"{len(self.relu_masks)}")
-        if self.dropout_masks:
-            lines.append(f"  dropouts that keep a bool mask in CPU training: {len(self.dropout_masks)}")
         if self.max_pools:
             lines.append(f"  max-pools that keep only their indices in CPU training: {len(self.max_pools)}")
-        if self.embedding_rows:
-            lines.append(f"  embeddings whose gradient adds to another's as rows in CPU training: "
-                         f"{len(self.embedding_rows)}")
         return "\n".join(lines)
 
 
@@ -203,17 +192,14 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             f"{type(model).__name__}:\n{report}\nCheck CPTConfig.target_modules / exclude_modules."
         )
     report.attention = _prepare_attention(model, config, precision)
-    for name, module in list(model.named_modules()):
-        if convert_activation(module, config.recompute_activation_inputs, config.relu_masks, config.output_mappings):
-            report.recomputing += [name] if config.recompute_activation_inputs else []
+    engine = config.runtime
+    for name, module in _beside_quantized_layers(model, config):
+        if convert_activation(module, engine.recompute_activation_inputs, engine.relu_masks):
+            report.recomputing += [name] if engine.recompute_activation_inputs else []
             report.relu_masks += [name] if isinstance(module, ReLUKeepingMask) else []
-        elif config.dropout_masks and convert_dropout(module, config.output_mappings):
-            report.dropout_masks.append(name)
-        elif config.relu_masks and convert_max_pool(module, precision):
+        elif engine.relu_masks and convert_max_pool(module, precision):
             report.max_pools.append(name)
-        elif config.embedding_row_gradients and convert_embedding(module, model):
-            report.embedding_rows.append(name)
-    if config.relu_masks:  # ReLUs called as functions (`hf_cpt.nn.relu_masks`): hooks while one may feed a layer
+    if engine.relu_masks:  # ReLUs called as functions (`hf_cpt.nn.relu_masks`): hooks while one may feed a layer
         precision.functional_relu_scope = FunctionalReLUScope(model)
         precision.functional_relu_scope.probe()
     if any(p.device.type == "cpu" for p in model.parameters()):
@@ -222,6 +208,23 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
     eval_bits = config.eval_precision
     precision.set_eval(eval_bits, follow_training=config.eval_bits == "current")
     return report
+
+
+def _beside_quantized_layers(model: nn.Module, config: CPTConfig) -> list[tuple[str, nn.Module]]:
+    """The modules that may read a quantized layer's output or feed its input, and so may be converted to keep less
+    for the backward (activations, max-pools): those whose parent module holds a quantized layer, outside
+    ``exclude_modules``. A module elsewhere (outside ``target_modules``, beside full-precision layers only) keeps its
+    own class."""
+    parents = {name.rpartition(".")[0] for name, _ in quant_layers(model)}
+    holders = {prefix for parent in parents for prefix in _prefixes(parent)}
+    return [(name, module) for name, module in list(model.named_modules())
+            if name and name.rpartition(".")[0] in holders and matches_any(name, config.exclude_modules) is None]
+
+
+def _prefixes(name: str) -> list[str]:
+    """``name`` and every module above it (``"a.b"``: ``"a.b"``, ``"a"``, ``""``)."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts) + 1)]
 
 
 def attention_granularity(config: CPTConfig) -> str:
@@ -302,9 +305,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     uninstall_attention(model)
     for module in model.modules():
         restore_activation(module)
-        restore_dropout(module)
         restore_max_pool(module)
-        restore_embedding(module, model)
     return model
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -11,20 +12,17 @@ from torch import nn
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
-def mapped_alone(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory starts at a page of an anonymous mapping outside glibc's heap, as
-    `hf_cpt.numerics.scratch` maps one (glibc's blocks, in its heap or mapped by it, start past a header; Linux). The
-    kernel may merge adjacent mappings into one line of the process's maps."""
-    address = t.data_ptr()
-    if address % os.sysconf("SC_PAGE_SIZE"):
-        return False
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            start, end = (int(bound, 16) for bound in fields[0].split("-"))
-            if start <= address < end:
-                return len(fields) == 5 and address + t.untyped_storage().nbytes() <= end  # no name: anonymous
-    return False
+@contextlib.contextmanager
+def cpu_backend(int8_dot: bool):
+    """CPU products on codes through int8 GEMMs (``int8_dot=True``) or the float32 GEMM of the codes, whatever this
+    CPU has: both paths run on every machine (as ``HF_CPT_INT8_DOT`` forces them for a whole process)."""
+    from hf_cpt.backends import CPUBackend, register_backend
+
+    previous = register_backend("cpu", CPUBackend(int8_dot=int8_dot))
+    try:
+        yield
+    finally:
+        register_backend("cpu", previous)
 
 
 def tiny_bert_config(num_labels: int = 3, layers: int = 2):

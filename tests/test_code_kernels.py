@@ -97,21 +97,13 @@ def test_the_result_does_not_depend_on_the_thread_count(monkeypatch):
     for values, codes, restored in results:
         assert torch.equal(codes, expected_codes) and torch.equal(values, expected_values)
         assert torch.equal(restored, expected_values)
-    # the split really ran (native_threads.h): asked for 3 threads, torch's OpenMP team ran 3 members, and POSIX
-    # threads (no runtime handed over) the 2 that this size allows a started thread
+    # the split really ran (native_threads.h): asked for 3 threads, POSIX threads ran the 2 this size allows
     _, (_, scale, minimum32) = fake_quantize_compact(x, minimum, maximum, bits)
-    library = code_kernels._library()
-    runtime = native.openmp_runtime()  # found wherever Linux torch runs on OpenMP
-    assert runtime is not None or not (torch.backends.openmp.is_available() and sys.platform == "linux")
-    try:
-        for handed, expected in ([(runtime, 3)] if runtime else []) + [(None, 2)]:
-            library.hf_cpt_use_openmp(*(handed or (None, None, None)))
-            out = torch.empty(x.shape)
-            used = library.hf_cpt_restore_codes(expected_codes.data_ptr(), out.data_ptr(),
-                                                minimum32.contiguous().data_ptr(), scale.data_ptr(), 1, 0, *x.shape, 3)
-            assert used == expected and torch.equal(out, expected_values)
-    finally:
-        library.hf_cpt_use_openmp(*(runtime or (None, None, None)))
+    out = torch.empty(x.shape)
+    used = code_kernels._library().hf_cpt_restore_codes(expected_codes.data_ptr(), out.data_ptr(),
+                                                        minimum32.contiguous().data_ptr(), scale.data_ptr(), 1, 0,
+                                                        *x.shape, 3)
+    assert used == 2 and torch.equal(out, expected_values)
 
 
 def test_calls_the_kernel_does_not_serve_keep_the_formula():
@@ -191,12 +183,9 @@ def test_native_centred_codes_and_their_sums_are_exact(shape, per_column, bits):
     assert torch.equal(sums.long(), centred.sum(dim)) and torch.equal(squares.long(), centred.square().sum(dim))
 
 
-def test_kernels_run_on_torchs_threads_unless_told_and_refuse_a_bad_count(monkeypatch):
-    """On torch's OpenMP team a kernel takes torch's thread count; with threads of its own, one (docs/benchmarks.md)."""
+def test_kernels_run_on_one_thread_unless_told_and_refuse_a_bad_count(monkeypatch):
+    """A kernel's own threads wait for a core torch's spinning workers hold inside a step: one unless told."""
     monkeypatch.delenv(native.THREADS_VARIABLE, raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 5)
-    assert native.threads() == (5 if native.openmp_runtime() is not None else 1)
-    monkeypatch.setattr(native, "openmp_runtime", lambda: None)
     assert native.threads() == 1
     monkeypatch.setenv(native.THREADS_VARIABLE, "3")
     assert native.threads() == 3
@@ -204,19 +193,3 @@ def test_kernels_run_on_torchs_threads_unless_told_and_refuse_a_bad_count(monkey
         monkeypatch.setenv(native.THREADS_VARIABLE, bad)
         with pytest.raises(ValueError, match="HF_CPT_NATIVE_THREADS must be a positive integer"):
             native.threads()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process's mappings")
-def test_kept_codes_of_a_large_operand_live_in_a_mapping_of_their_own_where_asked(monkeypatch):
-    from hf_cpt.numerics import scratch
-
-    monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, str(scratch.SUGGESTED_OWN_MAPPING_BYTES))
-    x = torch.randn(1024, 768)
-    values, (codes, scale, minimum) = fake_quantize_compact(x, *token_range(x), torch.tensor(8))
-    with open("/proc/self/maps") as maps:
-        starts = {int(line.split("-")[0], 16) for line in maps}
-    assert codes.data_ptr() in starts
-    monkeypatch.setenv(scratch.OWN_MAPPING_VARIABLE, "0")
-    _, (heap_codes, _, _) = fake_quantize_compact(x, *token_range(x), torch.tensor(8))
-    assert torch.equal(heap_codes, codes)  # where the bytes live changes, not the codes
-    assert torch.equal(restore_compact(codes, scale, minimum, torch.float32), values)

@@ -1,9 +1,13 @@
 
+import dataclasses
+import logging
+
 import pytest
 
 from hf_cpt import CPTConfig, get_schedule
 from hf_cpt.config import ActivationConfig, ModuleSelection, RangeTestConfig, ScheduleConfig
 from hf_cpt.numerics.errors import ErrorQuantization
+from hf_cpt.runtime import RuntimeSettings
 
 
 def test_defaults_follow_the_cpt_paper_where_the_evidence_does_not_say_otherwise():
@@ -96,17 +100,49 @@ def test_parts_validate_their_own_fields_and_the_config_names_the_flat_field():
         CPTConfig(schedule="nope")
 
 
-def test_a_config_is_composed_of_its_parts_both_ways():
-    schedule = ScheduleConfig(bits_min=3, bits_max=6, num_cycles=4, delay=0.25)
-    errors = ErrorQuantization(granularity="token", rounding="nearest", products="input")
-    config = CPTConfig.from_parts(schedule, errors, RangeTestConfig(metric="accuracy"), eval_bits="fp32")
+def test_a_config_is_composed_of_its_parts_and_flat_names_are_routed_to_them():
+    errors = ErrorQuantization(granularity="token", rounding="nearest", products="input", range="auto")
+    config = CPTConfig(bits_min=3, bits_max=6, num_cycles=4, delay=0.25, errors=errors,
+                       range_test=RangeTestConfig(metric="accuracy"), eval_bits="fp32")
     assert (config.bits_min, config.bits_max, config.num_cycles, config.delay) == (3, 6, 4, 0.25)
     assert (config.error_granularity, config.error_rounding, config.error_products) == ("token", "nearest", "input")
-    assert config.prt_metric == "accuracy" and config.eval_bits == "fp32"
-    assert config.schedule_config == schedule and config.errors == errors
+    assert config.prt_metric == "accuracy" and config.eval_bits == "fp32" and config.errors == errors
+    assert config.schedule_config == ScheduleConfig(bits_min=3, bits_max=6, num_cycles=4, delay=0.25)
     assert config.modules == ModuleSelection() and config.activations == ActivationConfig()
-    with pytest.raises(TypeError, match="not a part of CPTConfig"):
-        CPTConfig.from_parts(object())
+    flat = CPTConfig(bits_min=3, bits_max=6, num_cycles=4, delay=0.25, error_granularity="token",
+                     error_rounding="nearest", error_products="input", prt_metric="accuracy", eval_bits="fp32")
+    assert flat == config and CPTConfig.from_dict(config.to_dict()) == config
+    flat.error_rotation = "tokens"  # a flat name set later goes to its part too
+    assert flat.errors.rotation == "tokens" and "error_rotation" not in vars(flat)
+    with pytest.raises(ValueError, match=r"^CPTConfig\.errors must be a ErrorQuantization"):
+        CPTConfig(errors="token")
+
+
+def test_the_top_level_holds_the_users_choices_and_engine_switches_are_never_saved():
+    fields = [f.name for f in dataclasses.fields(CPTConfig)]
+    assert len(fields) <= 22
+    assert {"integer_matmul", "relu_masks", "fused_error_quantizer", "error_granularity"}.isdisjoint(fields)
+    config = CPTConfig(integer_matmul=False, relu_masks=False)
+    assert config.runtime == RuntimeSettings(integer_matmul=False, relu_masks=False)
+    assert "runtime" not in repr(config) and "integer_matmul" not in config.to_dict()
+    assert config == CPTConfig()  # the same run, whatever engine computes it
+
+
+def test_removed_settings_still_load_with_a_deprecation_note(caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.config.cpt_config"):
+        config = CPTConfig.from_dict({**CPTConfig().to_dict(), "output_mappings": False, "dropout_masks": True})
+    assert config == CPTConfig()
+    assert "['dropout_masks', 'output_mappings'] were removed" in caplog.text
+
+
+def test_named_recipes():
+    paper = CPTConfig.from_recipe("paper")
+    assert (paper.bits_min, paper.bits_max, paper.rounding, paper.quant_scheme) == (3, 8, "ceil", "paper")
+    assert (paper.error_granularity, paper.error_range, paper.fidelity_threshold) == ("tensor", "minmax", None)
+    assert CPTConfig.from_recipe("finetune") == CPTConfig()
+    assert CPTConfig.from_recipe("from-scratch", bits_min=4).bits_min == 4
+    with pytest.raises(ValueError, match="Unknown CPTConfig recipe 'fast'"):
+        CPTConfig.from_recipe("fast")
 
 
 def test_the_schedule_and_the_config_refuse_the_same_short_runs():

@@ -128,7 +128,7 @@ def test_a_failing_fused_kernel_falls_back_to_the_eager_quantizer_with_one_warni
     monkeypatch.setattr(error_kernels, "_native_kernels", {"token": broken})
     monkeypatch.setattr(error_kernels, "_fused_disabled_reason", None)
     grad = torch.randn(512, 256)
-    scheme = ErrorQuantization("token", fused=True)
+    scheme = ErrorQuantization("token")
     with caplog.at_level("WARNING", logger="hf_cpt.numerics.error_kernels"):
         results = [quantize_error(grad, torch.tensor(8.0), scheme) for _ in range(3)]
     assert [r.getMessage().count("no C++ compiler") for r in caplog.records] == [1]

@@ -12,8 +12,9 @@ from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.nn.precision import PrecisionState
 from hf_cpt.numerics import code_kernels, integer_matmul
 from hf_cpt.numerics.integer_matmul import code_matmul
+from hf_cpt.runtime import RuntimeSettings
 
-from .helpers import tiny_bert_config
+from .helpers import cpu_backend, tiny_bert_config
 
 
 def _reference(a_codes, a_scale, a_min, b_codes, b_scale, b_min, bias):
@@ -141,22 +142,21 @@ def test_code_matmul_without_int8_dot_products_is_the_int32_one_bit_for_bit():
     for kernel in (code_kernels.code_product_native, lambda *_: None):  # the native pass, the torch terms
         results = {}
         for int8_dot in (True, False):
-            with (mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=int8_dot),
-                  mock.patch.object(integer_matmul, "code_product_native", kernel)):
-                results[int8_dot] = code_matmul(*args)
+            with mock.patch.object(integer_matmul, "code_product_native", kernel):
+                results[int8_dot] = code_matmul(*args, int8=int8_dot)
         assert torch.equal(results[False], results[True])
 
 
 def test_integer_products_setting_resolves_per_device():
     cpu, meta = torch.device("cpu"), torch.device("meta")
-    assert PrecisionState(integer_matmul=True).integer_products(cpu)
-    assert not PrecisionState(integer_matmul=True).integer_products(meta)  # CPU only
-    assert not PrecisionState(integer_matmul=False).integer_products(cpu)
-    with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False):
-        assert PrecisionState(integer_matmul="auto").integer_on_cpu is False  # float products: the fastest step there
-        assert not PrecisionState(integer_matmul="auto").learns_products_on_codes(cpu)
-        activations = PrecisionState(integer_matmul="activations")  # codes for the activations alone
-        assert activations.integer_on_cpu == "activations" and activations.learns_products_on_codes(cpu)
+    every, never = (PrecisionState(runtime=RuntimeSettings(integer_matmul=value)) for value in (True, False))
+    assert every.integer_products(cpu) and not never.integer_products(cpu)
+    assert not every.integer_products(meta)  # a device without a backend of its own keeps its float kernels
+    with cpu_backend(int8_dot=False):
+        auto = PrecisionState(runtime=RuntimeSettings(integer_matmul="auto"))
+        assert not auto.integer_products(cpu) and not auto.learns_products_on_codes(cpu)  # floats: the fastest there
+        activations = PrecisionState(runtime=RuntimeSettings(integer_matmul="activations"))  # for activations alone
+        assert activations.learns_products_on_codes(cpu)
         asked, not_asked = nn.Linear(2, 2), nn.Linear(2, 2)
         activations.mark_products_on_codes(asked)
         assert not activations.integer_products(cpu, asked)  # not before an optimizer step
@@ -164,14 +164,13 @@ def test_integer_products_setting_resolves_per_device():
         assert activations.integer_products(cpu, asked) and not activations.integer_products(meta, asked)
         assert not activations.integer_products(cpu, not_asked) and not activations.integer_products(cpu)
         assert not activations.learns_products_on_codes(meta)
-        without_recomputation = PrecisionState(integer_matmul="activations", recompute_activation_inputs=False)
-        assert not without_recomputation.integer_products(cpu, asked)
-        assert not without_recomputation.learns_products_on_codes(cpu)
-    with mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=True):
-        auto = PrecisionState(integer_matmul="auto")
+    with pytest.raises(ValueError, match="'activations' needs recompute_activation_inputs=True"):
+        RuntimeSettings(integer_matmul="activations", recompute_activation_inputs=False)
+    with cpu_backend(int8_dot=True):
+        auto = PrecisionState(runtime=RuntimeSettings(integer_matmul="auto"))
         assert auto.integer_products(cpu) and not auto.integer_products(meta)
         assert not auto.learns_products_on_codes(cpu)  # every layer multiplies codes already
-    assert not PrecisionState(integer_matmul=False).learns_products_on_codes(cpu)
+    assert not never.learns_products_on_codes(cpu)
 
 
 def _layer_case(kind: str):
@@ -193,7 +192,7 @@ def test_training_forward_on_codes_matches_the_float_product_with_the_same_gradi
         set_precision(quantized, bits, 8)
         quantized.train()
         source = x.clone().requires_grad_(True)
-        calls = mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul)
+        calls = mock.patch("hf_cpt.backends.base.code_matmul", wraps=code_matmul)
         with calls as spy:
             out = quantized(source)
         assert spy.call_count == (1 if integer else 0)
@@ -217,7 +216,7 @@ def test_forward_on_codes_under_autocast_and_with_a_frozen_weight():
     model[0].weight.requires_grad_(False)
     model[0].bias.requires_grad_(False)
     source = x.clone().requires_grad_(True)
-    with mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul) as spy:
+    with mock.patch("hf_cpt.backends.base.code_matmul", wraps=code_matmul) as spy:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(source)
         assert spy.call_count == 1
@@ -231,7 +230,7 @@ def test_eval_forward_stays_on_the_float_product():
     quantize_model(model, CPTConfig(integer_matmul=True, eval_bits=8))
     set_precision(model, 8, 8)
     model.eval()
-    with mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul) as spy, torch.no_grad():
+    with mock.patch("hf_cpt.backends.base.code_matmul", wraps=code_matmul) as spy, torch.no_grad():
         model(x)
     assert spy.call_count == 0
 
@@ -253,7 +252,7 @@ def test_a_transformer_trains_on_codes_through_its_shared_inputs():
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
-        with mock.patch("hf_cpt.nn.layers.code_matmul", wraps=code_matmul) as spy:
+        with mock.patch("hf_cpt.backends.base.code_matmul", wraps=code_matmul) as spy:
             loss = model(**batch).loss
         assert spy.call_count == (len(report.quantized) if integer else 0)
         loss.backward()
@@ -319,7 +318,7 @@ def test_pretrained_minilm_trains_on_codes_without_int8_dot_products_through_the
         set_precision(model, 8, 8)
         model.train()
         torch.manual_seed(1)  # the same dropout masks
-        with (mock.patch.object(integer_matmul, "cpu_has_int8_dot", return_value=False),
+        with (cpu_backend(int8_dot=False),
               mock.patch.object(integer_matmul, "_float_gemm_on_codes",
                                 lambda *args: (out := engine(*args), dtypes.append(out[2].dtype))[0])):
             loss = model(**batch).loss

@@ -1,20 +1,15 @@
 import copy
 import io
-import weakref
 
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
 from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
 from hf_cpt.nn.layers import QuantConv1D, QuantConv2d, QuantLinear
 from hf_cpt.numerics.errors import quantize_error_eager
-from hf_cpt.utils import ConfigError
-
-from .helpers import two_quantizable_layers
 
 # The CPT paper's scheme (per-tensor running ranges, no rotation): bit-exact to the published quantizer.
 PAPER = CPTConfig(quant_scheme="paper")
@@ -560,196 +555,6 @@ def test_conv2d_backward_forms_both_gradients_in_one_call_where_they_share_an_er
     assert separate_calls == 2 and calls == (1 if products == "both" else 2)
 
 
-@pytest.mark.parametrize("kind,scheme,integer", [("conv2d", "auto", False), ("linear", "paper", False),
-                                                 ("linear", "auto", False), ("conv1d", "per-token", False),
-                                                 ("conv1d", "auto", False), ("linear", "auto", True),
-                                                 ("conv1d", "auto", True)])
-def test_reused_buffers_give_the_gradients_of_fresh_tensors_and_none_escapes(kind, scheme, integer, monkeypatch):
-    """The backward's rebuilt operands and quantized error (and a float forward's operands, a shared input's values,
-    a rotated weight with its intermediates, and a rotated input) go into reused buffers (`hf_cpt.numerics.scratch`):
-    the same gradients bit for bit as with a fresh tensor each time, and no gradient handed to autograd lives in a
-    buffer. No rotation takes a buffer of its own beyond the rotated weight's: ``x R`` goes into the input's buffer,
-    a Conv1D weight's intermediates into the weight's. (The errors go into their buffer with ``errors_in_place=False``;
-    quantized in place: `test_errors_quantized_in_place_give_the_gradients_of_the_buffer_and_take_none`.)"""
-    from hf_cpt.numerics import errors, fake_quant, integer_matmul, rotation, scratch
-    from hf_cpt.numerics.integer_matmul import cpu_has_int8_dot
-
-    torch.manual_seed(0)
-    model, x = two_quantizable_layers(kind)
-    quantize_model(model, CPTConfig(quant_scheme=scheme, integer_matmul=integer, include_modules=["0", "2"],
-                                    errors_in_place=False))
-    set_precision(model, 6, 8)
-
-    def gradients():
-        model.zero_grad(set_to_none=True)
-        source = x.clone().requires_grad_()
-        torch.manual_seed(1)  # the same stochastic rounding of the errors in every call
-        model(source).square().sum().backward()
-        return [source.grad] + [p.grad for p in model.parameters()]
-
-    scratch.release()
-    reused = gradients()
-    buffers = scratch._local.buffers
-    # (a conv's weight, under 16K values, keeps the torch formula; a Linear's weight is rotated by the C kernel in
-    # one pass, a Conv1D's, along its first axis, by products that alternate between its buffer and the one its
-    # backward rebuilds the weight in)
-    rotated = set() if kind == "conv2d" else {"rotated_weight"}
-    expected = {"input", "error"} if kind == "conv2d" else {"input", "weight", "error"}
-    # the second layer's input, a per-token one that sibling layers could share: its values for a float product
-    shared = {"shared_input"} if kind != "conv2d" and scheme != "paper" and not integer else set()
-    # a product on codes without int8 dot products: the float32 GEMM's operands
-    codes = {"code_rows", "code_columns"} if kind != "conv2d" and integer and not cpu_has_int8_dot() else set()
-    assert {role for role, _ in buffers} == expected | (rotated if scheme == "auto" else set()) | shared | codes
-    ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers.values()]
-    assert not any(low <= g.data_ptr() < high for g in reused for low, high in ranges)
-    fresh = lambda role, shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731
-    monkeypatch.setattr(fake_quant, "take", fresh)
-    monkeypatch.setattr(errors, "take", fresh)
-    monkeypatch.setattr(rotation, "take", fresh)
-    monkeypatch.setattr(integer_matmul, "take", fresh)
-    assert all(torch.equal(a, b) for a, b in zip(reused, gradients()))
-    scratch.release()
-
-
-@pytest.mark.parametrize("kind", ["linear", "conv1d"])
-def test_weight_codes_reused_in_an_epoch_are_rebuilt_into_the_reused_buffer(kind, monkeypatch):
-    """A float forward that makes or reuses a weight's codes within an epoch (`hf_cpt.nn.reused_weights`) forms the
-    weight it multiplies by in the weight's reused buffer, as a forward without an epoch does: the same gradients
-    bit for bit as with fresh tensors, and no weight-sized float allocated per forward."""
-    from hf_cpt.numerics import fake_quant, scratch
-
-    torch.manual_seed(0)
-    model, x = two_quantizable_layers(kind)
-    quantize_model(model, CPTConfig(integer_matmul=False, include_modules=["0", "2"]))
-    set_precision(model, 6, 8)
-    reused = model[0].cpt_precision.reused_weights
-    taken = []
-
-    def gradients():
-        reused.epoch = 0  # a new epoch: the first micro-batch makes the codes, the second reuses them
-        grads = []
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            source = x.clone().requires_grad_()
-            torch.manual_seed(1)
-            model(source).square().sum().backward()
-            grads += [source.grad] + [p.grad for p in model.parameters()]
-        reused.epoch = None
-        return grads
-
-    monkeypatch.setattr(fake_quant, "take", lambda role, *args: taken.append(role) or scratch.take(role, *args))
-    with_buffers = gradients()
-    assert reused.reuses == 2  # each layer's second forward
-    assert taken.count("weight") == 2 * 2 * 2  # each layer's weight: made or rebuilt in forward, rebuilt in backward
-    monkeypatch.setattr(fake_quant, "take", lambda role, shape, dtype: torch.empty(shape, dtype=dtype))
-    assert all(torch.equal(a, b) for a, b in zip(with_buffers, gradients()))
-    scratch.release()
-
-
-def test_reused_buffers_go_idle_once_no_quantized_product_awaits_its_backward(monkeypatch):
-    """The reused buffers are marked idle once per backward pass, as soon as its last quantized layer's backward has
-    run (`scratch.mark_idle`): before the layers in full precision under them (GPT-2's embeddings), and after every
-    graph alive, so two forwards summed into one loss mark them once. A graph freed without a backward does not hold
-    the next one's mark back."""
-    from hf_cpt.nn import products
-    from hf_cpt.numerics import scratch
-
-    # Graphs an earlier test on this worker keeps alive unrun would await their backward: this test's own set.
-    monkeypatch.setattr(products, "_awaiting_backward", weakref.WeakSet())
-    torch.manual_seed(0)
-    quantized, x = two_quantizable_layers("linear")
-    model = nn.Sequential(nn.Linear(256, 256), quantized)  # a full-precision layer first: its backward comes last
-    quantize_model(model, CPTConfig(include_modules=["1.0", "1.2"]))
-    set_precision(model, 6, 8)
-    events = []
-    mark_idle = scratch.mark_idle
-    monkeypatch.setattr(scratch, "mark_idle", lambda: events.append("idle") or mark_idle())
-    model[0].weight.register_hook(lambda grad: events.append("full-precision layer's gradient"))
-    model(x).sum()  # a graph freed unrun
-    model(x).square().sum().backward()
-    assert events == ["idle", "full-precision layer's gradient"]
-    events.clear()
-    (model(x).square().sum() + model(x + 1).sum()).backward()  # two micro-batches' graphs in one pass
-    assert events == ["idle", "full-precision layer's gradient"]
-    with torch.no_grad():
-        model(x)  # no graph: nothing awaits a backward
-    events.clear()
-    model(x).sum().backward()
-    assert events == ["idle", "full-precision layer's gradient"]
-    # Activation checkpointing (transformers' default, non-reentrant): the products recomputed in the backward
-    # leave with their graph, and the pass still marks them once, after its last quantized layer.
-    events.clear()
-    checkpoint(model[1], model[0](x), use_reentrant=False).sum().backward()
-    assert events == ["idle", "full-precision layer's gradient"]
-    scratch.release()
-
-
-def test_idle_buffers_are_handed_back_when_the_next_optimizer_step_starts(monkeypatch):
-    """Pages go back to the system at the start of the first optimizer step after a pass (any torch optimizer:
-    a process-wide step pre-hook), before the optimizer writes its states: once per step however many micro-batches
-    it accumulates, not by a step with no pass before it, and never in a loop without an optimizer step (a layer's
-    forward and backward alone, which would otherwise write them again page by page in every pass)."""
-    from hf_cpt.nn import products
-    from hf_cpt.numerics import scratch
-
-    monkeypatch.setattr(products, "_awaiting_backward", weakref.WeakSet())
-    torch.manual_seed(0)
-    model, x = two_quantizable_layers("linear")
-    quantize_model(model, CPTConfig())
-    set_precision(model, 6, 8)
-    events = []
-    hand_back = scratch.hand_back
-    monkeypatch.setattr(scratch, "hand_back", lambda: events.append("handed back") or hand_back())
-    for _ in range(3):
-        model(x).square().sum().backward()
-    assert events == [] and scratch.held_bytes() > 0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    optimizer.register_step_pre_hook(lambda *_: events.append("optimizer step"))
-    optimizer.step()
-    assert events == ["handed back", "optimizer step"]
-    optimizer.step()  # no pass since: nothing to hand back
-    assert events == ["handed back", "optimizer step", "optimizer step"]
-    events.clear()
-    for _ in range(4):  # accumulated micro-batches
-        model(x).square().sum().backward()
-    torch.optim.SGD(model.parameters(), lr=1e-3).step()  # another optimizer class, hooked all the same
-    assert events == ["handed back"]
-    scratch.release()
-
-
-def test_hand_back_buffers_false_never_hands_the_reused_buffers_back_and_changes_no_gradient(monkeypatch):
-    """``CPTConfig(hand_back_buffers=False)``: no optimizer step hands the buffers back (`scratch.hand_back` is
-    never called; the buffers stay mapped either way), and the gradients are those of the default, bit for bit; a
-    non-bool is refused."""
-    from hf_cpt.nn import products
-    from hf_cpt.numerics import scratch
-
-    with pytest.raises(ConfigError, match="hand_back_buffers"):
-        CPTConfig(hand_back_buffers="no")
-    monkeypatch.setattr(products, "_awaiting_backward", weakref.WeakSet())
-    handed_back = []
-    hand_back = scratch.hand_back
-    monkeypatch.setattr(scratch, "hand_back", lambda: handed_back.append(1) or hand_back())
-    gradients = {}
-    for keep in (False, True):
-        torch.manual_seed(0)
-        model, x = two_quantizable_layers("linear")
-        quantize_model(model, CPTConfig(hand_back_buffers=not keep))
-        set_precision(model, 6, 8)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        handed_back.clear()
-        for _ in range(2):
-            model.zero_grad()
-            model(x).square().sum().backward()
-            optimizer.step()
-        assert len(handed_back) == (0 if keep else 2)
-        assert scratch.held_bytes() > 0  # the buffers stay mapped either way
-        gradients[keep] = [p.grad.clone() for p in model.parameters()]
-        scratch.release()
-    for kept, handed in zip(gradients[True], gradients[False]):
-        assert torch.equal(kept, handed)
-
-
 class _Siblings(nn.Module):
     """Three projections of one input (an attention's query, key and value) and a layer reading another input."""
 
@@ -839,36 +644,6 @@ def test_one_leaf_input_trained_on_twice_is_not_shared_across_backward_passes():
     for _ in range(2):  # a second backward through a held rotation of the first graph would fail
         model(h).sum().backward()
     assert h.grad is not None
-
-
-def test_a_shared_inputs_values_written_over_before_a_sibling_reads_them_are_made_again():
-    """On the float-product path a shared input's fake-quantized values live in a reused buffer (per thread, not per
-    model): when another model's shared input writes over it between two siblings' forwards, or the buffers are
-    handed back, the next sibling makes the values again (the same bits) instead of reading the other input's."""
-    from hf_cpt.numerics import scratch
-
-    torch.manual_seed(0)
-    first, second = _Siblings(), _Siblings()
-    for model in (first, second):
-        quantize_model(model, CPTConfig(integer_matmul=False, fused_error_quantizer=False))
-        set_precision(model, 6, 8)
-        model.train()
-    source = torch.randn(4, 64, 384, requires_grad=True)  # large enough for the native kernels, which take buffers
-    h, other = source * 2, source * 3  # inputs made inside a model, as the layers see them
-    state = first.q.cpt_precision.shared_inputs
-    expected = first.k(h.clone())  # its own input: quantized by k alone
-    first.q(h)
-    second.q(other)  # the second model's shared input takes the same buffer
-    reuses = state.reuses
-    assert torch.equal(first.k(h), expected) and state.reuses == reuses  # made again, not read over
-    first.v(h)
-    assert state.reuses == reuses + 1  # nothing written over in between: v reads what k made
-    first.q(h)
-    scratch.hand_back()  # as after a backward
-    if scratch.huge_pages():
-        reuses = state.reuses
-        assert torch.equal(first.k(h), expected) and state.reuses == reuses
-    scratch.release()
 
 
 def test_a_llama_shares_its_attention_and_gated_mlp_inputs_and_trains_as_without_sharing():

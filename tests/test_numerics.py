@@ -63,7 +63,7 @@ def test_degenerate_range_gives_no_nan():
     assert torch.equal(out, constant)
     zeros = torch.zeros(300, 300)
     for fused in (False, True):
-        assert torch.equal(quantize_error(zeros, torch.tensor(8.0), ErrorQuantization(fused=fused)), zeros)
+        assert torch.equal(quantize_error(zeros, torch.tensor(8.0), ErrorQuantization(), fused=fused), zeros)
     assert quantize_error(torch.zeros(0), torch.tensor(8.0)).numel() == 0
 
 
@@ -95,11 +95,11 @@ def test_stochastic_error_rounding_is_unbiased(quantize):
 def test_fused_error_quantizer_is_unbiased_and_on_grid():
     torch.manual_seed(0)
     x = _biased_probe(0.3, 1 << 18)
-    q = quantize_error(x, torch.tensor(2.0), ErrorQuantization(fused=True))
+    q = quantize_error(x, torch.tensor(2.0), ErrorQuantization(), fused=True)
     assert q.shape == x.shape and q.dtype == x.dtype
     assert abs(q[2:].mean().item() - 0.3) < 5 * (1 / 6) / (1 << 18) ** 0.5
     assert torch.isclose(q[2:, None], torch.tensor([0.0, 1 / 3, 2 / 3, 1.0])[None], atol=1e-6).any(1).all()
-    second = quantize_error(x, torch.tensor(2.0), ErrorQuantization(fused=True))
+    second = quantize_error(x, torch.tensor(2.0), ErrorQuantization(), fused=True)
     assert not torch.equal(q, second)  # fresh noise each call
 
 
@@ -112,7 +112,7 @@ def test_fused_zero_centred_quantizer_keeps_zeros_and_is_unbiased(granularity):
     grad = torch.zeros(1024, 256)
     grad[:, :8] = torch.rand(1024, 8)  # a sparse row: 8 values in [0, 1), the rest exactly zero
     grad[:, 0] = 1.0
-    scheme = ErrorQuantization(granularity, range="symmetric", fused=True)
+    scheme = ErrorQuantization(granularity, range="symmetric")
     draws = torch.stack([quantize_error(grad, torch.tensor(3.0), scheme) for _ in range(64)])
     assert error_kernels.kernel_name(granularity, "symmetric") in error_kernels._native_kernels  # the fused path ran
     assert torch.equal(draws[:, :, 8:], torch.zeros_like(draws[:, :, 8:]))
@@ -480,7 +480,7 @@ def test_fused_per_row_error_quantizer_is_unbiased_on_each_rows_grid():
     torch.manual_seed(0)
     grad = torch.randn(64, 32, 48) * torch.logspace(-4, 0, 32).view(1, 32, 1)  # 98,304 values: the fused path
     grad[:, 30:] = 0.0
-    scheme = ErrorQuantization("token", fused=True)
+    scheme = ErrorQuantization("token")
     q = quantize_error(grad, torch.tensor(3.0), scheme)
     low, high = grad.amin(-1, keepdim=True), grad.amax(-1, keepdim=True)
     step = ((high - low) / 7).clamp_min(1e-8)

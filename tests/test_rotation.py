@@ -376,37 +376,6 @@ def test_calls_the_native_rotation_does_not_serve_keep_the_products():
     assert torch.allclose(rotation.apply(middle, dim=1).double(), dense.T @ middle.double(), atol=1e-5)
 
 
-@pytest.mark.parametrize("features,dim", [(768, -1), (768, 0), (3072, 0), (96, -1), (576, 0), (768, 1)])
-@pytest.mark.parametrize("transpose", [False, True])
-def test_a_rotation_into_reused_buffers_equals_the_fresh_one(features, dim, transpose):
-    """``scratch``: the result lands in that role's buffer (its intermediates in a second one, ``between`` where
-    given), bit for bit the values of the rotation into fresh tensors, and a second call reuses the same memory; a
-    tensor that needs its gradient is refused (a reused buffer cannot carry autograd's history)."""
-    from hf_cpt.numerics import scratch
-
-    rotation = get_rotation(features)
-    shape = {-1: (300, features), 0: (features, 512), 1: (2, features, 256)}[dim]
-    x = torch.randn(*shape) * torch.logspace(-3, 2, shape[-1])
-    scratch.release()
-    try:
-        reused = rotation.apply(x, dim, transpose, scratch="rotated")
-        assert torch.equal(reused, rotation.apply(x, dim, transpose))
-        buffer = scratch._local.buffers[("rotated", torch.float32)]
-        assert reused.data_ptr() == buffer.data_ptr()
-        again = rotation.apply(x.flip(0), dim, transpose, scratch="rotated")
-        assert again.data_ptr() == buffer.data_ptr() and torch.equal(again, rotation.apply(x.flip(0), dim, transpose))
-        stepped = ("rotated:step", torch.float32) in scratch._local.buffers  # factor by factor, not the C kernel
-        assert stepped == (dim == 1 or features == 96)  # a middle axis; 96 features: under the C kernel's size
-        scratch.release()
-        between = rotation.apply(x, dim, transpose, scratch="rotated", between="idle")
-        assert torch.equal(between, rotation.apply(x, dim, transpose))
-        assert {role for role, _ in scratch._local.buffers} == {"rotated"} | ({"idle"} if stepped else set())
-        with pytest.raises(ValueError, match="x.detach"):
-            rotation.apply(x.requires_grad_(), dim, transpose, scratch="rotated")
-    finally:
-        scratch.release()
-
-
 @pytest.mark.parametrize("features,dim", [(768, -1), (1024, -1), (768, 0), (96, -1), (768, 1)])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_a_rotation_in_place_equals_the_fresh_one(features, dim, transpose):

@@ -332,35 +332,3 @@ def test_static_and_fp32_baselines_through_the_same_config(tiny_bert, tmp_path):
     assert costs["fp32"]["cost_vs_fp32"] == 1.0
     assert costs["static"]["cost_vs_static"] == 1.0
     assert costs["cpt"]["gbitops"] < costs["static"]["gbitops"] < costs["fp32"]["gbitops"]
-
-
-class _WideConvNet(torch.nn.Module):
-    """Convolutions large enough (64K values a batch) for the native kernels and their reused buffers."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(8, 16, 3, padding=1)
-        self.head = torch.nn.Linear(16, 2)
-
-    def forward(self, pixel_values, labels):
-        logits = self.head(self.conv(pixel_values).mean(dim=(2, 3)))
-        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
-
-
-def test_the_backward_buffers_are_released_when_training_ends(tmp_path):
-    from hf_cpt.numerics import scratch
-
-    class HeldBytes(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            self.held = scratch.held_bytes()
-
-    generator = torch.Generator().manual_seed(0)
-    data = [{"pixel_values": torch.randn(8, 32, 32, generator=generator), "labels": i % 2} for i in range(16)]
-    probe = HeldBytes()
-    trainer = CPTTrainer(model=_WideConvNet(), args=training_args(tmp_path, max_steps=2, per_device_train_batch_size=4),
-                         train_dataset=data, callbacks=[probe], cpt_config=CPTConfig(bits_min=4, num_cycles=1))
-    trainer.train()
-    # float32: the conv's input (formed in the forward, rebuilt in the backward: one buffer); its error, which the
-    # Trainer's backward hands it alone, is quantized in place (`errors_in_place`): no buffer of its own
-    assert probe.held == 4 * 8 * 32 * 32 * 4
-    assert scratch.held_bytes() == 0

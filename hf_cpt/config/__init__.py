@@ -1,6 +1,6 @@
 """`CPTConfig`, every setting of a CPT run, composed of small typed parts (`hf_cpt.config.parts`)."""
 
-from .cpt_config import CPTConfig
+from .cpt_config import CPTConfig, ScheduleOptions, flat_settings
 from .parts import (
     AUTO_MAX_CYCLES,
     AUTO_STEPS_PER_CYCLE,
@@ -17,5 +17,6 @@ from .parts import (
 
 __all__ = [
     "AUTO_MAX_CYCLES", "AUTO_STEPS_PER_CYCLE", "EMA_INITS", "EVAL_PRECISIONS", "QUANT_SCHEMES", "ActivationConfig",
-    "CPTConfig", "EvaluationConfig", "ModuleSelection", "RangeTestConfig", "ScheduleConfig", "auto_cycles",
+    "CPTConfig", "EvaluationConfig", "ModuleSelection", "RangeTestConfig", "ScheduleConfig", "ScheduleOptions",
+    "auto_cycles", "flat_settings",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..numerics.bits import bits_problem
 from ..numerics.errors import ErrorQuantization
+from ..runtime import RuntimeSettings
 from ..schedules import (
     DELAY_PRECISIONS,
     ROUNDING_MODES,
@@ -35,7 +36,6 @@ EMA_INITS = ("zeros", "first_batch")
 # running range, per-token ranges, either after a fixed rotation of the input features, or "auto".
 QUANT_SCHEMES = ("auto", "paper", "per-token", "rotated", "rotated-per-token")
 RANGE_TEST_METRICS = ("loss", "accuracy")
-INTEGER_MATMUL = (True, False, "auto", "activations")  # where training products run on codes
 DEFAULT_RANGE_TEST_THRESHOLDS = {"accuracy": 0.05, "loss": 0.1}  # absolute for accuracy, relative for the loss
 
 
@@ -169,80 +169,17 @@ class ActivationConfig:
         "'rotated-per-token'. Pretrained transformers need 'rotated-per-token' below 6 bits."
     )
     rotation_seed: int = setting(0, "Seed of the random signs of the Hadamard rotation (rotated schemes).")
-    activation_momentum: float = setting(0.9, "Momentum of the running activation min/max used in eval mode.")
-    activation_ema_init: str = setting("zeros", "Start of the running activation range: 'zeros' (CPT code) or "
-                                                "'first_batch'.")
-    integer_matmul: bool | str = setting(
-        "auto",
-        "CPU training forward of Linear / GPT-2 Conv1D layers at 8 bits or fewer on the operands' integer codes (exact "
-        "int32 sums, scaled) instead of a float GEMM of fake-quantized values: True in every layer; 'activations' in "
-        "the layers whose output an activation reads, which then recomputes it from the codes (from the next optimizer "
-        "step on: a float tensor less per MLP for one more product on codes per step); False never; 'auto' True on "
-        "a CPU with int8 dot products (VNNI, AMX), else False (the fastest step there). The same values up to float "
-        "rounding; eval and exports unchanged (docs/method.md §2)."
-    )
-
-    recompute_activation_inputs: bool = setting(
-        True,
-        "Activations (GELU, SiLU, ReLU, ...) fed by a product on integer codes recompute their input from the codes "
-        "that layer keeps: the same gradients bit for bit, a float tensor less per layer (docs/method.md §2)."
-    )
-
-    relu_masks: bool = setting(
-        True,
-        "A ReLU (module or call) whose output a quantized layer keeps as codes keeps a mask of one bit a value, not "
-        "its float output: the same gradients bit for bit (docs/method.md §2). nn.MaxPool2d modules then keep only "
-        "their indices in CPU training, so that the ReLU before them (a CNN's stem) keeps a mask too."
-    )
-
-    dropout_masks: bool = setting(
-        True,
-        "In CPU training, dropout (nn.Dropout modules, full-precision SDPA attention in float32) keeps a mask of one "
-        "bit a value (a bool tensor where the native kernel does not serve), not PyTorch's float32 one: the same "
-        "outputs, gradients and random numbers bit for bit, nearly four bytes a value less (docs/method.md §2)."
-    )
-
-    hand_back_buffers: bool = setting(
-        True,
-        "In CPU training, the layers' reused buffers, idle from a backward's last quantized layer to the next forward, "
-        "give their pages back to the system when an optimizer step starts: a lower peak where a step peaks in its "
-        "optimizer step, at the cost of faulting them in again once per optimizer step (docs/method.md §2)."
-    )
-
-    errors_in_place: bool = setting(
-        True,
-        "In CPU training, a quantized layer quantizes its error over the gradient autograd hands it where nothing "
-        "else holds that gradient: the same values bit for bit, no second error-sized tensor (docs/method.md §2)."
-    )
-
-    output_mappings: bool = setting(
-        True,
-        "In CPU training, Linear/Conv1D/GELU/dropout outputs and input gradients of 1 MiB or more get mappings of "
-        "their own (one kept for the next of its size; an output kept for the backward: the heap), not glibc's heap, "
-        "where freed inputs leave resident holes: the same values, a lower peak, some page faults (method.md §2)."
-    )
-
-    embedding_row_gradients: bool = setting(
-        True,
-        "In CPU training, an nn.Embedding whose gradient adds to another (a tied head's, an earlier micro-batch's) "
-        "hands autograd its looked-up rows alone: the same gradient bit for bit, no table-sized tensor (method.md §2)."
-    )
+    momentum: float = setting(0.9, "Momentum of the running activation min/max used in eval mode.")
+    ema_init: str = setting("zeros", "Start of the running activation range: 'zeros' (CPT code) or 'first_batch'.")
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
-        for name in ("recompute_activation_inputs", "relu_masks", "dropout_masks", "hand_back_buffers",
-                     "errors_in_place", "output_mappings", "embedding_row_gradients"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
-        check_choice(owner, "integer_matmul", self.integer_matmul, INTEGER_MATMUL)
-        if self.integer_matmul == "activations" and not self.recompute_activation_inputs:
-            raise ConfigError(owner, "integer_matmul", "'activations' needs recompute_activation_inputs=True.")
         if not is_int(self.rotation_seed) or self.rotation_seed < 0:
             raise ConfigError(owner, "rotation_seed", f"must be an integer >= 0, got {self.rotation_seed!r}.")
-        if not is_number(self.activation_momentum) or not 0.0 <= self.activation_momentum < 1.0:
-            raise ConfigError(owner, "activation_momentum", f"must be in [0, 1), got {self.activation_momentum!r}.")
-        check_choice(owner, "activation_ema_init", self.activation_ema_init, EMA_INITS)
+        if not is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(owner, "momentum", f"must be in [0, 1), got {self.momentum!r}.")
+        check_choice(owner, "ema_init", self.ema_init, EMA_INITS)
 
 
 @dataclass(frozen=True)
@@ -389,12 +326,13 @@ def _register(part: type, renames: dict[str, str] | None = None) -> None:
 
 
 _register(ScheduleConfig)
-_register(ActivationConfig)
+_register(ActivationConfig, {"momentum": "activation_momentum", "ema_init": "activation_ema_init"})
 _register(ModuleSelection)
 _register(RangeTestConfig, {"start_bits": "prt_start_bits", "steps_per_precision": "prt_steps_per_precision",
                             "threshold": "prt_threshold", "metric": "prt_metric", "window": "prt_window",
                             "restore_weights": "prt_restore_weights"})
 _register(EvaluationConfig)
+_register(RuntimeSettings)
 _register(ErrorQuantization, {"granularity": "error_granularity", "rounding": "error_rounding",
-                              "fused": "fused_error_quantizer", "products": "error_products",
+                              "products": "error_products",
                               "rotation": "error_rotation", "range": "error_range"})

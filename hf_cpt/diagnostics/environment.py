@@ -92,16 +92,18 @@ def environment_report() -> dict[str, str]:
     """``hf-cpt env``'s lines: what each setting is on this machine and what it means for a CPT run."""
     import torch
 
+    from ..backends import backend_for
+    from ..backends.cpu import INT8_DOT_VARIABLE
     from ..numerics import native
-    from ..numerics.integer_matmul import integer_matmul_supported
     from ..version import __version__
 
     if torch.cuda.is_available():
         accelerator = f"CUDA, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     else:
         accelerator = "none (CPU)"
-    products = ("on integer codes (this CPU has int8 dot products)" if integer_matmul_supported() else
-                "on fake-quantized floats (no int8 dot products; integer_matmul='auto'; 'activations' trades time "
+    forced = f" (${INT8_DOT_VARIABLE}={os.environ[INT8_DOT_VARIABLE]})" if INT8_DOT_VARIABLE in os.environ else ""
+    products = (f"on integer codes: int8 dot products{forced}" if backend_for("cpu").products_on_codes("auto") else
+                f"on fake-quantized floats: no int8 dot products{forced} (integer_matmul='activations' trades time "
                 "for memory)")
     if os.environ.get(native.DISABLE_VARIABLE) == "0":
         kernels = f"off (${native.DISABLE_VARIABLE}=0): torch formulas"

@@ -27,7 +27,6 @@ from ..diagnostics.fidelity import output_fidelity
 from ..diagnostics.range_test import PrecisionRangeResult
 from ..diagnostics.training_loop import rng_state, set_rng_state, to_device
 from ..nn.precision import PrecisionState
-from ..numerics import scratch
 from ..schedules.schedule import PrecisionSchedule, training_precision
 from .range_test import run_precision_range_test_for_trainer
 
@@ -233,7 +232,6 @@ class CPTCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.precision is not None:
             self.precision.reused_weights.epoch = None  # the weights are the user's again: nothing kept
-        scratch.release()  # the backward's reused buffers (this thread's)
         if self.meter is None:
             return
         report = self.cost_report()

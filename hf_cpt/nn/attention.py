@@ -16,9 +16,7 @@ additive mask) and switches the model to it; no module is rewritten. The functio
 * always counts the forward MACs of both products while training, so that the cost meter prices
   them (at the forward bits when quantized, else at 32 bits).
 
-Dropout on the probabilities and grouped key/value heads behave as in the eager implementation. In CPU training the
-dropout keeps a bool mask for its backward, not a float one, here and in full-precision SDPA
-(``CPTConfig.dropout_masks``, `hf_cpt.nn.dropout_masks`: the same values bit for bit).
+Dropout on the probabilities and grouped key/value heads behave as in the eager implementation.
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ import torch
 from torch import nn
 
 from ..numerics.fake_quant import quantize_ste, tensor_range, token_range
-from .dropout_masks import dropout as dropout_keeping_bool_mask
-from .dropout_masks import sdpa_keeping_bool_mask
 from .precision import PrecisionState
 from .products import QuantizedMatmul
 from .tally import Tally
@@ -94,14 +90,6 @@ def _quantized_matmul(a: torch.Tensor, b: torch.Tensor, bits: torch.Tensor, stat
     return torch.matmul(quantize_ste(a, *a_range, bits), quantize_ste(b, *b_range, bits))
 
 
-def _dropout(weights: torch.Tensor, p: float, training: bool, precision: PrecisionState) -> torch.Tensor:
-    """Dropout on the probabilities; in CPU training with ``dropout_masks`` it keeps a bool mask
-    (`hf_cpt.nn.dropout_masks`)."""
-    if precision.dropout_masks:
-        return dropout_keeping_bool_mask(weights, p, training)
-    return nn.functional.dropout(weights, p=p, training=training)
-
-
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
@@ -136,11 +124,6 @@ def cpt_attention_forward(
     if bits is None and state.replaced_implementation == "sdpa":  # full precision: the model's own kernel
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if precision.dropout_masks and training and dropout > 0 and query.device.type == "cpu":
-            # SDPA's math path, a bool mask, bit for bit
-            with sdpa_keeping_bool_mask(precision.output_mappings, owner=module):
-                return sdpa_attention_forward(module, query, original_key, original_value, attention_mask,
-                                              scaling=scaling, dropout=dropout, **kwargs)
         return sdpa_attention_forward(module, query, original_key, original_value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     if bits is None:
@@ -153,7 +136,7 @@ def cpt_attention_forward(
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = _dropout(weights, dropout, module.training, precision)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     if bits is None:
         output = torch.matmul(weights, value)
     else:

@@ -14,22 +14,20 @@ import weakref
 import torch
 from torch import nn
 
+from ..backends import backend_for
 from ..numerics.fake_quant import (
     channel_ranges,
     dequantize_codes,
     fake_quantize,
-    fake_quantize_compact,
     quantize_codes,
-    quantize_compact,
     quantize_ste,
-    restore_compact,
     tensor_range,
     token_range,
 )
 from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
 from .precision import PRODUCTS_ON_CODES, PrecisionState
-from .products import WEIGHT_ROTATION_BUFFERS, QuantizedProducts, keeps_input, quantized_input
+from .products import QuantizedProducts, keeps_input, quantized_input
 from .relu_masks import outside_functional_relus
 
 
@@ -259,10 +257,11 @@ class QuantLayerMixin:
             if frozen is not None:
                 weight = frozen  # the loaded codes, already in the rotated basis
             elif reused is not None:  # quantized earlier in this optimizer step (or this evaluation)
-                weight_quantized = (None if integer else restore_compact(*reused, weight.dtype, "weight"), reused)
+                weight_quantized = (None if integer else backend_for(weight.device).restore(*reused, weight.dtype),
+                                    reused)
                 weight_rotation = rotation if training_products else None
             elif rotation is not None and training_products:
-                rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim, **WEIGHT_ROTATION_BUFFERS)
+                rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim)
                 weight_rotation = rotation
                 weight_range = channel_ranges(rotated_weight, self.weight_channel_dim)
             else:
@@ -271,8 +270,7 @@ class QuantLayerMixin:
                 weight_range = channel_ranges(weight, self.weight_channel_dim)
             if reuse_key is not None and reused is None:
                 operand = rotated_weight if rotated_weight is not None else weight.detach()
-                weight_quantized = ((None, quantize_compact(operand, *weight_range, bits)) if integer  # codes only
-                                    else fake_quantize_compact(operand, *weight_range, bits, "weight"))
+                weight_quantized = backend_for(operand.device).operand(operand, *weight_range, bits, values=not integer)
                 precision.reused_weights.put(self, reuse_key, weight_quantized[1])
             if self.quantizes_inputs:
                 x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products, integer)
@@ -353,9 +351,6 @@ class QuantLayerMixin:
     # ``compute_on_codes(x, weight, bits, bias)``: `compute` from each operand's (uint8 codes, scale, minimum) and the
     # bias, in float32, for a matrix product (`hf_cpt.numerics.integer_matmul`); None: the float product only.
     compute_on_codes = None
-    # ``compute_into(x, weight, allocate)``, ``input_gradient_into(error, x, weight, allocate)``: `compute`'s and
-    # `input_gradient`'s values written into ``allocate(shape, dtype)``, or None where they cannot; None: never.
-    compute_into = input_gradient_into = None
 
     # Whether `input_gradient` reads the input's values: if not, training does not keep the input for it and
     # passes a meta tensor of its shape.

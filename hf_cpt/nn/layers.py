@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.utils import _pair
 
+from ..backends import backend_for
 from ..numerics.fake_quant import quantize_weight
-from ..numerics.integer_matmul import code_matmul
 from .base import QuantLayerMixin
 from .precision import PrecisionState
 
@@ -30,36 +30,13 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
         """`compute` on (codes, scale, minimum) of the input and the ``[out, in]`` weight, in float32."""
         return _matmul_on_codes(x, weight, bits, transposed_weight=True, bias=bias)
 
-    def compute_into(self, x: torch.Tensor, weight: torch.Tensor, allocate) -> torch.Tensor | None:
-        return _matmul_into(x, weight.t(), self.bias, allocate)
-
     input_gradient_reads_input = False
 
     def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return error.matmul(weight)
 
-    def input_gradient_into(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, allocate
-                            ) -> torch.Tensor | None:
-        return _matmul_into(error, weight, None, allocate)
-
     def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return error.reshape(-1, error.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-
-
-def _matmul_into(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None, allocate) -> torch.Tensor | None:
-    """``x @ matrix (+ bias)`` over the last dimension of ``x``, written into ``allocate(shape, dtype)``: the one GEMM
-    call (``mm``, ``addmm``) that ``F.linear`` and ``matmul`` make of a contiguous input, so the same values; None for
-    an input they would multiply otherwise (strided, of another dtype than the matrix)."""
-    if (not x.is_contiguous() or x.dim() < 2 or x.dtype != matrix.dtype
-            or (bias is not None and (bias.dtype != x.dtype or x.dim() > 3))):  # F.linear: matmul, then the bias
-        return None
-    out = allocate((*x.shape[:-1], matrix.shape[1]), x.dtype)
-    rows, out_rows = x.view(-1, x.shape[-1]), out.view(-1, matrix.shape[1])
-    if bias is None:
-        torch.mm(rows, matrix, out=out_rows)
-    else:
-        torch.addmm(bias, rows, matrix, out=out_rows)
-    return out
 
 
 def _matmul_on_codes(x: tuple, weight: tuple, bits: torch.Tensor, transposed_weight: bool,
@@ -72,8 +49,10 @@ def _matmul_on_codes(x: tuple, weight: tuple, bits: torch.Tensor, transposed_wei
     def per_row(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, 1) if t.dim() else t
 
-    out = code_matmul(rows, per_row(scale), per_row(minimum), weight_codes.t() if transposed_weight else weight_codes,
-                      weight_scale.reshape(1, -1), weight_minimum.reshape(1, -1), bits, bias)
+    weight_codes = weight_codes.t() if transposed_weight else weight_codes
+    out = backend_for(codes.device).code_product((rows, per_row(scale), per_row(minimum)),
+                                                 (weight_codes, weight_scale.reshape(1, -1),
+                                                  weight_minimum.reshape(1, -1)), bits, bias)
     return out.view(*codes.shape[:-1], out.shape[-1])
 
 
@@ -140,17 +119,10 @@ if Conv1D is not None:
             """`compute` on (codes, scale, minimum) of the input and the ``[in, out]`` weight, in float32."""
             return _matmul_on_codes(x, weight, bits, transposed_weight=False, bias=bias)
 
-        def compute_into(self, x: torch.Tensor, weight: torch.Tensor, allocate) -> torch.Tensor | None:
-            return _matmul_into(x, weight, self.bias, allocate)
-
         input_gradient_reads_input = False
 
         def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return error.matmul(weight.t())
-
-        def input_gradient_into(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, allocate
-                                ) -> torch.Tensor | None:
-            return _matmul_into(error, weight.t(), None, allocate)
 
         def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return x.reshape(-1, x.shape[-1]).t().matmul(error.reshape(-1, error.shape[-1]))

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..backends import backend_for
 from ..numerics.derived import derived
 from ..numerics.errors import PAPER_ERRORS, ErrorQuantization, quantize_error_on_backward
-from ..numerics.integer_matmul import integer_matmul_supported
+from ..runtime import RuntimeSettings
 from .reused_weights import ReusedWeights
 from .shared_input import SharedInputs
 
@@ -31,18 +32,6 @@ def _start_products_on_codes(optimizer, args, kwargs) -> None:
     _asked_for_codes.clear()
 
 
-def resolve_integer_matmul(integer_matmul: bool | str, recompute_activation_inputs: bool = True) -> bool | str:
-    """Where CPU training products run on codes under the setting ``integer_matmul``: True (every layer's), False or
-    "activations" (False where activations do not recompute their inputs: no layer would gain from its codes).
-    "auto" is True on a CPU with int8 dot products and False elsewhere, where a product on codes goes through the
-    float32 GEMM and the activations' recomputation costs a second GEMM per MLP and step (docs/method.md §2)."""
-    if integer_matmul == "auto":
-        return integer_matmul_supported()
-    if integer_matmul == "activations":
-        return "activations" if recompute_activation_inputs else False
-    return bool(integer_matmul)
-
-
 class PrecisionState:
     """The bit-widths of one model, read by each of its quantized layers at every forward.
 
@@ -55,14 +44,9 @@ class PrecisionState:
         activation_momentum: float = 0.9,
         activation_ema_init: str = "zeros",
         errors: ErrorQuantization = PAPER_ERRORS,
-        integer_matmul: bool | str = "auto",
-        recompute_activation_inputs: bool = True,
-        relu_masks: bool = True,
-        dropout_masks: bool = True,
-        hand_back_buffers: bool = True,
-        errors_in_place: bool = True,
-        output_mappings: bool = True,
+        runtime: RuntimeSettings | None = None,
     ) -> None:
+        runtime = runtime or RuntimeSettings()
         self.bits = torch.zeros(())
         self.compact_codes = False
         self.grad_bits = torch.zeros(())
@@ -79,28 +63,23 @@ class PrecisionState:
         # The attention products (two activations, no weight) quantize the errors of both their products,
         # unrotated, with the layers' rounding and granularity (range "auto": the zero-centred grid).
         self.attention_errors = errors.for_attention()
-        # Training products on integer codes (`hf_cpt.numerics.integer_matmul`) on CPU: True (every layer's), False,
+        # Training products on integer codes (`hf_cpt.numerics.integer_matmul`): True (every layer's), False, "auto"
         # or "activations" (those of the layers whose output feeds an activation that recomputes its input,
-        # `hf_cpt.nn.recompute`); resolved here, once (not inside a compiled graph, which cannot read the CPU's flags).
-        self.integer_on_cpu = resolve_integer_matmul(integer_matmul, recompute_activation_inputs)
+        # `hf_cpt.nn.recompute`), resolved per device by its backend (`Backend.products_on_codes`).
+        self.runtime = runtime
+        self.integer_matmul = runtime.integer_matmul
         # Products on codes tag their outputs so that a converted activation recomputes them in backward instead of
         # keeping them (`hf_cpt.nn.recompute`); the forward MACs those recomputations ran so far.
-        self.recompute_activation_inputs = recompute_activation_inputs
+        self.recompute_activation_inputs = runtime.recompute_activation_inputs
         self.recomputed_macs = 0
         # A layer that keeps codes of a converted ReLU's output hands that ReLU a mask to keep (`hf_cpt.nn.relu_masks`).
-        self.relu_masks = relu_masks
+        self.relu_masks = runtime.relu_masks
+        # Large errors quantized by one fused kernel (`hf_cpt.numerics.error_kernels`).
+        self.fused_errors = runtime.fused_error_quantizer
         # Set once a quantized layer is fed a ReLU called as a function: the model's training forwards then send such
         # calls the same way (`hf_cpt.nn.relu_masks.FunctionalReLUScope`).
         self.functional_relus = False
         self.functional_relu_scope = None  # those hooks (`quantize_model` makes them)
-        # CPU training dropout keeps a bool mask, not a float32 one (`hf_cpt.nn.dropout_masks`).
-        self.dropout_masks = dropout_masks
-        # The reused buffers' pages go back to the system after each backward pass (`hf_cpt.nn.products`).
-        self.hand_back_buffers = hand_back_buffers
-        # A layer's error is quantized over the gradient autograd hands it where nothing else holds that gradient.
-        self.errors_in_place = errors_in_place
-        # Layers' outputs and input gradients in CPU training in mappings of their own (`scratch.handed_on`).
-        self.output_mappings = output_mappings
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
@@ -113,12 +92,10 @@ class PrecisionState:
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:
-        """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config)."""
+        """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config, which
+        holds no runtime settings: the loading process's defaults)."""
         return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors,
-                   getattr(settings, "integer_matmul", "auto"),  # a checkpoint's settings store neither
-                   getattr(settings, "recompute_activation_inputs", True), getattr(settings, "relu_masks", True),
-                   getattr(settings, "dropout_masks", True), getattr(settings, "hand_back_buffers", True),
-                   getattr(settings, "errors_in_place", True), getattr(settings, "output_mappings", True))
+                   getattr(settings, "runtime", RuntimeSettings()))
 
     def on_device(self, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """``bits`` (one of the 0-d bit-width tensors, kept on the CPU) on ``device``, for the layers there.
@@ -151,11 +128,10 @@ class PrecisionState:
         return derived(grad_bits, ("error_bits", device), lambda: grad_bits.to(device, copy=True))
 
     def integer_products(self, device: torch.device, layer: object = None) -> bool:
-        """Whether ``layer``'s training products on ``device`` run on integer codes (CPU only; see `integer_matmul`):
-        every layer's, or under "activations" those of a layer marked `PRODUCTS_ON_CODES`."""
-        if device.type != "cpu" or not self.integer_on_cpu:
-            return False
-        return self.integer_on_cpu is True or getattr(layer, PRODUCTS_ON_CODES, False) is True
+        """Whether ``layer``'s training products on ``device`` run on integer codes (its backend resolves the
+        setting): every layer's, or under "activations" those of a layer marked `PRODUCTS_ON_CODES`."""
+        mode = backend_for(device).products_on_codes(self.integer_matmul)
+        return mode is True or (mode == "activations" and getattr(layer, PRODUCTS_ON_CODES, False) is True)
 
     @staticmethod
     def mark_products_on_codes(*layers: object) -> None:
@@ -171,7 +147,7 @@ class PrecisionState:
     def learns_products_on_codes(self, device: torch.device) -> bool:
         """Whether a layer's float training product on ``device`` tags its output, so that an activation it feeds
         marks the layer to run on codes from the next optimizer step on (`integer_matmul="activations"`)."""
-        return self.integer_on_cpu == "activations" and device.type == "cpu"
+        return backend_for(device).products_on_codes(self.integer_matmul) == "activations"
 
     def quantize_error_on_backward(
         self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False, granularity: str = "tensor"
@@ -180,7 +156,7 @@ class PrecisionState:
         (``attention=True``: the attention products' settings) for activations quantized with ``granularity``."""
         scheme = self.attention_errors if attention else self.errors
         return quantize_error_on_backward(output, self.on_device(self.grad_bits, output.device),
-                                          scheme.for_activations(granularity), feature_dim, self.errors_in_place)
+                                          scheme.for_activations(granularity), feature_dim, self.fused_errors)
 
     def set(self, bits: int | None, grad_bits: int | None) -> None:
         """Training precision: forward bits for weights and activations, backward bits for errors."""

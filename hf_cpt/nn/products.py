@@ -10,32 +10,18 @@ are quantized by their own node. `quantized_input` forms the input operand that 
 
 from __future__ import annotations
 
-import functools
-import weakref
-
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..numerics import scratch
-from ..numerics.error_ownership import error_held_alone
-from ..numerics.errors import quantize_error
-from ..numerics.fake_quant import fake_quantize, fake_quantize_compact, quantize_compact, restore_compact, token_range
+from ..backends import backend_for
+from ..numerics.fake_quant import fake_quantize, token_range
 from ..numerics.rotated_codes import rotated_token_codes
 from ..numerics.rotation import Rotation
 from .recompute import mark_float_product, mark_recomputable
 from .relu_masks import hand_over_input
 from .saved import same_view, saved_as_is
-from .shared_input import SHARED_INPUT_BUFFER, SharedInput
+from .shared_input import SharedInput
 
 NOT_SAVED = (None, None, None)
-
-# The reused buffers a layer's training forward rotates into (`Rotation.apply`), chosen so that no rotation takes a
-# buffer of its own (docs/method.md §2, "Reused buffers"): ``x R``, read only for its range and codes in a forward on
-# codes, into the one its backward rebuilds the input in, idle in such a forward; ``W R`` into its own (a float
-# forward fills the weight's from it), the steps of a rotation done factor by factor (a Conv1D's weight, along its
-# first axis) in the weight's, idle until ``W R`` is made.
-INPUT_ROTATION_BUFFERS = {"scratch": "input"}
-WEIGHT_ROTATION_BUFFERS = {"scratch": "rotated_weight", "between": "weight"}
 
 # Autograd nodes whose backward keeps their own output (a ReLU keeps its result): a quantized layer fed that output
 # keeps a reference to it and quantizes it again in backward, instead of a second copy of it as codes.
@@ -65,15 +51,13 @@ def keeps_input(layer, needs_input_grad: bool, needs_weight_grad: bool) -> bool:
 
 def quantized_operand(
     t: torch.Tensor, minimum: torch.Tensor | None, maximum: torch.Tensor | None, bits: torch.Tensor | None,
-    compact: bool, keep: bool, scratch: str | None = None,
+    compact: bool, keep: bool,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
-    """(the operand as the product uses it, what the backward saves to rebuild it: nothing unless ``keep``). With
-    ``scratch``, an operand kept as codes may be formed in that reused buffer (`hf_cpt.numerics.scratch`): for a
-    product that reads it at once."""
+    """(the operand as the product uses it, what the backward saves to rebuild it: nothing unless ``keep``)."""
     if minimum is None:
         return t, ((t, None, None) if keep else NOT_SAVED)
     if compact and keep:
-        return fake_quantize_compact(t, minimum, maximum, bits, scratch)
+        return backend_for(t.device).operand(t, minimum, maximum, bits)
     value = fake_quantize(t, minimum, maximum, bits)
     return value, ((value, None, None) if keep else NOT_SAVED)
 
@@ -83,27 +67,23 @@ def quantized_input(x: torch.Tensor, dim: int, rotation: Rotation | None, bits: 
     """``x`` rotated over ``dim``, its per-token range and its quantized operand (codes alone for products on codes,
     ``integer``; codes kept for the backward where ``keep``). In CPU training only ``x R``'s range and codes are
     read (the product reads the values made from them), so the graph holds a stand-in and ``x R`` is never formed
-    where the native kernel makes its range and codes in one pass (`rotated_token_codes`), else goes into a reused
-    buffer (docs/method.md §3); the fake-quantized values a float product reads go into a reused buffer of their own,
-    whose generation the entry records."""
-    buffered = keep and compact and not integer and x.device.type == "cpu"
-    generation = (lambda: scratch.generation(SHARED_INPUT_BUFFER)) if buffered else (lambda: None)
-    if rotation is not None and (integer or buffered):
+    where the native kernel makes its range and codes in one pass (`rotated_token_codes`; docs/method.md §3)."""
+    backend = backend_for(x.device)
+    from_codes = keep and compact and not integer and backend.native
+    if rotation is not None and (integer or from_codes):
         rotated = rotation.stand_in(x, dim)
-        fused = rotated_token_codes(x.detach(), dim, rotation, bits, values=buffered,
-                                    out=functools.partial(scratch.take, SHARED_INPUT_BUFFER))
+        fused = rotated_token_codes(x.detach(), dim, rotation, bits, values=from_codes)
         if fused is not None:  # x R's range and codes in one pass, x R never formed
-            return SharedInput(rotated, *fused, generation())
-        source = rotation.apply(x.detach(), dim, **INPUT_ROTATION_BUFFERS)
+            return SharedInput(rotated, *fused)
+        source = rotation.apply(x.detach(), dim)
     else:
         rotated = None if rotation is None else rotation.apply(x, dim)
         source = x if rotated is None else rotated
     x_range = token_range(source, dim)
     with torch.no_grad():
-        quantized = ((None, quantize_compact(source.detach(), *x_range, bits)) if integer  # codes only
-                     else quantized_operand(source.detach(), *x_range, bits, compact, keep,
-                                            SHARED_INPUT_BUFFER if buffered else None))
-    return SharedInput(rotated, x_range, quantized, generation())
+        quantized = (backend.operand(source.detach(), *x_range, bits, values=False) if integer  # codes only
+                     else quantized_operand(source.detach(), *x_range, bits, compact, keep))
+    return SharedInput(rotated, x_range, quantized)
 
 
 def _not_a_view(t: torch.Tensor) -> torch.Tensor:
@@ -115,14 +95,12 @@ def _not_a_view(t: torch.Tensor) -> torch.Tensor:
                                                                 t.stride())
 
 
-def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size,
-                     scratch: str | None = None) -> torch.Tensor:
-    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read); rebuilt from
-    codes into the reused buffer ``scratch`` where given (`hf_cpt.numerics.scratch`: read once, then dropped)."""
+def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read)."""
     codes, scale, minimum = saved
     if codes is None:
         return torch.empty(shape, dtype=dtype, device="meta")
-    return codes if scale is None else restore_compact(codes, scale, minimum, dtype, scratch)
+    return codes if scale is None else backend_for(codes.device).restore(codes, scale, minimum, dtype)
 
 
 class QuantizedProducts(torch.autograd.Function):
@@ -154,8 +132,6 @@ class QuantizedProducts(torch.autograd.Function):
     def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
                 rotated_weight, weight_rotation, x_quantized, weight_quantized=None, integer=False, learn_codes=False):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
-        if x.device.type == "cpu" and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
-            _awaiting_backward.add(ctx)
         keep_x = keeps_input(layer, needs_x, needs_weight)
         ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
         ctx.grad_bits = grad_bits  # never modified (`PrecisionState.error_bits`): the bits of this forward
@@ -166,9 +142,11 @@ class QuantizedProducts(torch.autograd.Function):
         producer_keeps = keep_x and compact and x_quantized is None and x_min is not None and kept_by_producer(x)
         ctx.x_bits = bits.clone() if producer_keeps else None  # a copy: the schedule edits ``bits`` in place
         if integer:
-            x_codes = x_quantized[1] if x_quantized is not None else quantize_compact(x, x_min, x_max, bits)
+            backend = backend_for(x.device)
+            x_codes = (x_quantized[1] if x_quantized is not None
+                       else backend.operand(x, x_min, x_max, bits, values=False)[1])
             weight_codes = (weight_quantized[1] if weight_quantized is not None
-                            else quantize_compact(operand, weight_min, weight_max, bits))
+                            else backend.operand(operand, weight_min, weight_max, bits, values=False)[1])
             x_saved = (x, x_min, x_max) if producer_keeps else x_codes if keep_x else NOT_SAVED
             if layer.cpt_precision.relu_masks:
                 hand_over_input(x, x_saved[0], layer.cpt_precision)
@@ -180,26 +158,21 @@ class QuantizedProducts(torch.autograd.Function):
                     and not torch.compiler.is_dynamo_compiling()):  # both codes kept: exact to recompute
                 mark_recomputable(output, layer, x_codes, weight_codes, bits, bias, dtype)
             return output
-        # An operand quantized here is read by the product alone (its codes are what the backward keeps): it may be
-        # formed in a reused buffer, the one its backward rebuilds it in (never in use at the same time).
         if x_quantized is None:
-            x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x, scratch="input")
+            x_value, x_saved = quantized_operand(x, x_min, x_max, bits, compact, keep_x)
             if producer_keeps:
                 x_saved = (x, x_min, x_max)
         else:  # the sibling layers' one copy (made with the same keep_x): one copy of the codes for all
             x_value, x_saved = x_quantized
         if weight_quantized is None:
-            weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x,
-                                                           scratch="weight")
+            weight_value, weight_saved = quantized_operand(operand, weight_min, weight_max, bits, compact, needs_x)
         else:  # quantized by the layer already (its codes kept for the other forwards of this optimizer step)
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
         if layer.cpt_precision.relu_masks:
             hand_over_input(x, x_saved[0], layer.cpt_precision)
         ctx.save_for_backward(*x_saved, *weight_saved)
-        output = _handed_on(layer, layer.compute_into, x_value, weight_value, owner=layer)
-        if output is None:
-            output = layer.compute(x_value, weight_value)
+        output = layer.compute(x_value, weight_value)
         if learn_codes and keep_x and needs_x and not producer_keeps and not torch.compiler.is_dynamo_compiling():
             mark_float_product(output, layer)  # where it would be recomputable on codes
         return output
@@ -207,74 +180,38 @@ class QuantizedProducts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, error):
         errors = ctx.errors
-        # Quantized over the error itself where nothing else holds it and no product reads it unquantized; asked
-        # first: each name given to the error is one more reference to it.
-        overwrite = (ctx.grad_bits is not None and ctx.layer.cpt_precision.errors_in_place
-                     and errors.quantizes_input_gradient and errors.quantizes_weight_gradient
-                     and error_held_alone(error))
         saved = ctx.saved_tensors
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
         layer = ctx.layer
         input_error = weight_error = error
         if ctx.grad_bits is not None:
-            quantized = quantize_error(error, ctx.grad_bits, errors, layer.output_feature_dim, scratch="error",
-                                       overwrite=overwrite)
+            quantized = backend_for(error.device).error(error, ctx.grad_bits, errors, layer.output_feature_dim,
+                                                        layer.cpt_precision.fused_errors)
             input_error = quantized if errors.quantizes_input_gradient else error
             weight_error = quantized if errors.quantizes_weight_gradient else error
         compute_dtype = error.dtype
-        # The quantized error and the rebuilt operands are read by the products below and dropped: reused buffers
-        # (`hf_cpt.numerics.scratch`).
+        # The rebuilt input is this backward's own tensor (not a saved one) where it came from codes.
+        x_fresh = ctx.x_bits is not None or saved[1] is not None
         if ctx.x_bits is None:
-            x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0], scratch="input").to(compute_dtype)
+            x = _rebuilt_operand(saved[:3], x_dtype, ctx.shapes[0]).to(compute_dtype)
         else:  # the producer's output, quantized again as the forward did
-            x = fake_quantize_compact(*saved[:3], ctx.x_bits, "input")[0].to(compute_dtype)
-        weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1], scratch="weight").to(compute_dtype)
+            x = backend_for(saved[0].device).operand(*saved[:3], ctx.x_bits)[0].to(compute_dtype)
+        weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1]).to(compute_dtype)
         grad_x, grad_weight = _gradients(layer, input_error, weight_error, x, weight, ctx.weight_rotation,
-                                         ctx.needs_input_grad[0], ctx.needs_input_grad[3])
+                                         ctx.needs_input_grad[0], ctx.needs_input_grad[3], x_fresh)
         grad_x = None if grad_x is None else grad_x.to(x_dtype)
         grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
         grad_bias = None
         if bias_dtype is not None and ctx.needs_input_grad[6]:
             feature_dim = layer.output_feature_dim % weight_error.dim()
             grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
-        _backward_ran(ctx)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
                 None, None, None)
 
 
-# The nodes of quantized products made on CPU whose backward has not run yet; a graph freed unrun leaves by itself.
-_awaiting_backward: weakref.WeakSet = weakref.WeakSet()
-_optimizer_hook = None  # the process-wide optimizer step pre-hook that hands idle buffers back, once registered
-
-
-def _backward_ran(ctx) -> None:
-    """After a quantized product's backward: once no product made on this CPU awaits its backward, the pass has
-    reached its last quantized layer and the reused buffers are idle until the next forward (`scratch.mark_idle`),
-    unless the layer's settings keep them (``CPTConfig.hand_back_buffers=False``). Their pages go back to the system
-    when the next optimizer step starts (any `torch.optim.Optimizer`, through a process-wide step pre-hook): the
-    step, where a model with a large optimizer state peaks, runs without them resident; a loop that steps once per
-    accumulated micro-batches faults them in again once per step, and one with no optimizer step (a layer timed
-    alone) never (docs/method.md §2, "Reused buffers")."""
-    global _optimizer_hook
-    if ctx in _awaiting_backward:
-        _awaiting_backward.discard(ctx)
-        if not _awaiting_backward and ctx.layer.cpt_precision.hand_back_buffers:
-            scratch.mark_idle()
-            if _optimizer_hook is None:
-                _optimizer_hook = register_optimizer_step_pre_hook(_hand_back_idle_buffers)
-
-
-def _hand_back_idle_buffers(optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook: the calling thread's idle reused buffers go back to the system (CPU autograd runs a
-    backward on the thread that called it, which in a training loop also steps the optimizer), and so do the idle
-    handed-on blocks (`scratch.release_idle_blocks`)."""
-    scratch.hand_back_if_idle()
-    scratch.release_idle_blocks()
-
-
 def _gradients(
     layer, input_error: torch.Tensor, weight_error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-    rotation: Rotation | None, needs_x: bool, needs_weight: bool,
+    rotation: Rotation | None, needs_x: bool, needs_weight: bool, x_fresh: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(the input gradient, the weight gradient), None where not needed: in one call where both come from one error
     and the layer's backward kernel forms them together (`QuantLayerMixin.both_gradients`), else one product each."""
@@ -282,36 +219,25 @@ def _gradients(
         both = layer.both_gradients(input_error, x, weight)
         if both is not None:
             return both
-    grad_x = _handed_on(layer, layer.input_gradient_into, input_error, x, weight) if needs_x else None
-    if needs_x and grad_x is None:
-        grad_x = layer.input_gradient(input_error, x, weight)
-    grad_weight = _weight_gradient(layer, weight_error, x, weight, rotation) if needs_weight else None
+    grad_x = layer.input_gradient(input_error, x, weight) if needs_x else None
+    grad_weight = _weight_gradient(layer, weight_error, x, weight, rotation, x_fresh) if needs_weight else None
     return grad_x, grad_weight
 
 
-def _handed_on(layer, product, *operands: torch.Tensor, owner: object = None) -> torch.Tensor | None:
-    """``product(*operands, allocate)`` (a layer's `compute_into` or `input_gradient_into`): its result in a handed-on
-    block (`scratch.handed_on`, for ``owner``), in CPU training where the layer's settings ask for it
-    (``CPTConfig.output_mappings``), outside autocast (whose casts a product into a given tensor skips) and tracing;
-    None where it does not run."""
-    if (product is None or not layer.cpt_precision.output_mappings or operands[0].device.type != "cpu"
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
-        return None
-    return product(*operands, functools.partial(scratch.handed_on, owner=owner))
-
-
 def _weight_gradient(
-    layer, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rotation: Rotation | None
+    layer, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rotation: Rotation | None,
+    x_fresh: bool = False,
 ) -> torch.Tensor:
     """The gradient of the layer's own weight ``W`` when it computed with ``W R``: ``dL/d(W R)`` rotated back by
     ``R^T``, or, the same product since the layer is linear in its input's features, the product with the input
-    rotated back (``Q(x R) R^T``), whichever rotates fewer values (few tokens: the input)."""
+    rotated back (``Q(x R) R^T``), whichever rotates fewer values (few tokens: the input; rotated in place where
+    ``x_fresh``: the backward's own tensor, read no more)."""
     if rotation is None:
         return layer.weight_gradient(error, x, weight)
     if rotation.signs.dtype != x.dtype:
         rotation = rotation.to(x.device, x.dtype)
-    if x.numel() <= weight.numel():  # x rebuilt in a reused buffer is read no more: rotated back in place there
-        in_place = not torch.compiler.is_compiling() and scratch.holds(x)  # a traced tensor has no address
+    if x.numel() <= weight.numel():
+        in_place = x_fresh and not torch.compiler.is_compiling()
         x = rotation.apply(x, layer.input_feature_dim, transpose=True, in_place=in_place)
         return layer.weight_gradient(error, x, weight)
     return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True,

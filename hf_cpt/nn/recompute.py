@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import handed_on, relu_masks
+from . import relu_masks
 
 # The attribute a layer's output carries when it can be recomputed from codes.
 RECOMPUTABLE = "_cpt_recomputable"
@@ -106,13 +106,8 @@ class RecomputedActivationMixin:
 
     float_class: type  # set on each converted class
     masks_relu_output = False  # `ReLUKeepingMask`: keeps its output until a quantized layer hands it a mask
-    output_mappings = False  # set on a converted module by ``CPTConfig.output_mappings`` (`hf_cpt.nn.handed_on`)
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.output_mappings and handed_on.runs_here(x):
-            approximate = handed_on.gelu_approximation(self)
-            if approximate is not None:
-                return handed_on.gelu(x, approximate, owner=self)
         return self.float_class.forward(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,24 +154,19 @@ RECOMPUTED_ACTIVATION_CLASSES: dict[type, type] = {
 ReLUKeepingMask = _recomputed_class(nn.ReLU, "ReLUKeepingMask", masks_relu_output=True)
 
 
-def convert_activation(module: nn.Module, recompute: bool = True, relu_masks: bool = True,
-                       output_mappings: bool = False) -> bool:
+def convert_activation(module: nn.Module, recompute: bool = True, relu_masks: bool = True) -> bool:
     """Make ``module`` recompute its input where it can (``recompute``), or, a ReLU, keep a mask in place of its
-    output where it can (``relu_masks``, `hf_cpt.nn.relu_masks`), in place, a GELU's output and input gradient in
-    mappings of their own with ``output_mappings`` (`hf_cpt.nn.handed_on`); False when its class is not converted
+    output where it can (``relu_masks``, `hf_cpt.nn.relu_masks`), in place; False when its class is not converted
     for either or it holds parameters or buffers."""
     masks = relu_masks and type(module) is nn.ReLU
     recomputed = ReLUKeepingMask if masks else RECOMPUTED_ACTIVATION_CLASSES.get(type(module)) if recompute else None
     if recomputed is None or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return False
     module.__class__ = recomputed
-    if output_mappings:
-        module.output_mappings = True
     return True
 
 
 def restore_activation(module: nn.Module) -> None:
     """Undo `convert_activation`."""
     if isinstance(module, RecomputedActivationMixin):
-        module.__dict__.pop("output_mappings", None)
         module.__class__ = module.float_class

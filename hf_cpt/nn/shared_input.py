@@ -19,12 +19,6 @@ from typing import Any
 
 import torch
 
-from ..numerics.scratch import generation
-
-# The reused buffer of the fake-quantized values of an input that sibling layers share, read by each one's float
-# product (`hf_cpt.numerics.scratch`): no single product takes it, so the values outlive the layers in between.
-SHARED_INPUT_BUFFER = "shared_input"
-
 
 @dataclass
 class SharedInput:
@@ -36,8 +30,6 @@ class SharedInput:
     rotated: torch.Tensor | None
     x_range: tuple[torch.Tensor, torch.Tensor]
     quantized: tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]
-    # where the quantized value lives in a reused buffer: `hf_cpt.numerics.scratch.generation` of it when made
-    buffer_generation: int | None = None
 
 
 class SharedInputs:
@@ -52,11 +44,8 @@ class SharedInputs:
         self.reuses = 0  # inputs served from here so far (the cost meter counts their rotation once)
 
     def get(self, x: torch.Tensor, key: tuple[Any, ...]) -> SharedInput | None:
-        """The entry of ``x`` computed under ``key``, None when another input or setting is held, or when its value
-        lived in a reused buffer written over since (made again, the entry has the same values)."""
+        """The entry of ``x`` computed under ``key``, None when another input or setting is held."""
         if self._entry is None or self._source is None or self._source() is not x or self._key != (x._version, *key):
-            return None
-        if self._entry.buffer_generation not in (None, generation(SHARED_INPUT_BUFFER)):
             return None
         self.reuses += 1
         return self._entry

@@ -24,10 +24,8 @@ from collections.abc import Callable
 import torch
 
 from . import native
-from .scratch import kept
 
-# Where a kernel writes its result: ``allocate(shape, dtype)`` gives a contiguous CPU tensor (e.g. a reused buffer,
-# `hf_cpt.numerics.scratch.take` with its role bound).
+# Where a kernel writes its result: ``allocate(shape, dtype)`` gives a contiguous CPU tensor.
 Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
 
@@ -101,7 +99,7 @@ def quantize_codes_native(
     if operands is None:
         return None
     minimum, scale, ranges = operands
-    codes = kept(x.shape, torch.uint8)  # kept for the backward (in a mapping of its own where a run asks)
+    codes = torch.empty(x.shape, dtype=torch.uint8)
     out = None if not values else (out or _empty)(x.shape, torch.float32)
     _library().hf_cpt_quantize_codes(x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(),
                                      *ranges, float(levels), native.threads())

@@ -21,10 +21,8 @@ import torch
 from ..utils import check_choice, setting
 from . import error_kernels
 from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_round
-from .error_ownership import error_held_alone
 from .error_rotation import ERROR_ROTATIONS, rotate_error
 from .fake_quant import _compute_dtype, fake_quantize, levels_on, quantization_scale, tensor_range, token_range
-from .scratch import take
 
 # Below this many elements the eager error quantizer is as fast as the fused one.
 FUSED_MIN_NUMEL = 1 << 16
@@ -57,11 +55,6 @@ class ErrorQuantization:
     rounding: str = setting(
         "stochastic",
         "Rounding of the quantized errors: 'stochastic' (unbiased, the CPT paper) or 'nearest'."
-    )
-    fused: bool = setting(
-        True,
-        "Quantize large error tensors in one fused kernel with counter-based noise: native C on CPU (built once per "
-        "machine), torch.compile on an accelerator; falls back to eager without a C compiler."
     )
     products: str = setting(
         "both",
@@ -167,19 +160,15 @@ def quantize_error_per_row(grad: torch.Tensor, bits: torch.Tensor, feature_dim: 
 
 def quantize_error(
     grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1,
-    scratch: str | None = None, overwrite: bool = False,
+    fused: bool = True,
 ) -> torch.Tensor:
     """Quantization of an error tensor at ``bits`` with ``scheme`` (docs/method.md §2).
 
     Ranges per tensor (the CPT paper) or per row over ``feature_dim``, on the min/max or the zero-centred grid;
     stochastic or nearest rounding;
     optionally in a rotated basis (`rotate_error`) and rotated back. Stochastic rounding with
-    ``scheme.fused`` runs one fused kernel (hashed noise, clamp, rounding; `error_kernels.fused_kernel`) for large
-    tensors and falls back to the eager path, with one warning, if no fused kernel can be built. With ``scratch`` (a
-    role of `hf_cpt.numerics.scratch`), the native kernel writes the result into that reused buffer: for a caller
-    that reads it and drops it before that role is taken again. With ``overwrite`` (``grad`` is the caller's, read by
-    nothing after), it writes the result over ``grad`` instead: no second error-sized tensor (docs/method.md §2,
-    "Errors quantized in place"); a float32 copy the kernel makes of ``grad`` it overwrites in any case.
+    ``fused`` runs one fused kernel (hashed noise, clamp, rounding; `error_kernels.fused_kernel`) for large
+    tensors and falls back to the eager path, with one warning, if no fused kernel can be built.
     """
     if scheme.granularity not in ERROR_GRANULARITIES or scheme.range not in ERROR_RANGES:
         raise ValueError(f"error granularity and range must be one of {ERROR_GRANULARITIES} and {ERROR_RANGES} when "
@@ -188,14 +177,13 @@ def quantize_error(
     if grad.numel() == 0:
         return grad
     if scheme.rotation == "none":
-        return _quantize_error_unrotated(grad, bits, scheme, feature_dim, scratch, overwrite)
+        return _quantize_error_unrotated(grad, bits, scheme, feature_dim, fused)
     rotated, rotated_dim, back = rotate_error(grad, scheme.rotation, feature_dim)
-    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim, scratch))
+    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim, fused))
 
 
 def _quantize_error_unrotated(
-    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int, scratch: str | None = None,
-    overwrite: bool = False,
+    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int, fused: bool = True
 ) -> torch.Tensor:
     per_row, symmetric = scheme.granularity == "token", scheme.range == "symmetric"
     if scheme.rounding == "nearest":
@@ -208,11 +196,12 @@ def _quantize_error_unrotated(
     # on CPU, a compiled one elsewhere). (Not torch.compiler.is_compiling(): a process-wide flag, also set while
     # another thread compiles.)
     in_graph = torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
-    kernel, levels_of, fused = None, KERNEL_SOURCES[scheme.granularity, scheme.range][1], False
+    kernel, levels_of = None, KERNEL_SOURCES[scheme.granularity, scheme.range][1]
+    fused = fused and not in_graph and grad.numel() >= FUSED_MIN_NUMEL
     if in_graph:
         kernel = KERNEL_SOURCES[scheme.granularity, scheme.range][0]
-    elif scheme.fused and grad.numel() >= FUSED_MIN_NUMEL:
-        kernel, fused = error_kernels.fused_kernel(grad.device, scheme.granularity, scheme.range), True
+    elif fused:
+        kernel = error_kernels.fused_kernel(grad.device, scheme.granularity, scheme.range)
     if kernel is not None:
         seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
         levels = levels_on(bits, grad.device, bits.dtype, levels_of)
@@ -220,13 +209,8 @@ def _quantize_error_unrotated(
             # Per row as (rows, features), else flat: one kernel serves every rank and layout.
             rows = grad.movedim(feature_dim, -1) if per_row else grad
             source = rows.reshape(-1, rows.shape[-1]) if per_row else grad.contiguous().view(-1)
-            # Where the C kernel writes (the others make their own result): over its input where that is the
-            # caller's to overwrite or a copy made here, else into the reused buffer.
-            where = {}
-            if fused and (overwrite or source.data_ptr() != grad.data_ptr()):
-                where["overwrite"] = True
-            elif fused and scratch is not None:
-                where["out"] = functools.partial(take, scratch)
+            # The C kernel writes over its input where that is a copy made here (the others make their own result).
+            where = {"overwrite": True} if fused and source.data_ptr() != grad.data_ptr() else {}
             result = kernel(source, levels, seed, **where).view(rows.shape)
             return result.movedim(-1, feature_dim) if per_row else result
         except Exception as error:  # compiler missing or failing: keep training, eagerly
@@ -241,30 +225,26 @@ def _quantize_error_unrotated(
 
 
 class _QuantizeErrorOnBackward(torch.autograd.Function):
-    """Identity in forward; quantizes the gradient flowing back through it (over it, with ``in_place``, where
-    nothing else holds it: `error_held_alone`)."""
+    """Identity in forward; quantizes the gradient flowing back through it."""
 
     @staticmethod
-    def forward(ctx, x, bits, scheme, feature_dim, in_place=False):
+    def forward(ctx, x, bits, scheme, feature_dim, fused):
         ctx.bits = bits.detach().clone()
-        ctx.scheme, ctx.feature_dim, ctx.in_place = scheme, feature_dim, in_place
+        ctx.scheme, ctx.feature_dim, ctx.fused = scheme, feature_dim, fused
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_output):
-        overwrite = ctx.in_place and error_held_alone(grad_output)  # before the error is named again
-        quantized = quantize_error(grad_output, ctx.bits, ctx.scheme, ctx.feature_dim, overwrite=overwrite)
-        return quantized, None, None, None, None
+        return quantize_error(grad_output, ctx.bits, ctx.scheme, ctx.feature_dim, ctx.fused), None, None, None, None
 
 
 def quantize_error_on_backward(
     output: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization = PAPER_ERRORS, feature_dim: int = -1,
-    in_place: bool = False,
+    fused: bool = True,
 ) -> torch.Tensor:
-    """Mark ``output`` so that the error arriving at it is quantized once at ``bits`` (see `quantize_error`); with
-    ``in_place``, over that error where nothing else holds it (docs/method.md §2, "Errors quantized in place").
+    """Mark ``output`` so that the error arriving at it is quantized once at ``bits`` (see `quantize_error`).
 
     Placed on a layer's output, the quantized error then drives both the input and weight gradient;
     ``feature_dim`` is the output's feature dimension (rows are taken across it with ``granularity="token"``).
     """
-    return _QuantizeErrorOnBackward.apply(output, bits, scheme, feature_dim, in_place)
+    return _QuantizeErrorOnBackward.apply(output, bits, scheme, feature_dim, fused)

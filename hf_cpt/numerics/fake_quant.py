@@ -12,14 +12,12 @@ This module knows nothing about layers, schedules or the Trainer.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
 from .code_kernels import quantize_codes_native, ranges_native, restore_codes_native
 from .derived import derived
-from .scratch import take
 
 MIN_SCALE = 1e-8
 
@@ -81,21 +79,18 @@ def fake_quantize(
 
 
 def fake_quantize_compact(
-    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor, scratch: str | None = None
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor, native: bool = True
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`fake_quantize`, and the same values kept compact: (uint8 codes, scale, minimum), for at most 8 bits.
 
     ``restore_compact(*compact, x.dtype)`` gives back the fake-quantized tensor bit for bit (the same
     ``codes * scale + minimum`` in the same dtype): what a layer's backward saves instead of a float copy.
-    On CPU the codes and values come from one native pass where it serves the call (`code_kernels`); with
-    ``scratch`` (a role of `hf_cpt.numerics.scratch`) the values go into that reused buffer, for a caller that reads
-    them and drops them before that role is taken again.
+    On CPU the codes and values come from one native pass where it serves the call (`code_kernels`).
     """
     source, minimum, scale, levels = _grid(x, minimum, maximum, bits)
-    out = None if scratch is None else functools.partial(take, scratch)
-    native = quantize_codes_native(source, minimum, scale, levels, values=True, out=out)
-    if native is not None:
-        codes, values = native
+    fast = quantize_codes_native(source, minimum, scale, levels, values=True) if native else None
+    if fast is not None:
+        codes, values = fast
         return values.to(x.dtype), (codes, scale, minimum)
     codes = _codes(source, minimum, scale, levels)
     compact = (codes.to(torch.uint8), scale, minimum)
@@ -103,26 +98,25 @@ def fake_quantize_compact(
 
 
 def quantize_compact(
-    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor
+    x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor, native: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`fake_quantize_compact`'s (uint8 codes, scale, minimum) alone, for at most 8 bits: for a product computed on
     the codes, which never needs the fake-quantized floats."""
     source, minimum, scale, levels = _grid(x, minimum, maximum, bits)
-    native = quantize_codes_native(source, minimum, scale, levels, values=False)
-    if native is not None:
-        return native[0], scale, minimum
+    fast = quantize_codes_native(source, minimum, scale, levels, values=False) if native else None
+    if fast is not None:
+        return fast[0], scale, minimum
     return _codes(source, minimum, scale, levels).to(torch.uint8), scale, minimum
 
 
 def restore_compact(
-    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype, scratch: str | None = None
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype, native: bool = True
 ) -> torch.Tensor:
-    """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum. With ``scratch`` (a role
-    of `hf_cpt.numerics.scratch`), the native kernel writes it into that reused buffer: for a caller that reads it
-    and drops it before that role is taken again."""
-    native = restore_codes_native(codes, scale, minimum, None if scratch is None else functools.partial(take, scratch))
-    if native is not None:
-        return native.to(dtype)
+    """The fake-quantized tensor from `fake_quantize_compact`'s codes, scale and minimum (``native``: by the C
+    kernel where it serves, bit for bit the same)."""
+    fast = restore_codes_native(codes, scale, minimum) if native else None
+    if fast is not None:
+        return fast.to(dtype)
     return codes.to(scale.dtype).mul_(scale).add_(minimum).to(dtype)
 
 

@@ -28,28 +28,8 @@ import torch
 
 from .code_kernels import centred_codes_native, code_product_native
 from .derived import derived
-from .scratch import take
 
-# CPU flags (/proc/cpuinfo) of int8 dot-product instructions: without them int8 GEMMs run far slower than float32.
-INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 MAX_REDUCED_SIZE = (2**31 - 1) // 128**2  # the largest K whose sum of int8 code products fits in int32
-
-
-@functools.cache
-def cpu_has_int8_dot() -> bool:
-    """Whether this CPU has int8 dot-product instructions (Linux: read from /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return any(flag in flags for flag in INT8_DOT_FLAGS)
-
-
-def integer_matmul_supported() -> bool:
-    """Whether ``integer_matmul="auto"`` computes CPU products on codes: this CPU has int8 dot products
-    (accelerators keep their float kernels until measured there)."""
-    return hasattr(torch, "_int_mm") and cpu_has_int8_dot()
 
 
 def _centred(codes: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
@@ -63,11 +43,17 @@ SUM_COLUMNS = 8
 
 
 @functools.lru_cache(maxsize=32)
-def _ones(reduced: int, device: torch.device) -> torch.Tensor:
-    """``[reduced, SUM_COLUMNS]`` int8 ones, made once per size and device (every product of a step needs one), as a
-    normal tensor even when first asked for under inference mode."""
-    with torch.inference_mode(False):
+def _cached_ones(reduced: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor even when first asked for under inference mode
         return torch.ones(reduced, SUM_COLUMNS, dtype=torch.int8, device=device)
+
+
+def _ones(reduced: int, device: torch.device) -> torch.Tensor:
+    """``[reduced, SUM_COLUMNS]`` int8 ones: made once per size and device in eager code (every product of a step
+    needs one), a constant of the graph in compiled code (which does not trace through a cache)."""
+    if torch.compiler.is_compiling():
+        return torch.ones(reduced, SUM_COLUMNS, dtype=torch.int8, device=device)
+    return _cached_ones(reduced, device)
 
 
 def _code_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,12 +69,6 @@ def _code_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 EXACT_FLOAT_SQUARES = 2**48
 
 
-def _int8_gemm(codes: torch.Tensor) -> bool:
-    """Whether products on codes run as int8 GEMMs here: a CPU with int8 dot products, an accelerator, a traced
-    graph; elsewhere the float32 GEMM (`_float_gemm_on_codes`)."""
-    return codes.device.type != "cpu" or cpu_has_int8_dot() or torch.compiler.is_compiling()
-
-
 def _float_gemm_on_codes(a_codes: torch.Tensor, b_codes: torch.Tensor, middle_code: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the row sums of ``a`` ``[M, 1]``, the column sums of ``b`` ``[1, N]``, the products ``a @ b`` ``[M, N]``) of
@@ -98,8 +78,8 @@ def _float_gemm_on_codes(a_codes: torch.Tensor, b_codes: torch.Tensor, middle_co
     it, or where float32 GEMMs may round to bfloat16 (``torch.set_float32_matmul_precision("medium")``), in float64
     (docs/method.md §2, "Integer products")."""
     with torch.autocast("cpu", enabled=False):  # a float32 GEMM, never autocast's bfloat16 one
-        a_values, a_sums, a_squares = _centred_values(a_codes, middle_code, False, "code_rows")
-        b_values, b_sums, b_squares = _centred_values(b_codes, middle_code, True, "code_columns")
+        a_values, a_sums, a_squares = _centred_values(a_codes, middle_code, False)
+        b_values, b_sums, b_squares = _centred_values(b_codes, middle_code, True)
         a_sums, b_sums = a_sums.view(-1, 1), b_sums.view(1, -1)
         largest = [int(t.max()) if t.numel() else 0 for t in (a_squares, b_squares)]
         if largest[0] * largest[1] <= EXACT_FLOAT_SQUARES and _full_float32_gemm():
@@ -107,15 +87,14 @@ def _float_gemm_on_codes(a_codes: torch.Tensor, b_codes: torch.Tensor, middle_co
         return a_sums, b_sums, torch.mm(a_values.double(), b_values.double()).to(torch.int32)
 
 
-def _centred_values(codes: torch.Tensor, middle_code: torch.Tensor, per_column: bool, buffer: str
+def _centred_values(codes: torch.Tensor, middle_code: torch.Tensor, per_column: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(``codes - middle`` as float32, the int32 sums and sums of squares along the reduced dimension: of each row of
     ``[M, K]`` codes, of each column of ``[K, N]`` ones), in one native pass where it serves (a weight's transposed
-    view as the Linear passes it, read as its rows), the values in the reused buffer ``buffer``
-    (`hf_cpt.numerics.scratch`: read by one GEMM, then dropped; a fresh tensor would be faulted in page by page)."""
+    view as the Linear passes it, read as its rows)."""
     transposed = per_column and codes.t().is_contiguous()
     native = centred_codes_native(codes.t() if transposed else codes, int(middle_code),
-                                  per_column and not transposed, functools.partial(take, buffer))
+                                  per_column and not transposed)
     if native is not None:
         values, sums, squares = native
         return (values.t() if transposed else values), sums, squares
@@ -138,13 +117,15 @@ def _middle_code(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def code_matmul(
     a_codes: torch.Tensor, a_scale: torch.Tensor, a_min: torch.Tensor,
     b_codes: torch.Tensor, b_scale: torch.Tensor, b_min: torch.Tensor,
-    bits: torch.Tensor, bias: torch.Tensor | None = None,
+    bits: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = True, native: bool = True,
 ) -> torch.Tensor:
     """``(a_codes * a_scale + a_min) @ (b_codes * b_scale + b_min) + bias`` in float32, for codes of ``bits`` <= 8.
 
     ``a_codes``: uint8 ``[M, K]``, its scale and minimum ``[M, 1]`` or one value; ``b_codes``: uint8 ``[K, N]``
     (a transposed view is fine), its scale and minimum ``[1, N]`` or one value; ``bias``: ``[N]``. ``K`` is at most
-    `MAX_REDUCED_SIZE`.
+    `MAX_REDUCED_SIZE`. ``int8``: the integer product as an int8 GEMM (the caller's backend knows whether that is
+    fast; a compiled graph always takes it), else as the float32 GEMM of the centred codes, exact where a bound proves
+    it (a CPU without int8 dot products); ``native``: the scaling in one C pass where it serves.
     """
     reduced = a_codes.shape[1]
     if reduced > MAX_REDUCED_SIZE:
@@ -154,16 +135,17 @@ def code_matmul(
     a_scale, b_scale = a_scale.float(), b_scale.float()
     a_zero = a_min.float() + middle * a_scale  # the value of the middle code
     b_zero = b_min.float() + middle * b_scale
-    if _int8_gemm(a_codes):
+    if int8 or a_codes.device.type != "cpu" or torch.compiler.is_compiling():
         a, b = _centred(a_codes, middle_code), _centred(b_codes, middle_code)
         a_sums, b_sums = _code_sums(a, b)
         products = torch._int_mm(a, b)
     else:
         a_sums, b_sums, products = _float_gemm_on_codes(a_codes, b_codes, middle_code)
     row_sum, column_term = a_scale * a_sums, b_scale * b_sums + reduced * b_zero
-    native = code_product_native(products, a_scale, row_sum, a_zero, b_scale, b_zero, column_term, bias)
-    if native is not None:
-        return native
+    fast = (code_product_native(products, a_scale, row_sum, a_zero, b_scale, b_zero, column_term, bias) if native
+            else None)
+    if fast is not None:
+        return fast
     out = products.view(torch.float32)  # int32 -> float32 in the product's own memory: no second full-size tensor
     if products.dtype != torch.float32:
         out.copy_(products)

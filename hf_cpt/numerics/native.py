@@ -32,44 +32,18 @@ FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pt
 NATIVE_FLAGS = ("-march=native",)
 DISABLE_VARIABLE = "HF_CPT_NATIVE_KERNELS"  # "0" turns the native kernels off (the callers' other path runs)
 THREADS_VARIABLE = "HF_CPT_NATIVE_THREADS"  # how many threads a kernel splits its rows over
-# The OpenMP runtimes torch may run on: each exports GCC's GOMP_parallel, which the kernels call (native_threads.h).
-OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")
 
 
 def threads() -> int:
-    """The threads a native kernel splits its rows over: ``$HF_CPT_NATIVE_THREADS``, else torch's own thread count
-    when the kernels run on torch's OpenMP team (`openmp_runtime`), else one: inside a training step torch's idle
-    OpenMP workers keep spinning on the other cores, so threads of a kernel's own wait for a core, and one measured
-    faster there than two (docs/compatibility.md)."""
+    """The threads a native kernel splits its rows over: ``$HF_CPT_NATIVE_THREADS``, else one: inside a training step
+    torch's idle OpenMP workers keep spinning on the other cores, so a kernel's own threads wait for a core, and one
+    measured faster there than two (docs/compatibility.md)."""
     value = os.environ.get(THREADS_VARIABLE)
     if value is None:
-        return torch.get_num_threads() if openmp_runtime() is not None else 1
+        return 1
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, got {value!r}")
     return int(value)
-
-
-@functools.cache
-def openmp_runtime() -> tuple[int, int, int] | None:
-    """(GOMP_parallel, omp_get_thread_num, omp_get_num_threads) of the OpenMP runtime this process's torch runs its
-    parallel regions on, or None (another parallel backend, not Linux, or no such runtime loaded). The kernels run
-    their slices on that runtime's team, whose workers wait for torch's next region anyway."""
-    if not torch.backends.openmp.is_available():
-        return None
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if line.count(" ") >= 5}
-    except OSError:
-        return None
-    loaded = sorted(path for path in paths if os.path.basename(path).startswith(OPENMP_RUNTIMES))
-    for path in loaded:
-        try:
-            runtime = ctypes.CDLL(path)  # already loaded: the same library, not a second copy
-            entries = [runtime[name] for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")]
-        except (OSError, AttributeError):
-            continue
-        return tuple(ctypes.cast(entry, ctypes.c_void_p).value for entry in entries)
-    return None
 
 
 def takes(t: torch.Tensor, min_numel: int) -> bool:
@@ -233,7 +207,4 @@ def load(name: str) -> ctypes.CDLL | None:
     except OSError as error:
         logger.warning("hf_cpt: loading %s failed (%s); using the other path", target, error)
         return None
-    library.hf_cpt_use_openmp.argtypes = [ctypes.c_void_p] * 3
-    library.hf_cpt_use_openmp.restype = None
-    library.hf_cpt_use_openmp(*(openmp_runtime() or (None, None, None)))
     return library

@@ -21,7 +21,6 @@ from . import native
 from .code_kernels import Allocate
 from .fake_quant import MIN_SCALE, levels_on
 from .rotation import Rotation, native_layout
-from .scratch import kept
 
 # (x's range as (min, max), each shaped to broadcast against x; (values or None, (uint8 codes, scale, minimum)))
 RotatedCodes = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]]
@@ -53,7 +52,7 @@ def rotated_token_codes(x: torch.Tensor, dim: int, rotation: Rotation, bits: tor
     rows = x.numel() // rotation.features
     range_shape = (*x.shape[:-1], 1)
     minimum, maximum, scale = (torch.empty(range_shape) for _ in range(3))
-    codes = kept(x.shape, torch.uint8)  # kept for the backward (in a mapping of its own where a run asks)
+    codes = torch.empty(x.shape, dtype=torch.uint8)
     value_tensor = None if not values else out(x.shape, torch.float32) if out else torch.empty(x.shape)
     signs = rotation.signs.contiguous()
     threads = _library().hf_cpt_rotate_codes(

@@ -25,7 +25,6 @@ import torch
 
 from . import native
 from .derived import derived
-from .scratch import take
 
 MAX_FACTOR = 32  # largest power-of-two Hadamard factor stored (the rotation's definition)
 MAX_MERGED_BLOCK = 256  # trailing factors merged into one block of at most this size when applied (speed only)
@@ -151,26 +150,21 @@ class Rotation:
             self.features, self.signs.to(device=device, dtype=dtype, copy=True),
             tuple(f.to(device=device, dtype=dtype, copy=True) for f in self.factors), self.kinds))
 
-    def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False, scratch: str | None = None,
-              between: str | None = None, in_place: bool = False) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, dim: int = -1, transpose: bool = False, in_place: bool = False) -> torch.Tensor:
         """``x R`` along ``dim`` (``x R^T`` with ``transpose=True``); differentiable in ``x`` (the rotation is
-        fixed: its backward is ``grad R^T`` and keeps nothing but the rotation). With ``scratch`` (a role of
-        `hf_cpt.numerics.scratch`; no gradient through ``x``), a CPU result and its intermediates go into reused
-        buffers: for a caller that reads the result and drops it before that role is taken again (the intermediates
-        in role ``between``, one idle until the rotation returns, else in ``"<scratch>:step"``). ``in_place``: the C
-        kernel, where it serves, writes the result over ``x`` (no gradient; the caller's to drop); the result is
-        what is returned."""
+        fixed: its backward is ``grad R^T`` and keeps nothing but the rotation). ``in_place``: the C kernel, where it
+        serves, writes the result over ``x`` (no gradient; the caller's to drop); the result is what is returned."""
         self._check_features(x, dim)
         if torch.is_grad_enabled() and x.requires_grad:
-            if scratch is not None or in_place:
-                raise ValueError("a rotation into a reused buffer or in place takes no gradient: pass x.detach()")
+            if in_place:
+                raise ValueError("a rotation in place takes no gradient: pass x.detach()")
             return _Rotate.apply(x, dim, transpose, self.signs, self.kinds, *self.factors)
-        return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, scratch, between, in_place)
+        return _rotate(x, dim, transpose, self.signs, self.factors, self.kinds, in_place)
 
     def stand_in(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """What stands for ``x R`` in the graph of a product that reads only codes made from ``x R`` elsewhere
-        (`apply` with ``scratch``): its shape and dtype with no values (one NaN element, zero strides, so a read by
-        mistake shows), and `apply`'s backward. ``x R``'s values then live only in a reused buffer."""
+        (`hf_cpt.numerics.rotated_codes`): its shape and dtype with no values (one NaN element, zero strides, so a
+        read by mistake shows), and `apply`'s backward."""
         self._check_features(x, dim)
         if torch.is_grad_enabled() and x.requires_grad:
             return _RotationStandIn.apply(x, dim, False, self.signs, self.kinds, *self.factors)
@@ -228,51 +222,32 @@ def _build_axis_steps(
 
 def _rotate(
     x: torch.Tensor, dim: int, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...],
-    kinds: tuple[str, ...], scratch: str | None = None, between: str | None = None, in_place: bool = False,
+    kinds: tuple[str, ...], in_place: bool = False,
 ) -> torch.Tensor:
     """``x diag(s) (F_1 ⊗ F_2 ⊗ ...)`` along ``dim`` (its transpose with ``transpose=True``).
 
     Each step (`_axis_steps`) contracts one axis of a view of ``x`` as ``(lead, size, trailing)`` by a (batched)
     matrix product, along any ``dim``, so no step copies the tensor to move an axis (docs/method.md, "Rotation").
-    Over the last axis of a float32 CPU tensor, or a matrix's first, the C kernel runs (`_rotate_native`). With
-    ``scratch`` (a role; CPU tensors outside a compiled graph), the result goes into that role's reused buffer and
-    the intermediates alternate with a second one (``between``, else ``"<scratch>:step"``).
+    Over the last axis of a float32 CPU tensor, or a matrix's first, the C kernel runs (`_rotate_native`).
     """
     dim = dim % x.dim()
     trailing = math.prod(x.shape[dim + 1:])
-    if scratch is not None and (x.device.type != "cpu" or torch.compiler.is_dynamo_compiling()):
-        scratch = None
     if trailing == 1 or dim == 0:
-        rotated = _rotate_native(x, transpose, signs, factors, kinds, scratch, in_place, -1 if trailing == 1 else 0)
+        rotated = _rotate_native(x, transpose, signs, factors, kinds, in_place, -1 if trailing == 1 else 0)
         if rotated is not None:
             return rotated
     signs = signs.view(-1, *([1] * (x.dim() - dim - 1)))
     steps = _axis_steps(factors, kinds, transpose, last_axis=trailing == 1)
-    # Each step writes a new tensor: with scratch, into the two roles in turn so that the last one lands in scratch.
-    roles = [None] * (len(steps) + 1) if scratch is None else [
-        scratch if (len(steps) - i) % 2 == 0 else between or f"{scratch}:step" for i in range(len(steps) + 1)]
-    if not transpose:
-        y = _out_of(roles[0], x.shape, torch.mul, x, signs)
-        roles = roles[1:]
-    else:
-        y = x
-    for factor, role in zip(steps, roles):
+    y = x if transpose else x * signs
+    for factor in steps:
         size = factor.shape[0]
         if trailing == 1:  # the last axis: one plain matrix product
-            y = _out_of(role, (y.numel() // size, size), torch.mm, y.reshape(-1, size), factor)
+            y = torch.mm(y.reshape(-1, size), factor)
         else:  # F^T @ y over this axis, every other axis batched
-            batched = y.reshape(-1, size, trailing)
-            y = _out_of(role, batched.shape, torch.matmul, factor.t(), batched)
+            y = torch.matmul(factor.t(), y.reshape(-1, size, trailing))
         trailing *= size
     y = y.reshape(x.shape)
-    return _out_of(roles[-1], x.shape, torch.mul, y, signs) if transpose else y
-
-
-def _out_of(role: str | None, shape, operation, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``operation(a, b)`` of ``shape``, written into the reused buffer of ``role`` when there is one."""
-    if role is None:
-        return operation(a, b)
-    return operation(a, b, out=take(role, shape, torch.promote_types(a.dtype, b.dtype)))
+    return y * signs if transpose else y
 
 
 NATIVE_MIN_NUMEL = 1 << 15  # below this many values the factor-by-factor products are as fast as the C kernel
@@ -286,14 +261,14 @@ def _native_library():
 
 def _rotate_native(
     x: torch.Tensor, transpose: bool, signs: torch.Tensor, factors: tuple[torch.Tensor, ...], kinds: tuple[str, ...],
-    scratch: str | None = None, in_place: bool = False, dim: int = -1,
+    in_place: bool = False, dim: int = -1,
 ) -> torch.Tensor | None:
     """`_rotate` over the last axis, or a matrix's first (``dim=0``: a Conv1D's weight), by the C kernel (rows, or
     blocks of columns), or None where it does not serve (`native_layout`). ``in_place``: over ``x``."""
     if (layout := native_layout(x, signs, factors, kinds, dim)) is None or _native_library() is None:
         return None
     lead, lead_size, power = layout
-    out = x if in_place else torch.empty_like(x) if scratch is None else take(scratch, x.shape, x.dtype)
+    out = x if in_place else torch.empty_like(x)
     kernel = _native_library().hf_cpt_rotate_columns if dim == 0 else _native_library().hf_cpt_rotate
     threads = kernel(x.data_ptr(), out.data_ptr(), signs.contiguous().data_ptr(), None if lead is None else
                      lead.data_ptr(), lead_size, power, x.numel() // signs.numel(), int(transpose), native.threads())

@@ -89,7 +89,6 @@ class CheckpointFields:
     # What further training of the loaded model uses:
     activation_momentum: float = 0.9
     activation_ema_init: str = "zeros"
-    fused_error_quantizer: bool = True
     error_granularity: str = "tensor"
     error_rounding: str = "stochastic"
     error_products: str = "both"
@@ -130,8 +129,8 @@ class CheckpointFields:
     @property
     def errors(self) -> ErrorQuantization:
         """How the loaded model quantizes errors if trained further (absent in older files: the paper's)."""
-        return ErrorQuantization(self.error_granularity, self.error_rounding, self.fused_error_quantizer,
-                                 self.error_products, self.error_rotation, self.error_range)
+        return ErrorQuantization(self.error_granularity, self.error_rounding, self.error_products, self.error_rotation,
+                                 self.error_range)
 
     @property
     def packed(self) -> bool:

@@ -1,0 +1,52 @@
+"""`Backend`: the operations a device's kernels provide, with the reference formulas as their definition."""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics.errors import ErrorQuantization, quantize_error
+from ..numerics.fake_quant import fake_quantize_compact, quantize_compact, restore_compact
+from ..numerics.integer_matmul import code_matmul
+
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (uint8 codes, scale, minimum)
+
+
+class Backend:
+    """The operations of CPT's numerics on one kind of device, each computed with the torch formulas here; a
+    subclass overrides those its kernels compute (bit for bit the same codes and values; products on codes up to
+    float rounding, their integer sums exact)."""
+
+    name = "reference"
+    native = False  # whether the package's C kernels may serve (CPU tensors only)
+
+    def products_on_codes(self, setting: bool | str) -> bool | str:
+        """Where training products run on integer codes here under ``RuntimeSettings.integer_matmul`` (True, False
+        or "activations"): never by default, a device keeping its float kernels until a backend of its own has
+        kernels measured faster."""
+        return False
+
+    def int8_gemm(self) -> bool:
+        """Whether products on codes run as int8 GEMMs (else a float32 GEMM of the centred codes, exact where its
+        sums are proven to be, or float64)."""
+        return True
+
+    def operand(self, x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor,
+                values: bool = True) -> tuple[torch.Tensor | None, Codes]:
+        """(the fake-quantized ``x`` if ``values``, else None; its codes, scale and minimum) over the given range."""
+        if values:
+            return fake_quantize_compact(x, minimum, maximum, bits, native=self.native)
+        return None, quantize_compact(x, minimum, maximum, bits, native=self.native)
+
+    def restore(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The fake-quantized values of `operand`'s codes, bit for bit."""
+        return restore_compact(codes, scale, minimum, dtype, native=self.native)
+
+    def error(self, grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int,
+              fused: bool = True) -> torch.Tensor:
+        """The error quantized at ``bits`` with ``scheme`` (``fused``: by one kernel where this device has one)."""
+        return quantize_error(grad, bits, scheme, feature_dim, fused)
+
+    def code_product(self, a: Codes, b: Codes, bits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``restore(a) @ restore(b) + bias`` in float32, from the codes (`hf_cpt.numerics.integer_matmul`)."""
+        return code_matmul(*a, *b, bits, bias, int8=self.int8_gemm(), native=self.native)
