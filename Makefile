@@ -35,10 +35,7 @@ bench: install
 	$(RUN_ENV) $(PY) bench/overhead.py
 	$(RUN_ENV) $(PY) bench/op_counts.py
 	$(RUN_ENV) $(PY) bench/kept_memory.py
-	$(RUN_ENV) $(PY) bench/peak_phases.py
-	$(RUN_ENV) $(PY) bench/heap_use.py
-	$(RUN_ENV) $(PY) bench/output_mappings.py --repeats 5
-	$(RUN_ENV) $(PY) bench/kernels.py
+	$(RUN_ENV) $(PY) bench/kernel_costs.py
 
 # Results on real data and a real pretrained model (../shared/data; each script about 40 minutes on
 # 2 cores; resumable: a finished run is skipped), then docs/RESULTS.md, docs/pretrained.md, README summary.

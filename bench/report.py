@@ -311,8 +311,8 @@ def _peaks_against_plain(results: dict, arms: tuple[str, ...], description: str,
 
 
 def kernels_section(results: dict) -> list[str]:
-    """docs/benchmarks.md's table of what each C kernel costs per value, from `bench/kernels.py`: one column pair per
-    run (ns a value, and copies of its input timed beside it, marked where over the kind's target)."""
+    """docs/benchmarks.md's table of what each C kernel costs per value, from `bench/kernel_costs.py`: one column pair
+    per run (ns a value, and copies of its input timed beside it, marked where over the kind's target)."""
     runs = results["runs"]
     lines = []
     for label, run in runs.items():
@@ -509,7 +509,7 @@ def main() -> None:
         with open(path, "w") as f:
             f.write(pretrained_page(pretrained))
         print(f"wrote {path}")
-        replace_block(args.readme, "pretrained-summary", readme_summary(pretrained))
+        replace_block(os.path.join(args.docs, "usage.md"), "pretrained-summary", readme_summary(pretrained))
     ablation = results_page.load(args.results, "backward_ablation.json")
     if ablation and pretrained:
         from hf_cpt import CPTConfig
@@ -525,7 +525,7 @@ def main() -> None:
                                                 results_page.load(args.results, "gradient_fidelity.json"),
                                                 on_gpu))
         print(f"wrote {path}")
-        replace_block(args.readme, "backward-summary",
+        replace_block(os.path.join(args.docs, "usage.md"), "backward-summary",
                       backward_page.readme_summary(ablation, pretrained,
                                                    backward_page.resolved_option(default, "token"), on_gpu))
     path = os.path.join(args.docs, "RESULTS.md")
@@ -535,7 +535,7 @@ def main() -> None:
     replace_block(args.readme, "results-summary", results_page.readme_summary(args.results))
     overhead = results_page.load(args.results, "overhead.json")
     if overhead:
-        replace_block(args.readme, "overhead-summary", overhead_summary(overhead))
+        replace_block(os.path.join(args.docs, "performance.md"), "overhead-summary", overhead_summary(overhead))
     # The same bench on a CPU without int8 dot products, beside the README's run on whichever CPU ran it last: the two
     # kinds of CPU give ratios that compare only with their own kind.
     no_int8_dot = results_page.load(args.results, NO_INT8_DOT_RUN)
@@ -563,10 +563,10 @@ def main() -> None:
             replace_block(os.path.join(args.docs, "benchmarks.md"), block, section(results))
     allocators = results_page.load(args.results, "allocators.json")
     if allocators:
-        replace_block(args.readme, "allocators-summary", allocators_summary(allocators))
+        replace_block(os.path.join(args.docs, "performance.md"), "allocators-summary", allocators_summary(allocators))
     counts = results_page.load(args.results, "op_counts.json")
     if counts:
-        replace_block(args.readme, "op-counts", op_counts_summary(counts))
+        replace_block(os.path.join(args.docs, "performance.md"), "op-counts", op_counts_summary(counts))
     print(f"updated {args.readme}")
 
 

@@ -200,37 +200,65 @@ def _from_cli(value: Any, tp) -> Any:
     return value
 
 
-def make_cpt_arguments(config_cls: type = CPTConfig, prefix: str = CPT_PREFIX) -> type:
-    """A dataclass with one ``--{prefix}{field}`` flag per init field of ``config_cls``, help text included.
+def _cli_settings(config_cls: type) -> list[tuple[str, Any, dataclasses.Field, str | None, str | None]]:
+    """(flag name, type, field, its part, its name in the part) of every setting of ``config_cls``: its own fields,
+    each nested part's settings under their flat names (`hf_cpt.config.flat_settings`)."""
+    from hf_cpt.config.cpt_config import PART_CLASSES, PART_FIELDS
 
-    Built at runtime, so fields added to `CPTConfig` become flags without touching the recipes.
-    """
     hints = _resolved_types(config_cls)
-    specs = []
+    settings = []
     for f in dataclasses.fields(config_cls):
         if not f.init:
             continue
+        part_cls = PART_CLASSES.get(f.name)
+        if part_cls is None:
+            settings.append((f.name, hints[f.name], f, None, None))
+            continue
+        part_hints = _resolved_types(part_cls)
+        for own in dataclasses.fields(part_cls):
+            if own.name in PART_FIELDS[part_cls]:
+                default = getattr(f.default, own.name)
+                flag = dataclasses.field(default=default, metadata=own.metadata)
+                settings.append((PART_FIELDS[part_cls][own.name], part_hints[own.name], flag, f.name, own.name))
+    return settings
+
+
+def make_cpt_arguments(config_cls: type = CPTConfig, prefix: str = CPT_PREFIX) -> type:
+    """A dataclass with one ``--{prefix}{name}`` flag per setting of ``config_cls`` (a nested part's settings under
+    their flat names), help text included.
+
+    Built at runtime, so fields added to `CPTConfig` become flags without touching the recipes.
+    """
+    specs = []
+    for name, tp, f, _, _ in _cli_settings(config_cls):
         metadata = dict(f.metadata)
-        metadata.setdefault("help", f"CPTConfig.{f.name}")
+        metadata.setdefault("help", f"CPTConfig.{name}")
         cli_field = field(metadata=metadata)
         if f.default is not dataclasses.MISSING:
             cli_field = field(default=f.default, metadata=metadata)
         elif f.default_factory is not dataclasses.MISSING:
             cli_field = field(default_factory=f.default_factory, metadata=metadata)
-        specs.append((prefix + f.name, _cli_type(hints[f.name]), cli_field))
+        specs.append((prefix + name, _cli_type(tp), cli_field))
     return dataclasses.make_dataclass(
         "CPTArguments", specs, namespace={"__doc__": f"`{config_cls.__name__}` settings as {prefix}* flags."}
     )
 
 
 def cpt_config_from_args(cpt_args: Any, config_cls: type = CPTConfig, prefix: str = CPT_PREFIX):
-    """Build the `CPTConfig` from a `make_cpt_arguments` instance."""
-    hints = _resolved_types(config_cls)
-    values = {
-        f.name: _from_cli(getattr(cpt_args, prefix + f.name), hints[f.name])
-        for f in dataclasses.fields(config_cls)
-        if f.init and hasattr(cpt_args, prefix + f.name)
-    }
+    """Build the `CPTConfig` from a `make_cpt_arguments` instance (flat names gathered into their parts)."""
+    values: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for name, tp, _, part, own in _cli_settings(config_cls):
+        if not hasattr(cpt_args, prefix + name):
+            continue
+        value = _from_cli(getattr(cpt_args, prefix + name), tp)
+        if part is None:
+            values[name] = value
+        else:
+            parts.setdefault(part, {})[own] = value
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    for part, changes in parts.items():
+        values[part] = dataclasses.replace(defaults[part], **changes)
     return config_cls(**values)
 
 

@@ -355,134 +355,6 @@ def test_overhead_benchmark_resumes_the_cases_it_wrote(tmp_path):
     assert third["rows"][0]["plain_ms"] != first["rows"][0]["plain_ms"]  # timed anew
 
 
-def test_hand_back_table_shows_a_model_case_peak_memory_both_ways():
-    """A model case measured with --compare-resident carries its peak memory with the buffers handed back and kept
-    resident, under glibc's default (fresh processes) and with the mmap threshold fixed: the table shows both pairs."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import report
-
-    row = {"case": "GPT-2 small", "plain_ms": 100.0, "quant_ms": 120.0, "ratio": 1.2, "resident_ratio": 1.1,
-           "memory_ratio": 0.99, "memory_ratio_resident_default": 1.01, "resident_peaks_mib": [1.0, 2.0, 3.0],
-           "memory_ratio_fixed_mmap": 0.95, "memory_ratio_resident": 0.97}
-    results = {"command": "c", "torch": "t", "threads": 2, "repeats": 7, "load_average": [0.5, 1.5], "rows": [row]}
-    lines = report.hand_back_section(results)
-    assert "| GPT-2 small | 100.0 | 120.0 | 1.200 / 1.100 | 0.990 / 1.010 | 0.950 / 0.970 |" in lines
-    assert lines[-1].startswith("Peak memory: CPT / plain VmHWM under glibc's default, the median of 3 fresh processes")
-
-
-def test_errors_in_place_counts_each_layers_error_and_its_table_shows_each_arm_against_plain():
-    """`bench/errors_in_place.py` counts where one step's errors went: in a ResNet-20, every quantized layer's error
-    is held by nothing else and goes in place. Its table shows each arm's median and ratio to the plain model under
-    both allocators, and every process's figure."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import errors_in_place
-    import report
-
-    from hf_cpt.nn import QuantLayerMixin
-
-    build, _ = errors_in_place.overhead.resnet20()
-    layers = sum(isinstance(m, QuantLayerMixin) for m in errors_in_place.overhead.cpt_copy(build(), True).modules())
-    assert errors_in_place.errors_in_place("resnet20") == {"in place": layers, "not in place": 0}
-    row = {"key": "resnet18", "errors": {"in place": 20, "not in place": 1},
-           "default": {"plain": [1200.0, 1210.0, 1190.0], "in place": [1180.0, 1188.0, 1170.0],
-                       "in a buffer": [1220.0, 1221.0, 1230.0]},
-           "fixed": {"plain": 1000.0, "in place": 950.0, "in a buffer": 980.0}}
-    lines = report.errors_in_place_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
-                                            "rows": [row]})
-    assert lines[-1] == ("| resnet18 | 20 / 1 | 1,200 | 1,180 (0.983) | 1,221 (1.018) | 1,200, 1,210, 1,190; 1,180, "
-                         "1,188, 1,170; 1,220, 1,221, 1,230 | 1,000 | 950 (0.950) | 980 (0.980) | - | - | - |")
-    row["time_ms"] = {"plain": 500.0, "in place": 600.0, "in a buffer": 610.0}
-    runs = [{"command": "t", "repeats": 5, "load_average": [0.5, 1.0]}]
-    lines = report.errors_in_place_section({"command": "c", "time_runs": runs, "torch": "t", "integer_products": False,
-                                            "processes": 3, "rows": [row]})
-    assert lines[0].startswith("Times, on this machine's 2 cores: `t` (medians of 5 interleaved repeats")
-    assert lines[-1].endswith("| 980 (0.980) | 500 | 600 (1.200) | 610 (1.220) |")
-
-
-def test_embedding_rows_counts_the_tied_tables_lookups_and_its_table_names_the_optimizer(monkeypatch):
-    """`bench/embedding_rows.py` counts which lookups handed their gradient over as rows: in a tied GPT-2's single
-    micro-batch, the token table's alone (the position table has no other part). Its table names the AdamW each case
-    ran with beside the arms' peaks."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import embedding_rows
-    import report
-    from transformers import GPT2LMHeadModel
-
-    from .helpers import tiny_gpt2_config
-
-    ids = torch.randint(0, 100, (2, 16))
-    monkeypatch.setattr(embedding_rows.overhead, "tiny_gpt2", lambda: (lambda: GPT2LMHeadModel(tiny_gpt2_config()),
-                                                                       {"input_ids": ids, "labels": ids}),
-                        raising=False)
-    assert embedding_rows.lookups_as_rows("tiny_gpt2") == {"as rows": 1, "tables": 2}
-    row = {"key": "gpt2-fused-adamw", "adamw": {"fused": True}, "micro_batches": 1,
-           "lookups": {"as rows": 1, "tables": 2},
-           "default": {"plain": [3400.0, 3380.0, 3390.0], "as rows": [3250.0, 3260.0, 3240.0],
-                       "dense": [3410.0, 3400.0, 3420.0]},
-           "fixed": {"plain": 3000.0, "as rows": 2760.0, "dense": 3003.0}}
-    lines = report.embedding_rows_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
-                                           "rows": [row]})
-    assert lines[2].startswith("| case | AdamW | micro-batches a step | tables / lookups of one step as rows | plain | "
-                               "as rows | dense |")
-    assert lines[3].count("|") == lines[2].count("|")
-    assert lines[-1] == ("| gpt2-fused-adamw | fused | 1 | 2 / 1 | 3,390 | 3,250 (0.959) | 3,410 (1.006) | 3,400, "
-                         "3,380, 3,390; 3,250, 3,260, 3,240; 3,410, 3,400, 3,420 | 3,000 | 2,760 (0.920) | 3,003 "
-                         "(1.001) | - | - | - |")
-
-
-def test_own_mappings_counts_a_steps_kept_codes_by_place_and_its_table_names_the_optimizer(monkeypatch):
-    """`bench/own_mappings.py` counts where one step's kept codes went: in a ResNet-20 at batch 128, the large ones in
-    mappings of their own, and the weights' small ones from torch's allocator. Its table shows those counts beside the
-    arms' peaks and names the AdamW the sides trained with."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import own_mappings
-    import report
-
-    monkeypatch.setenv(own_mappings.scratch.OWN_MAPPING_VARIABLE, "0")
-    counts = own_mappings.codes_in_own_mappings("resnet20")  # with the arm's setting, whatever this process's
-    assert os.environ[own_mappings.scratch.OWN_MAPPING_VARIABLE] == "0"  # and the environment as it was
-    assert counts["mapped"] > 0 and counts["heap"] > 0 and counts["mapped_mib"] >= counts["mapped"] / 4
-    row = {"key": "resnet20", "adamw": "fused", "codes": {"mapped": 21, "mapped_mib": 25.9, "heap": 6},
-           "default": {"plain": [1190.0, 1180.0, 1185.0], "own mappings": [1160.0, 1170.0, 1150.0],
-                       "heap": [1190.0, 1200.0, 1180.0]},
-           "fixed": {"plain": 1075.0, "own mappings": 1030.0, "heap": 1033.0}}
-    lines = report.own_mappings_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
-                                         "rows": [row]})
-    assert "the model steps' AdamW fused, as transformers' Trainer makes it" in lines[0]
-    assert lines[2].startswith("| case | kept codes of one step: own mappings (MiB) / torch's allocator | plain | "
-                               "own mappings | heap |")
-    assert lines[3].count("|") == lines[2].count("|")
-    assert lines[-1].startswith("| resnet20 | 21 (26) / 6 | 1,185 | 1,160 (0.979) | 1,190 (1.004) |")
-
-
-def test_output_mappings_counts_a_steps_handed_on_blocks_and_its_table_shows_both_arms_against_plain():
-    """`bench/output_mappings.py` counts the blocks one step hands on: in GPT-2 small at batch 2x128 the MLP's, of a
-    MiB or more, in mappings of their own, the smaller ones from torch's allocator. Its table shows those counts
-    beside the arms' peaks and times."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import output_mappings
-    import report
-
-    counts = output_mappings.blocks_mapped("gpt2_small")
-    assert counts["mapped"] > 0 and counts["heap"] > 0 and counts["mapped_mib"] >= counts["mapped"]
-    assert output_mappings.scratch.handed_on.__name__ == "handed_on"  # the counting wrapper is gone
-    row = {"key": "bert-base-16", "adamw": "fused", "blocks": {"mapped": 250, "mapped_mib": 2100.4, "heap": 0},
-           "default": {"plain": [4550.0, 4490.0, 4552.0], "own mappings": [4000.0, 4010.0, 3990.0],
-                       "heap": [4507.0, 4452.0, 4536.0]},
-           "fixed": {"plain": 3810.0, "own mappings": 3320.0, "heap": 3320.0},
-           "time_ms": {"plain": 10000.0, "own mappings": 11000.0, "heap": 10500.0}}
-    lines = report.output_mappings_section({"command": "c", "torch": "t", "integer_products": False, "processes": 3,
-                                            "rows": [row], "time_runs": [{"command": "c --repeats 5", "repeats": 5,
-                                                                          "load_average": [1.0, 2.0]}]})
-    assert lines[0].startswith("Times, on this machine's 2 cores: `c --repeats 5` (medians of 5 interleaved repeats")
-    assert "`output_mappings=False`" in lines[2] and "AdamW fused" in lines[2]
-    assert lines[4].startswith("| case | blocks of one step: own mappings (MiB) / torch's allocator | plain | "
-                               "own mappings | heap |")
-    assert lines[5].count("|") == lines[4].count("|") == lines[-1].count("|")
-    assert lines[-1].startswith("| bert-base-16 | 250 (2,100) / 0 | 4,550 | 4,000 (0.879) | 4,507 (0.991) |")
-    assert lines[-1].endswith("| 10,000 | 11,000 (1.100) | 10,500 (1.050) |")
-
-
 def test_allocators_leaves_out_what_it_cannot_find_and_refuses_what_it_cannot_preload(tmp_path, monkeypatch):
     """`bench/allocators.py` leaves out an allocator whose library it cannot find, refuses a named file that is missing
     or whose malloc a fresh process does not call, and tells the library a process's malloc comes from."""
@@ -655,9 +527,6 @@ def test_overhead_benchmark_smoke_and_its_readme_table(tmp_path):
     spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    hand_back = report.hand_back_section(overhead)
-    assert hand_back[-1] == (f"| {row['case']} | {row['plain_ms']:.1f} | {row['quant_ms']:.1f} | {row['ratio']:.3f} / "
-                             f"{row['resident_ratio']:.3f} | - | - |")  # a layer case: no peak memory
     # A run on a CPU without int8 dot products renders into docs/benchmarks.md beside the README's table; a run with
     # them is refused there (its place is overhead.json).
     results, docs = tmp_path / "results", tmp_path / "docs"
@@ -1021,23 +890,6 @@ def test_op_counts_of_a_quantized_step_take_the_gpu_path_and_the_readme_table_re
     assert " | - | - | - | " in lines[-1]
 
 
-def test_kept_memory_counts_a_cpt_dropouts_bits_with_the_dropout_masks():
-    """A CPT model's dropout keeps a packed mask (`dropout_masks`): the table counts it with the dropout masks, where
-    the plain model's float32 mask goes, not under "other"."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import kept_memory
-    import overhead
-    from transformers import BertForSequenceClassification
-
-    batch = {"input_ids": torch.randint(0, 128, (2, 16)), "labels": torch.tensor([0, 1])}
-    plain, quantized = overhead.model_pair(lambda: BertForSequenceClassification(tiny_bert_config()), True)
-    group = "dropout masks and elementwise products (GPT-2's GELU)"
-    plain_kept, quantized_kept = kept_memory.kept_by_group(plain, batch), kept_memory.kept_by_group(quantized, batch)
-    # a byte a value at this size (a bit in tensors as large as the native kernel packs) against float32 masks
-    assert 0 < quantized_kept[group] < plain_kept[group] / 3
-    assert quantized_kept.get("other") == plain_kept.get("other")  # the embedding's indices, on both sides
-
-
 def test_kept_memory_refuses_to_add_columns_of_the_other_kind_of_cpu(tmp_path, monkeypatch):
     """What a forward keeps depends on whether the layers multiply integer codes: a file holds one kind, and a run
     on the other kind of CPU is refused before it measures anything, naming the file."""
@@ -1112,124 +964,11 @@ class _KeepsABigTensor(torch.nn.Module):
         return {"loss": (big * self.scale).sum()}
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-def test_peak_phases_reset_the_peak_between_phases_and_the_report_marks_the_steps_peak():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import peak_phases
-
-    peaks = peak_phases.phase_peaks(_KeepsABigTensor(), {"x": torch.zeros(())}, steps=2)
-    assert list(peaks) == list(peak_phases.PHASES)
-    # blocks this large are mapped and unmapped by glibc: the forward's 128 MiB and the backward's 64 MiB are gone
-    # from the optimizer step's peak, which a peak not reset between phases would carry
-    assert peaks["forward"] - peaks["optimizer step"] > 100
-    assert peaks["backward"] - peaks["optimizer step"] > 50
-
-    plain = {"forward": 100.0, "backward": 150.0, "optimizer step": 120.0}
-    quant = {"forward": 90.0, "backward": 110.0, "optimizer step": 135.0}
-    trimmed = "default glibc, heap trimmed after each backward"
-    lines = _load_report().peak_phases_section(
-        {"command": "python bench/peak_phases.py", "steps": 5, "huge_pages": True,
-         "rows": [{"key": "bert", "peaks": {"default glibc": {"plain": plain, "quant": quant},
-                                            trimmed: {"plain": quant, "quant": plain}},
-                   "step_seconds": {trimmed: {"plain": 1.234, "quant": 2.5}}, "reused_buffers_mib": 66.4}]})
-    assert "resident until the last quantized layer of each backward is done, then handed back" in lines[0]
-    # a run since the buffers go back at optimizer steps says so
-    rerun = _load_report().peak_phases_section({"command": "c", "steps": 5, "huge_pages": True,
-                                                "hand_back": "optimizer step", "rows": []})
-    assert "resident until an optimizer step starts after a backward, then handed back" in rerun[0]
-    assert lines[-4] == "| bert | default glibc | plain | 100 | **150** | 120 |  |  | - |"
-    assert lines[-3] == "| bert | default glibc | CPT 8/8 | 90 | 110 | **135** | 0.900 | 66 | - |"
-    assert lines[-2] == f"| bert | {trimmed} | plain | 90 | 110 | **135** |  |  | 1.23 |"
-    assert lines[-1] == f"| bert | {trimmed} | CPT 8/8 | 100 | **150** | 120 | 1.111 | 66 | 2.50 |"
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-def test_peak_phases_trims_hand_the_heaps_free_pages_back_where_asked_and_refuse_an_unknown_place(monkeypatch):
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import peak_phases
-
-    with pytest.raises(ValueError, match="trim must be"):
-        peak_phases.phase_peaks(_KeepsABigTensor(), {"x": torch.zeros(())}, steps=1, trim="optimizer")
-    try:
-        peak_phases.trim_heap()
-    except RuntimeError:
-        pytest.skip("this C library has no malloc_trim")
-    # 64 MiB of 64 KiB blocks (below glibc's mmap threshold: in the heap), every other one freed: resident holes
-    blocks = [torch.ones(16 * 1024) for _ in range(1024)]
-    del blocks[::2]
-    before = peak_phases.overhead.resident_mib()
-    peak_phases.trim_heap()
-    assert before - peak_phases.overhead.resident_mib() > 16  # most of the 32 MiB of holes went back
-
-    calls = []
-    monkeypatch.setattr(peak_phases, "trim_heap", lambda: calls.append(1))
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-    for trim, expected in ((None, 0), ("backward", 3), ("products", 6)):  # 3 steps: 1 backward, 2 Linears each
-        calls.clear()
-        seconds = []
-        peak_phases.phase_peaks(_LossOf(model), {"x": torch.zeros(2, 4)}, steps=2, trim=trim,
-                                step_seconds=seconds)
-        assert len(calls) == expected, trim
-        assert len(seconds) == 2 and all(s > 0 for s in seconds)  # the steps after the first
-
-
-class _KeepsEveryOtherBlock(torch.nn.Module):
-    """A forward that makes 512 blocks of 64 KiB (below glibc's mmap threshold: in the heap) and keeps every other
-    one for its backward: 16 MiB kept until the backward, 16 MiB freed between them during the forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.ones(()))
-
-    def forward(self, x):
-        blocks = [torch.ones(16 * 1024) + x for _ in range(512)]
-        return {"loss": sum((block * self.scale).sum() for block in blocks[::2])}
-
-
 def _glibc_mallinfo2_or_skip(heap_use):
     try:
         return heap_use._mallinfo2()
     except RuntimeError:
         pytest.skip("this C library has no mallinfo2 (glibc 2.33 or later)")
-
-
-def test_heap_use_tells_the_heaps_blocks_in_use_from_its_free_holes_in_each_phase():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import heap_use
-
-    mallinfo2 = _glibc_mallinfo2_or_skip(heap_use)
-    blocks = [torch.ones(16 * 1024) for _ in range(1024)]  # 64 MiB of 64 KiB blocks
-    before = heap_use.heap_now(mallinfo2)
-    del blocks[::2]  # 32 MiB of them freed between the others: holes that stay in the heap
-    after = heap_use.heap_now(mallinfo2)
-    assert before["in_use"] - after["in_use"] > 30
-    assert after["holes"] - before["holes"] > 30
-
-    figures = heap_use.phase_heaps(_KeepsEveryOtherBlock(), {"x": torch.zeros(())}, steps=2)
-    phases = figures["phases"]
-    assert list(phases) == list(heap_use.PHASES)
-    # the 16 MiB the forward keeps are in use at its end and freed by the backward
-    assert phases["forward"]["in_use"] - phases["backward"]["in_use"] > 14
-
-    side = {"phases": {phase: {"in_use": 10.0, "holes": 2.0} for phase in heap_use.PHASES}, "peak_mib": 100.0}
-    quant = {"phases": {phase: {"in_use": 8.0, "holes": 4.0} for phase in heap_use.PHASES}, "peak_mib": 95.0}
-    lines = _load_report().heap_use_section({"command": "python bench/heap_use.py", "steps": 6, "torch": "2",
-                                             "adamw": "fused", "rows": [{"key": "bert", "sides": {
-                                                 "plain": side, "quant": quant}}]})
-    assert "the last of 6 in a fresh process per side" in lines[0]
-    assert lines[-2] == "| bert | plain | 10 | 2 | 10 | 2 | 10 | 2 | 100 |"
-    assert lines[-1] == "| bert | CPT 8/8 | 8 | 4 | 8 | 4 | 8 | 4 | 95 (0.950) |"
-
-
-class _LossOf(torch.nn.Module):
-    """A model's summed output as a training loss, in the ``{"loss": ...}`` form the bench's steps read."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> dict:
-        return {"loss": self.model(x).sum()}
 
 
 def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a_missed_target(tmp_path):
@@ -1238,7 +977,7 @@ def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a
     if native.load("code_kernels") is None:
         pytest.skip("the C kernels are not available here (no C compiler, or HF_CPT_NATIVE_KERNELS=0)")
     output = tmp_path / "kernels.json"
-    command = [os.path.join(ROOT, "bench", "kernels.py"), "--repeats", "3", "--output", str(output)]
+    command = [os.path.join(ROOT, "bench", "kernel_costs.py"), "--repeats", "3", "--output", str(output)]
     run_python(command, check=True)
     run_python(command + ["--label", "again"], check=True)
     runs = json.loads(output.read_text())["runs"]

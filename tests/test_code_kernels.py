@@ -1,7 +1,6 @@
 """The native codes kernel (hf_cpt/numerics/code_kernels.py, code_kernels.c): the codes and values of the torch
 formula, bit for bit, for every range layout a layer uses, and the formula wherever the kernel does not serve."""
 
-import sys
 
 import pytest
 import torch

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.pytorch_utils import Conv1D
 
-from hf_cpt import CPTConfig, quantize_model, set_eval_precision, set_precision
+from hf_cpt import CPTConfig, find_precision_state, quantize_model, set_eval_precision, set_precision
 from hf_cpt.nn.layers import QuantConv1D, QuantConv2d, QuantLinear
 from hf_cpt.numerics.errors import quantize_error_eager
 
@@ -253,8 +253,12 @@ def test_error_bits_are_one_unmodified_tensor_per_value_also_in_a_copied_state()
     assert state.error_bits(cpu).item() == 5
 
 
-def test_changing_bits_does_not_retrace_a_compiled_model():
+@pytest.mark.parametrize("int8_dot", [True, False])
+def test_changing_bits_does_not_retrace_a_compiled_model(int8_dot):
+    """On either kind of CPU (products on int8 codes, or float products: both forced here, whatever this CPU has)."""
     import torch._dynamo
+
+    from .helpers import cpu_backend
 
     torch._dynamo.reset()
     compiled_graphs = []
@@ -264,19 +268,21 @@ def test_changing_bits_does_not_retrace_a_compiled_model():
         return graph_module.forward
 
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    quantize_model(model, CPTConfig(include_modules=["2"], fused_error_quantizer=False))
-    compiled = torch.compile(model, backend=counting_backend)
-    x = torch.randn(4, 8)
-    for bits in (3, 4, 5, 6, 7, 8, 3, 8):
-        set_precision(model, bits, 8)
-        compiled(x).sum().backward()
-    assert len(compiled_graphs) == 1
-    # The compiled model really uses the new bits: 1-bit and 8-bit outputs differ.
-    with torch.no_grad():
-        set_precision(model, 1, 8)
-        low = compiled(x)
-        set_precision(model, 8, 8)
-        high = compiled(x)
+    with cpu_backend(int8_dot):
+        quantize_model(model, CPTConfig(include_modules=["2"], fused_error_quantizer=False))
+        assert find_precision_state(model).integer_products(torch.device("cpu")) is int8_dot  # "auto"
+        compiled = torch.compile(model, backend=counting_backend)
+        x = torch.randn(4, 8)
+        for bits in (3, 4, 5, 6, 7, 8, 3, 8):
+            set_precision(model, bits, 8)
+            compiled(x).sum().backward()
+        assert len(compiled_graphs) == 1
+        # The compiled model really uses the new bits: 1-bit and 8-bit outputs differ.
+        with torch.no_grad():
+            set_precision(model, 1, 8)
+            low = compiled(x)
+            set_precision(model, 8, 8)
+            high = compiled(x)
     assert not torch.equal(low, high)
 
 

@@ -20,13 +20,23 @@ def test_readme_example_runs(index, tmp_path, monkeypatch):
 
 
 def test_every_config_field_is_documented():
+    """The README's table names every top-level field; docs/configuration.md every setting by its flat name."""
     import dataclasses
 
     from hf_cpt import CPTConfig
+    from hf_cpt.config import flat_settings
 
     text = open(README).read()
-    missing = [f.name for f in dataclasses.fields(CPTConfig) if f"| `{f.name}` |" not in text]
+    missing = [f.name for f in dataclasses.fields(CPTConfig) if f"`{f.name}`" not in text.split("## Configuration")[1]]
     assert not missing, f"CPTConfig fields missing from the README table: {missing}"
+    page = open(os.path.join(os.path.dirname(README), "docs", "configuration.md")).read()
+    missing = [name for name, *_ in flat_settings() if f"| `{name}` |" not in page]
+    assert not missing, f"settings missing from docs/configuration.md: {missing}"
+
+
+def test_the_readme_is_read_in_five_minutes():
+    text = open(README).read()
+    assert len(text.encode()) <= 25_000 and text.count("\n") <= 260
 
 
 def test_install_lines_name_what_exists(tmp_path):

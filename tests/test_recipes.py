@@ -185,13 +185,14 @@ def test_recipe_flags_follow_hf_examples(recipe):
 
 
 def test_cpt_flags_generated_from_every_config_field_with_help():
-    from hf_cpt import CPTConfig
+
+    from hf_cpt.config import flat_settings
 
     actions = {a.option_strings[0]: a for a in _parser()._actions if a.option_strings}
-    for f in dataclasses.fields(CPTConfig):
-        action = actions[f"--cpt_{f.name}"]
-        assert action.dest == f"cpt_{f.name}" and action.help == f.metadata["help"]
-        assert action.default == (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+    for name, _, default, help_text in flat_settings():  # nested settings under their flat names
+        action = actions[f"--cpt_{name}"]
+        assert action.dest == f"cpt_{name}" and action.help == help_text and action.default == default
+    assert "--cpt_errors" not in actions and "--cpt_runtime" not in actions
 
 
 def test_cpt_flags_follow_fields_added_later():

@@ -160,7 +160,7 @@ def main() -> None:
               f"{row['target']})")
     results = load_results(args.output)
     results.setdefault("runs", {})[args.label] = {
-        "command": "python bench/kernels.py" + (f" --label '{args.label}'" if args.label != "now" else ""),
+        "command": "python bench/kernel_costs.py" + (f" --label '{args.label}'" if args.label != "now" else ""),
         "torch": torch.__version__, "threads": native.threads(), "cpu": vector_extensions(),
         "repeats": args.repeats, "rows": rows}
     save_results(args.output, results)
