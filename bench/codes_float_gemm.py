@@ -28,10 +28,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from hf_cpt.backends import backend_for  # noqa: E402
 import overhead  # noqa: E402  (the bench's model builders and fresh-process peaks)
 import setting_arms  # noqa: E402
 
+from hf_cpt.backends import backend_for  # noqa: E402
 from hf_cpt.numerics import integer_matmul  # noqa: E402
 
 # key -> the bench's builder: the transformers, whose MLPs feed an activation (a CNN's products are convolutions)
