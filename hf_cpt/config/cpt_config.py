@@ -295,15 +295,15 @@ CPTConfig.__init__ = _init
 
 def flat_settings() -> list[tuple[str, Any, Any, str]]:
     """(flat name, type, default, help) of every setting, top level and nested (the recipes' ``--cpt_*`` flags)."""
-    settings = []
+    settings, hints = [], typing.get_type_hints(CPTConfig)
     for f in dataclasses.fields(CPTConfig):
         if f.name not in PART_CLASSES:
-            settings.append((f.name, typing.get_type_hints(CPTConfig)[f.name], f.default, f.metadata["help"]))
+            settings.append((f.name, hints[f.name], f.default, f.metadata["help"]))
             continue
         cls, default = PART_CLASSES[f.name], f.default
-        hints = typing.get_type_hints(cls)
+        part_hints = typing.get_type_hints(cls)
         for own in dataclasses.fields(cls):
             if own.name in PART_FIELDS[cls]:
-                settings.append((PART_FIELDS[cls][own.name], hints[own.name], getattr(default, own.name),
+                settings.append((PART_FIELDS[cls][own.name], part_hints[own.name], getattr(default, own.name),
                                  own.metadata["help"]))
     return settings

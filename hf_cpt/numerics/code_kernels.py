@@ -19,19 +19,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 
 from . import native
-
-# Where a kernel writes its result: ``allocate(shape, dtype)`` gives a contiguous CPU tensor.
-Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
-
-
-def _empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
-
 
 # Below this many elements the torch formula is as fast (the call itself costs a few microseconds).
 NATIVE_MIN_NUMEL = 1 << 14
@@ -88,11 +79,10 @@ def _range_operands(t: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor)
 
 def quantize_codes_native(
     x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, values: bool,
-    out: Allocate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(uint8 codes ``round(clamp((x - m) / s, 0, L))``, the values ``codes * s + m`` if ``values``) of a float32 ``x``
     over ``minimum`` and ``scale`` (broadcastable, ``scale`` of the broadcast shape), or None where the native
-    kernel does not serve this call. The values go into ``out(shape, dtype)`` if given, else a new tensor."""
+    kernel does not serve this call."""
     if x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
         return None
     operands = _range_operands(x, minimum, scale)
@@ -100,22 +90,22 @@ def quantize_codes_native(
         return None
     minimum, scale, ranges = operands
     codes = torch.empty(x.shape, dtype=torch.uint8)
-    out = None if not values else (out or _empty)(x.shape, torch.float32)
+    out = torch.empty(x.shape) if values else None
     _library().hf_cpt_quantize_codes(x.data_ptr(), codes.data_ptr(), None if out is None else out.data_ptr(),
                                      *ranges, float(levels), native.threads())
     return codes, out
 
 
 def restore_codes_native(
-    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, out: Allocate | None = None
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 ) -> torch.Tensor | None:
-    """``codes * scale + minimum`` in float32 (``scale`` of the broadcast shape of both ranges), written into
-    ``out(shape, dtype)`` if given, else a new tensor; None where the native kernel does not serve this call."""
+    """``codes * scale + minimum`` in float32 (``scale`` of the broadcast shape of both ranges); None where the
+    native kernel does not serve this call."""
     operands = _range_operands(codes, minimum, scale) if codes.dtype == torch.uint8 else None
     if operands is None:
         return None
     minimum, scale, ranges = operands
-    values = (out or _empty)(codes.shape, torch.float32)
+    values = torch.empty(codes.shape)
     _library().hf_cpt_restore_codes(codes.data_ptr(), values.data_ptr(), *ranges, native.threads())
     return values
 
@@ -156,9 +146,9 @@ def ranges_native(x: torch.Tensor, split: int, per_column: bool) -> tuple[torch.
     return minimum, maximum
 
 
-def centred_codes_native(codes: torch.Tensor, middle: int, per_column: bool, allocate: Allocate = _empty
+def centred_codes_native(codes: torch.Tensor, middle: int, per_column: bool
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(``codes - middle`` as float32, in a tensor from ``allocate``; the int32 sums and sums of squares of each row,
+    """(``codes - middle`` as float32; the int32 sums and sums of squares of each row,
     or of each column with ``per_column``) of a 2-D uint8 tensor, in one pass, all exact; None where the kernel does
     not serve the call."""
     if (not native.takes(codes, NATIVE_MIN_NUMEL) or codes.dtype != torch.uint8 or codes.dim() != 2
@@ -166,7 +156,7 @@ def centred_codes_native(codes: torch.Tensor, middle: int, per_column: bool, all
         return None
     rows, columns = codes.shape
     size = columns if per_column else rows
-    values = allocate(torch.Size((rows, columns)), torch.float32)
+    values = torch.empty(rows, columns)
     sums, squares = torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32)
     _library().hf_cpt_centred_codes(codes.data_ptr(), values.data_ptr(), sums.data_ptr(), squares.data_ptr(), rows,
                                     columns, middle, int(per_column), native.threads())

@@ -21,7 +21,6 @@ from collections.abc import Callable
 import torch
 
 from . import native
-from .code_kernels import Allocate
 from .fake_quant import MIN_SCALE, _compute_dtype, num_levels, quantization_scale, tensor_range, token_range
 
 logger = logging.getLogger(__name__)
@@ -128,17 +127,15 @@ def _native_kernel(granularity: str, grid_name: str) -> Callable | None:
                                                                        ctypes.c_int]
     per_row, zero_centred = granularity == "token", grid_name == "symmetric"
 
-    def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, out: Allocate | None = None,
-            overwrite: bool = False) -> torch.Tensor:
-        """``out(shape, dtype)``: the contiguous tensor to write the result into (default: a new one). With
-        ``overwrite`` (``grad`` is the caller's to overwrite), and wherever ``grad`` is first converted to a float32
-        contiguous copy (which nothing else holds), the result is written over the values it is made from: each
+    def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+        """With ``overwrite`` (``grad`` is the caller's to overwrite), and wherever ``grad`` is first converted to a
+        float32 contiguous copy (which nothing else holds), the result is written over the values it is made from: each
         element is read before it is written, and a row's grid before its row (a tensor's, before the pass)."""
         source = _compute_dtype(grad).contiguous()
         if overwrite or source.data_ptr() != grad.data_ptr():
             out = source
         else:
-            out = torch.empty_like(source) if out is None else out(source.shape, source.dtype)
+            out = torch.empty_like(source)
         columns = source.shape[-1] if per_row else source.numel()
         if per_row:  # each row's grid computed in the kernel, in the same pass that quantizes it
             offset = scale = None
@@ -197,8 +194,8 @@ def _compiled_kernel(granularity: str, grid_name: str) -> Callable:
     if name not in _compiled_kernels:
         compiled = torch.compile(KERNEL_SOURCES[granularity, grid_name][0], dynamic=True)
 
-        def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, out=None, overwrite=None) -> torch.Tensor:
-            """(``out`` and ``overwrite`` are the C kernel's: a compiled kernel makes its own result.)"""
+        def run(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, overwrite=None) -> torch.Tensor:
+            """(``overwrite`` is the C kernel's: a compiled kernel makes its own result.)"""
             with _quiet_cuda_probe(name):
                 return compiled(grad, levels, seed)
 

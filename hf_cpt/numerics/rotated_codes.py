@@ -18,7 +18,6 @@ import functools
 import torch
 
 from . import native
-from .code_kernels import Allocate
 from .fake_quant import MIN_SCALE, levels_on
 from .rotation import Rotation, native_layout
 
@@ -33,12 +32,12 @@ def _library():
                                 + [ctypes.c_void_p] * 5 + [ctypes.c_int], ctypes.c_int)})
 
 
-def rotated_token_codes(x: torch.Tensor, dim: int, rotation: Rotation, bits: torch.Tensor, values: bool,
-                        out: Allocate | None = None) -> RotatedCodes | None:
+def rotated_token_codes(x: torch.Tensor, dim: int, rotation: Rotation, bits: torch.Tensor, values: bool
+                        ) -> RotatedCodes | None:
     """``x R`` over ``dim``, the last axis, quantized per token at ``bits`` (at most 8), without forming ``x R``:
     its range (`fake_quant.token_range` of ``x R``) and ``(values, (codes, scale, minimum))`` as
-    `fake_quant.fake_quantize_compact` of ``x R`` over that range gives them (``values`` None unless asked; written
-    into ``out(shape, dtype)`` if given), bit for bit. None where the kernel does not serve the call: another axis, a
+    `fake_quant.fake_quantize_compact` of ``x R`` over that range gives them (``values`` None unless asked), bit for
+    bit. None where the kernel does not serve the call: another axis, a
     gradient asked of ``x``, or a tensor or rotation the rotation kernel does not take (`rotation.native_layout`)."""
     if x.dim() == 0 or dim % x.dim() != x.dim() - 1 or (torch.is_grad_enabled() and x.requires_grad):
         return None
@@ -53,7 +52,7 @@ def rotated_token_codes(x: torch.Tensor, dim: int, rotation: Rotation, bits: tor
     range_shape = (*x.shape[:-1], 1)
     minimum, maximum, scale = (torch.empty(range_shape) for _ in range(3))
     codes = torch.empty(x.shape, dtype=torch.uint8)
-    value_tensor = None if not values else out(x.shape, torch.float32) if out else torch.empty(x.shape)
+    value_tensor = torch.empty(x.shape) if values else None
     signs = rotation.signs.contiguous()
     threads = _library().hf_cpt_rotate_codes(
         x.data_ptr(), signs.data_ptr(), None if lead is None else lead.data_ptr(), lead_size, power, rows, top,
