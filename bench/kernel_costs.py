@@ -48,25 +48,23 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
     low, high = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
     eight_bits, levels = torch.tensor(8.0), torch.tensor(255.0)
     scale = (high - low) / levels
-    values = torch.empty_like(x)
     codes = code_kernels.quantize_codes_native(x, low, scale, levels, False)[0]
     seed = torch.tensor(7)
     errors = {name: error_kernels.fused_kernel(torch.device("cpu"), granularity, grid)
               for name, (granularity, grid) in {"token": ("token", "minmax"), "zero": ("token", "symmetric"),
                                                 "tensor": ("tensor", "minmax")}.items()}
-    into_values = lambda shape, dtype: values  # noqa: E731  (the kernels' ``out``: a buffer reused as in training)
     cases = [
         ("range of each token", "ranges", x, lambda: code_kernels.ranges_native(x, 1, False)),
         ("range of each column (a Conv1D weight's output channel)", "ranges", wide,
          lambda: code_kernels.ranges_native(wide, 1, True)),
         ("codes, per token", "codes", x, lambda: code_kernels.quantize_codes_native(x, low, scale, levels, False)),
         ("codes and fake-quantized values, per token", "codes", x,
-         lambda: code_kernels.quantize_codes_native(x, low, scale, levels, True, into_values)),
+         lambda: code_kernels.quantize_codes_native(x, low, scale, levels, True)),
         ("values rebuilt from codes, per token", "restore", x,
-         lambda: code_kernels.restore_codes_native(codes, scale, low, into_values)),
-        ("error, a min/max grid per token", "error", x, lambda: errors["token"](x, levels, seed, into_values)),
-        ("error, a zero-centred grid per token", "error", x, lambda: errors["zero"](x, levels, seed, into_values)),
-        ("error, one grid for the tensor", "error", x, lambda: errors["tensor"](x, levels, seed, into_values)),
+         lambda: code_kernels.restore_codes_native(codes, scale, low)),
+        ("error, a min/max grid per token", "error", x, lambda: errors["token"](x, levels, seed)),
+        ("error, a zero-centred grid per token", "error", x, lambda: errors["zero"](x, levels, seed)),
+        ("error, one grid for the tensor", "error", x, lambda: errors["tensor"](x, levels, seed)),
     ]
     half = x.bfloat16()
     bits = mask_kernels.pack_flags(torch.rand(TOKENS, FEATURES, generator=generator) > 0.1)
@@ -90,9 +88,9 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
         rows = torch.randn(TOKENS * FEATURES // features, features, generator=generator)
         cases += [
             (f"rotated codes and values of {features} features, step by step", "rotated codes", rows,
-             lambda r=rotation, t=rows: _rotated_codes_step_by_step(t, r, levels, into_values)),
+             lambda r=rotation, t=rows: _rotated_codes_step_by_step(t, r, levels)),
             (f"rotated codes and values of {features} features, one pass", "rotated codes", rows,
-             lambda r=rotation, t=rows: rotated_token_codes(t, -1, r, eight_bits, values=True, out=into_values)),
+             lambda r=rotation, t=rows: rotated_token_codes(t, -1, r, eight_bits, values=True)),
         ]
     return cases
 
@@ -108,13 +106,12 @@ def _first_axis_rotation(weight: torch.Tensor, rotation, by_factors: bool) -> to
         rotation_module.NATIVE_MIN_NUMEL = saved
 
 
-def _rotated_codes_step_by_step(x: torch.Tensor, rotation, levels: torch.Tensor, out) -> tuple:
-    """What `rotated_token_codes` makes, in the steps it replaces: ``x R`` into a reused buffer, its ranges, its
-    codes and values."""
+def _rotated_codes_step_by_step(x: torch.Tensor, rotation, levels: torch.Tensor) -> tuple:
+    """What `rotated_token_codes` makes, in the steps it replaces: ``x R``, its ranges, its codes and values."""
     rotated = rotation.apply(x)
     low, high = code_kernels.ranges_native(rotated, 1, False)
     scale = quantization_scale(low, high, levels).view(-1, 1)
-    return code_kernels.quantize_codes_native(rotated, low.view(-1, 1), scale, levels, True, out)
+    return code_kernels.quantize_codes_native(rotated, low.view(-1, 1), scale, levels, True)
 
 
 def time_case(kernel: Callable[[], object], source: torch.Tensor, repeats: int) -> tuple[float, float]:
