@@ -18,9 +18,10 @@ STATIC_TARGET = 0.5  # points below FP32
 CPT_TARGET = 1.0
 ATTENTION_TARGET = 1.5
 COST_TARGET = 0.75  # CPT 4-8/8 cost vs static 8/8
-# What runs recorded before these settings existed used: the paper's errors.
+# What runs recorded before these settings existed used: the paper's errors (error rotation, an option until
+# 2026-12-04, is read from the runs that recorded it; every run since is unrotated).
 ERROR_DEFAULTS = {"error_granularity": PAPER_ERRORS.granularity, "error_rounding": PAPER_ERRORS.rounding,
-                  "error_products": PAPER_ERRORS.products, "error_rotation": PAPER_ERRORS.rotation,
+                  "error_products": PAPER_ERRORS.products, "error_rotation": "none",
                   "error_range": PAPER_ERRORS.range}
 
 
@@ -80,7 +81,7 @@ def _points(entries: list[dict]) -> float:
 def resolved_option(errors: ErrorQuantization, activations: str) -> tuple[str, ...]:
     """The (granularity, rounding, products, rotation, grid) ``errors`` give a layer with ``activations`` ranges."""
     resolved = errors.for_activations(activations)
-    return resolved.granularity, resolved.rounding, resolved.products, resolved.rotation, resolved.range
+    return resolved.granularity, resolved.rounding, resolved.products, "none", resolved.range
 
 
 def fp32_entries(grouped: dict) -> list[dict] | None:

@@ -1,8 +1,7 @@
 """What products on codes cost and save on a CPU without int8 dot products: each model step with its layers' training
-forward on float products (`CPTConfig(integer_matmul=False)`), on codes where an activation recomputes its input
-from them (``integer_matmul="activations"``; ``"auto"`` is ``False`` on such a CPU) and on codes in every layer
-(``integer_matmul=True``; the codes go through the float32 GEMM, whose sums are proven exact, or in float64),
-beside the plain model's.
+forward on float products (`CPTConfig(integer_matmul=False)`; ``"auto"`` is ``False`` on such a CPU) and on codes in
+every layer (``integer_matmul=True``; the codes go through the float32 GEMM, whose sums are proven exact, or in
+float64), beside the plain model's.
 
 On codes the forward's product can run again exactly, so an activation fed by one (GELU, tanh) keeps references to
 the codes its layer keeps, not its float input, and recomputes it in backward (`recompute_activation_inputs`): less
@@ -37,8 +36,7 @@ from hf_cpt.numerics import integer_matmul  # noqa: E402
 # key -> the bench's builder: the transformers, whose MLPs feed an activation (a CNN's products are convolutions)
 CASES = {"minilm": "minilm", "bert-base-16": "bert_base_16", "gpt2": "gpt2_small", "vit-s": "vit_small"}
 # The quantized arms: their names in the JSON and tables, and their settings.
-ARMS = {"float products": {"integer_matmul": False}, "for activations": {"integer_matmul": "activations"},
-        "on codes": {"integer_matmul": True}}
+ARMS = {"float products": {"integer_matmul": False}, "on codes": {"integer_matmul": True}}
 ADAMW = "fused"  # transformers' Trainer's default optimizer (`optim="adamw_torch_fused"`)
 
 
@@ -90,7 +88,7 @@ def step_times_ms(kind: str, repeats: int) -> dict[str, float]:
 def measure(key: str, processes: int) -> dict:
     kind = CASES[key]
     first, *others = ARMS.values()
-    return {"adamw": ADAMW, "products": {arm: products_on_codes(kind, arm) for arm in ("for activations", "on codes")},
+    return {"adamw": ADAMW, "products": {"on codes": products_on_codes(kind, "on codes")},
             "kept_mib": kept_for_backward(kind),
             **setting_arms.arm_peaks(kind, processes, first, others, ("plain", *ARMS))}
 

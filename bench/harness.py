@@ -53,7 +53,8 @@ def data_file(data_dir: str, *parts: str) -> str:
 def products_setting() -> dict:
     """How this CPU's quantized layers multiply in training by default, for a bench's JSON: ``integer_products``,
     whether it has int8 dot products; ``auto_products``, what ``integer_matmul="auto"`` resolves to (True: codes in
-    every layer, "activations": codes where an activation recomputes its input from them, floats elsewhere)."""
+    every layer; recorded runs before 2026-12-04 may say "activations": codes where an activation recomputes its input
+    from them, floats elsewhere)."""
     from hf_cpt.backends import backend_for
 
     cpu = backend_for("cpu")

@@ -103,7 +103,7 @@ def main() -> None:
     if results["rows"] and recorded_products(results) != products["auto_products"]:
         sys.exit(f"{args.output} holds columns measured with the layers' products on codes "
                  f"{recorded_products(results)!r}; this CPU's run {products['auto_products']!r} (True: every layer, "
-                 "'activations': where an activation recomputes its input): give another --output")
+                 "False: none): give another --output")
     results.update(products)
     # The command that makes the whole table: a resumed run with --cases adds columns to the earlier ones.
     results.update(command="python " + " ".join(_without_cases(sys.argv)), torch=torch.__version__)

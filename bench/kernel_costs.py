@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_cpt.numerics import code_kernels, error_kernels, mask_kernels, native
+from hf_cpt.numerics import code_kernels, error_kernels, native
 from hf_cpt.numerics import rotation as rotation_module
 from hf_cpt.numerics.fake_quant import quantization_scale
 from hf_cpt.numerics.rotated_codes import rotated_token_codes
@@ -33,10 +33,10 @@ from harness import load_results, save_results  # noqa: E402
 
 TOKENS, FEATURES, WIDE = 2048, 768, 3072
 # kernel / copy of its input, at most: a range reads its input (no write); codes and rebuilt values write one
-# or two outputs; the error kernel hashes a noise per value; a mask's backward reads a bit a value besides; a
+# or two outputs; the error kernel hashes a noise per value; a
 # rotation makes log2 P additions and a leading factor's multiply-adds per value.
 # A rotated input's range, codes and values: a rotation's, a range's and codes' targets together, one pass or three.
-TARGETS = {"ranges": 1.5, "codes": 3.0, "restore": 2.5, "error": 4.0, "masks": 2.5, "rotation": 8.0,
+TARGETS = {"ranges": 1.5, "codes": 3.0, "restore": 2.5, "error": 4.0, "rotation": 8.0,
            "rotated codes": 12.5}
 
 
@@ -65,14 +65,6 @@ def _cases() -> list[tuple[str, str, torch.Tensor, Callable[[], object]]]:
         ("error, a min/max grid per token", "error", x, lambda: errors["token"](x, levels, seed)),
         ("error, a zero-centred grid per token", "error", x, lambda: errors["zero"](x, levels, seed)),
         ("error, one grid for the tensor", "error", x, lambda: errors["tensor"](x, levels, seed)),
-    ]
-    half = x.bfloat16()
-    bits = mask_kernels.pack_flags(torch.rand(TOKENS, FEATURES, generator=generator) > 0.1)
-    cases += [
-        ("an error masked by a ReLU's packed mask", "masks", x, lambda: mask_kernels.masked_bits(x, bits)),
-        ("the same, a bfloat16 error", "masks", half, lambda: mask_kernels.masked_bits(half, bits)),
-        ("a dropout's backward from its packed mask", "masks", x,
-         lambda: mask_kernels.dropout_backward_bits(x, bits, 1 / 0.9)),
     ]
     for features in (768, 1024, 3072):
         rotation = get_rotation(features)

@@ -46,7 +46,6 @@ from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.convert import find_precision_state, is_quantized
 from hf_cpt.nn import products
 from hf_cpt.nn.precision import PrecisionState
-from hf_cpt.nn.relu_masks import kept_output_of
 from hf_cpt.numerics import code_kernels, native, rotation
 from hf_cpt.numerics.error_kernels import compiled_kernels_on_cpu
 
@@ -445,10 +444,7 @@ def saved_activation_mib(model: nn.Module, batch: dict) -> float:
 
 def _saved_by(node) -> list[torch.Tensor]:
     """The tensors an autograd node keeps for its backward: a built-in node's ``_saved_*`` attributes, a custom
-    function's ``saved_tensors``, and a converted ReLU's output or mask (`hf_cpt.nn.relu_masks.KeptOutput`)."""
-    kept = kept_output_of(node)
-    if kept is not None:
-        return [kept.zeroed if kept.output is None else kept.output]
+    function's ``saved_tensors``."""
     values = []
     names = ["saved_tensors"] if hasattr(node, "saved_tensors") else [n for n in dir(node) if n.startswith("_saved_")]
     for name in names:
@@ -568,15 +564,14 @@ def with_torch_formulas(step: Step) -> Step:
 
 def with_kept_activation_inputs(step: Step) -> Step:
     """``step`` with every activation keeping what autograd's keeps (as
-    ``recompute_activation_inputs=False, relu_masks=False``): no layer output is tagged as recomputable, no ReLU
-    handed a mask."""
+    ``recompute_activation_inputs=False``): no layer output is tagged as recomputable."""
     def run():
-        originals = products.mark_recomputable, products.hand_over_input
-        products.mark_recomputable = products.hand_over_input = lambda *args: None
+        original = products.mark_recomputable
+        products.mark_recomputable = lambda *args: None
         try:
             step()
         finally:
-            products.mark_recomputable, products.hand_over_input = originals
+            products.mark_recomputable = original
 
     return run
 
@@ -683,7 +678,7 @@ def main() -> None:
                         "codes, ranges, products on codes and rotations (interleaved with the others)")
     parser.add_argument("--compare-recompute", action="store_true",
                         help="also time the model steps, and measure their memory, with activations and dropouts "
-                        "keeping what autograd's keep (recompute_activation_inputs=False, relu_masks=False)")
+                        "keeping what autograd's keep (recompute_activation_inputs=False)")
     parser.add_argument("--compare-threads", action="store_true",
                         help="also time each quantized case with the C kernels on one thread of their own each "
                         "(HF_CPT_NATIVE_THREADS=1) instead of the default (interleaved with the others)")
@@ -856,7 +851,7 @@ def main() -> None:
         if key in memory_kinds and not args.no_memory:
             options = CASE_OPTIONS.get(key)
             # the ⊘ arm: every activation keeping what autograd's keeps
-            kept_inputs = {**(options or {}), "recompute_activation_inputs": False, "relu_masks": False}
+            kept_inputs = {**(options or {}), "recompute_activation_inputs": False}
             others = {"kept inputs": kept_inputs} if args.compare_recompute else {}
             plain_runs, quant_runs, *other_runs = peak_memories_mib(memory_kinds[key], fused, args.memory_processes,
                                                                     options, list(others.values()))

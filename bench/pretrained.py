@@ -72,8 +72,7 @@ RUNS = {
 STATIC, CPT_4_8, CPT_5_8 = (dict(schedule="static", bits_max=8, grad_bits=8),
                             dict(bits_min=4, bits_max=8, grad_bits=8, num_cycles=2),
                             dict(bits_min=5, bits_max=8, grad_bits=8, num_cycles=2))
-PER_ROW = dict(error_granularity="token", error_rounding="stochastic", error_products="both", error_rotation="none",
-               error_range="minmax")
+PER_ROW = dict(error_granularity="token", error_rounding="stochastic", error_products="both", error_range="minmax")
 # The attention products' errors on the zero-centred grid (error_range="auto", the default since it was measured).
 SYMMETRIC_ATTENTION = dict(quantize_attention=True, error_range="auto")
 BACKWARD_RUNS = {
@@ -88,14 +87,9 @@ BACKWARD_RUNS = {
                                              "include_modules": ["classifier"]},
     # SwitchBack: per-row errors for the input gradient, the weight gradient from the full-precision error
     "static-8/8-error-token-input": {**STATIC, **PER_ROW, "error_products": "input"},
-    # HALO-like: one range per tensor after mixing tokens in Hadamard blocks
-    "static-8/8-error-tensor-rotate-tokens": {**STATIC, **PER_ROW, "error_granularity": "tensor",
-                                              "error_rotation": "tokens"},
     "static-8/8-error-token-nearest": {**STATIC, **PER_ROW, "error_rounding": "nearest"},
     "cpt-4-8/8-error-token-nearest": {**CPT_4_8, **PER_ROW, "error_rounding": "nearest"},
     "cpt-5-8/8-error-token-nearest": {**CPT_5_8, **PER_ROW, "error_rounding": "nearest"},
-    "static-8/8-error-tensor-rotate-features": {**STATIC, **PER_ROW, "error_granularity": "tensor",
-                                                "error_rotation": "features"},
     "cpt-4-8/8-error-token-attention-symmetric": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION},
     "cpt-4-8/8-error-token-attention-8-symmetric": {**CPT_4_8, **PER_ROW, **SYMMETRIC_ATTENTION, "attention_bits": 8},
     # the same with the attention products' errors in full precision: is the cost of 8-bit attention under the cycle

@@ -260,13 +260,17 @@ def codes_float_gemm_section(results: dict) -> list[str]:
     if results.get("integer_products") is not False:
         raise SystemExit("codes_float_gemm.json must hold a run on a CPU without int8 dot products (its "
                          "integer_products is not false)")
-    arms = ("float products", "for activations", "on codes")
+    # "for activations" (`integer_matmul="activations"`): runs before 2026-12-04, when the setting was removed
+    arms = tuple(arm for arm in ("float products", "for activations", "on codes")
+                 if arm in results["rows"][0]["kept_mib"])
     return _peaks_against_plain(
-        results, arms, "the layers' training forward on fake-quantized floats (`integer_matmul=False`), on codes "
-        "where an activation recomputes its input from them (`integer_matmul=\"activations\"`, from the second step "
-        "on) or on codes in every layer (`integer_matmul=True`), "
+        results, arms, "the layers' training forward on fake-quantized floats (`integer_matmul=False`), "
+        + ("on codes where an activation recomputes its input from them (`integer_matmul=\"activations\"`, from the "
+           "second step on; a setting removed on 2026-12-04: float products were the faster step, codes in every layer "
+           "the lower peak) " if "for activations" in arms else "")
+        + "or on codes in every layer (`integer_matmul=True`), "
         "through the float32 GEMM; AdamW fused, as transformers' Trainer makes it",
-        "products on codes of one step, float32 GEMM / float64: for activations; on codes | kept for backward, MiB: "
+        "products on codes of one step, float32 GEMM / float64: " + "; ".join(arms[1:]) + " | kept for backward, MiB: "
         + " / ".join(("plain", *arms)),
         lambda row: "; ".join(f"{row['products'][arm]['float32']} / {row['products'][arm]['float64']}"
                               for arm in arms[1:]) + " | "

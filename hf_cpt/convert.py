@@ -19,10 +19,8 @@ from .config import CPTConfig
 from .nn.attention import attention_support, install_attention, uninstall_attention
 from .nn.base import QuantLayerMixin, input_features
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
-from .nn.pool_indices import convert_max_pool, restore_max_pool
-from .nn.precision import PRODUCTS_ON_CODES, PrecisionState
-from .nn.recompute import ReLUKeepingMask, convert_activation, restore_activation
-from .nn.relu_masks import FunctionalReLUScope
+from .nn.precision import PrecisionState
+from .nn.recompute import convert_activation, restore_activation
 from .numerics import native
 from .numerics.bits import check_bits
 from .numerics.rotation import can_rotate
@@ -44,10 +42,6 @@ class QuantizationReport:
     attention: str = "not counted"  # the attention products: quantized / counted in full precision / why not
     # activations that recompute their input from a product's codes in backward (`hf_cpt.nn.recompute`)
     recomputing: list[str] = field(default_factory=list)
-    # ReLUs that keep a mask in place of an output a quantized layer keeps as codes (`hf_cpt.nn.relu_masks`)
-    relu_masks: list[str] = field(default_factory=list)
-    # nn.MaxPool2d modules that keep only their indices and hand their input to its ReLU (`hf_cpt.nn.pool_indices`)
-    max_pools: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"hf_cpt: {len(self.quantized)} layers quantized, {len(self.kept)} kept in full precision"]
@@ -60,11 +54,6 @@ class QuantizationReport:
         if self.recomputing:
             lines.append(f"  activations that recompute their input where a product on codes feeds them: "
                          f"{len(self.recomputing)}")
-        if self.relu_masks:
-            lines.append(f"  ReLUs that keep a mask where a quantized layer keeps codes of their output: "
-                         f"{len(self.relu_masks)}")
-        if self.max_pools:
-            lines.append(f"  max-pools that keep only their indices in CPU training: {len(self.max_pools)}")
         return "\n".join(lines)
 
 
@@ -192,16 +181,9 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
             f"{type(model).__name__}:\n{report}\nCheck CPTConfig.target_modules / exclude_modules."
         )
     report.attention = _prepare_attention(model, config, precision)
-    engine = config.runtime
-    for name, module in _beside_quantized_layers(model, config):
-        if convert_activation(module, engine.recompute_activation_inputs, engine.relu_masks):
-            report.recomputing += [name] if engine.recompute_activation_inputs else []
-            report.relu_masks += [name] if isinstance(module, ReLUKeepingMask) else []
-        elif engine.relu_masks and convert_max_pool(module, precision):
-            report.max_pools.append(name)
-    if engine.relu_masks:  # ReLUs called as functions (`hf_cpt.nn.relu_masks`): hooks while one may feed a layer
-        precision.functional_relu_scope = FunctionalReLUScope(model)
-        precision.functional_relu_scope.probe()
+    if config.runtime.recompute_activation_inputs:
+        report.recomputing = [name for name, module in _beside_quantized_layers(model, config)
+                              if convert_activation(module)]
     if any(p.device.type == "cpu" for p in model.parameters()):
         native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)
@@ -211,8 +193,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
 
 
 def _beside_quantized_layers(model: nn.Module, config: CPTConfig) -> list[tuple[str, nn.Module]]:
-    """The modules that may read a quantized layer's output or feed its input, and so may be converted to keep less
-    for the backward (activations, max-pools): those whose parent module holds a quantized layer, outside
+    """The modules that may read a quantized layer's output, and so may be converted to keep less for the backward
+    (activations): those whose parent module holds a quantized layer, outside
     ``exclude_modules``. A module elsewhere (outside ``target_modules``, beside full-precision layers only) keeps its
     own class."""
     parents = {name.rpartition(".")[0] for name, _ in quant_layers(model)}
@@ -297,15 +279,11 @@ def _reason_to_keep(name: str, module: nn.Module, config: CPTConfig, heads: set[
 
 def dequantize_model(model: nn.Module) -> nn.Module:
     """Restore plain float layers, keeping the trained weights (in place; returns the model)."""
-    scope = find_precision_state(model).functional_relu_scope if is_quantized(model) else None
-    if scope is not None:
-        scope.remove()
     for _, layer in list(quant_layers(model)):
         restore_layer(layer)
     uninstall_attention(model)
     for module in model.modules():
         restore_activation(module)
-        restore_max_pool(module)
     return model
 
 
@@ -326,22 +304,6 @@ def load_activation_ranges(model: nn.Module, ranges: dict[str, torch.Tensor]) ->
                 raise KeyError(f"no saved activation range {name}.{key}")
             getattr(layer, key).copy_(ranges[f"{name}.{key}"])
         layer.__dict__["_act_range_initialized"] = True
-
-
-def layers_on_codes(model: nn.Module) -> list[str]:
-    """The quantized layers that an activation has asked to multiply codes (``integer_matmul="activations"``): what
-    a resumed run restores with `set_layers_on_codes`, to compute as the interrupted one did."""
-    return [name for name, layer in quant_layers(model) if getattr(layer, PRODUCTS_ON_CODES, False) is True]
-
-
-def set_layers_on_codes(model: nn.Module, names: list[str]) -> None:
-    """Make the layers `layers_on_codes` named multiply codes again; a name that is no quantized layer is an error."""
-    layers = dict(quant_layers(model))
-    missing = sorted(set(names) - set(layers))
-    if missing:
-        raise KeyError(f"no quantized layer {missing[0]!r} to multiply codes ({len(missing)} missing)")
-    for name in names:
-        setattr(layers[name], PRODUCTS_ON_CODES, True)
 
 
 def set_precision(

@@ -36,8 +36,7 @@ from .nn.attention import find_attention_quantizer
 from .nn.base import QuantLayerMixin
 from .nn.layers import QUANT_LAYER_CLASSES
 from .nn.tally import Tally
-from .numerics.bitops import bitops_per_mac, rotation_bitops, rotation_bitops_per_value
-from .numerics.error_rotation import error_rotation_operations
+from .numerics.bitops import bitops_per_mac, rotation_bitops_per_value
 
 
 def layer_macs(module: nn.Module, output: torch.Tensor) -> int:
@@ -116,14 +115,11 @@ class CostMeter:
         self.static_grad_bits = static_grad_bits
         errors = next((m.cpt_precision.errors for m in model.modules() if isinstance(m, QuantLayerMixin)), None)
         self.error_products = errors.products if errors is not None else "both"
-        self._error_rotation = errors.rotation if errors is not None else "none"
-        self._error_rotation_price: dict[int, int] = {}  # bit operations per error value, by output features
         self.scale = scale  # e.g. the number of data-parallel processes sharing a global batch
         self.totals = CostTotals()
         # What the hooks count in training forwards until `end_step` drains it (`Tally`: no torch.compile guard).
         self._quantized_macs, self._float_macs = Tally(), Tally()
         self._rotation_bitops = Tally()
-        self._error_rotation_bitops = Tally()  # counted only for steps that quantize errors
         layers = [module for module in model.modules() if isinstance(module, tuple(QUANT_LAYER_CLASSES))]
         # Shared inputs served so far (`hf_cpt.nn.shared_input`), and weights reused within a step
         # (`hf_cpt.nn.reused_weights`), as last seen by the hook.
@@ -160,12 +156,6 @@ class CostMeter:
             if price is not None and inputs:  # counted in end_step only for steps that quantize
                 rotated = (0 if reused else inputs[0].numel()) + (0 if weight_reused else module.weight.numel())
                 self._rotation_bitops.add(rotated * price)
-            if self._error_rotation != "none":
-                features = output.shape[module.output_feature_dim]
-                if features not in self._error_rotation_price:
-                    self._error_rotation_price[features] = rotation_bitops(
-                        *error_rotation_operations(self._error_rotation, features))
-                self._error_rotation_bitops.add(output.numel() * self._error_rotation_price[features])
         else:
             self._float_macs.add(macs)
 
@@ -174,7 +164,7 @@ class CostMeter:
         attention = attention_float = 0
         if self._attention is not None:
             attention, attention_float = self._attention.drain_macs()
-        layer_rotations, error_rotations = self._rotation_bitops.drain(), self._error_rotation_bitops.drain()
+        layer_rotations = self._rotation_bitops.drain()
         recomputed = 0
         if self._precision is not None:
             recomputed = (self._precision.recomputed_macs - self._recomputed_macs) * self.scale
@@ -197,15 +187,14 @@ class CostMeter:
             return again + layers * bitops_per_mac(bits, grad_bits, self.error_products) + attention * bitops_per_mac(
                 attention_bits, grad_bits if attention_errors else None)
 
-        def rotations(bits: int | None, grad_bits: int | None) -> float:
-            # Layers rotate inputs and weights when they quantize them (FP32 steps do not), errors likewise.
-            return self.scale * ((layer_rotations if bits is not None else 0)
-                                 + (error_rotations if grad_bits is not None else 0))
+        def rotations(bits: int | None) -> float:
+            # Layers rotate inputs and weights when they quantize them (FP32 steps do not).
+            return self.scale * layer_rotations if bits is not None else 0
 
-        rotation = rotations(bits, grad_bits)
+        rotation = rotations(bits)
         totals.bitops += price(bits, grad_bits) + float_ * full + rotation
         totals.rotation_bitops += rotation
-        static_rotation = rotations(self.static_bits, self.static_grad_bits)
+        static_rotation = rotations(self.static_bits)
         totals.static_bitops += price(self.static_bits, self.static_grad_bits) + float_ * full + static_rotation
         totals.fp32_bitops += (quantized + float_) * full
         totals.steps += 1

@@ -2,9 +2,9 @@
 
 These switches choose among engine paths that compute the same method (the same codes, ranges and errors; a product
 on integer codes equals the float product up to float rounding): whether CPU products run on int8 codes, whether
-activations recompute their input from codes, whether ReLUs keep one-bit masks, whether large errors are quantized
-by one fused kernel. A `CPTConfig` carries them in its ``runtime`` part for the model it quantizes; they are not
-written into checkpoints or model cards, and a loaded model takes the loading process's defaults.
+activations recompute their input from codes, whether large errors are quantized by one fused kernel. A `CPTConfig`
+carries them in its ``runtime`` part for the model it quantizes; they are not written into checkpoints or model
+cards, and a loaded model takes the loading process's defaults.
 
 ``HF_CPT_INT8_DOT`` (``1`` / ``0``) forces the int8 dot-product path on or off whatever the CPU reports, so that
 both paths can be tested on any machine (`hf_cpt.backends.cpu.int8_dot_products`).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .utils import ConfigError, check_choice, setting
 
-INTEGER_MATMUL = (True, False, "auto", "activations")  # where training products run on codes
+INTEGER_MATMUL = (True, False, "auto")  # where training products run on codes
 
 
 @dataclass(frozen=True)
@@ -26,18 +26,13 @@ class RuntimeSettings:
     integer_matmul: bool | str = setting(
         "auto",
         "CPU training products of Linear / GPT-2 Conv1D layers at 8 bits or fewer on the operands' integer codes "
-        "(exact int32 sums, scaled): True, False, 'activations' (the layers whose output an activation reads, which "
-        "then recomputes it from the codes) or 'auto' (True where the CPU has int8 dot products, else False)."
+        "(exact int32 sums, scaled): True, False or 'auto' (True where the CPU has int8 dot products, else False: "
+        "there a product on codes is slower than the float one, for a lower peak)."
     )
     recompute_activation_inputs: bool = setting(
         True,
         "Activations fed by a product on integer codes recompute their input from the codes that layer keeps: the "
         "same gradients bit for bit, a float tensor less per layer."
-    )
-    relu_masks: bool = setting(
-        True,
-        "A ReLU whose output a quantized layer keeps as codes keeps a one-bit mask, not its float output (max-pools "
-        "then keep only their indices): the same gradients bit for bit."
     )
     fused_error_quantizer: bool = setting(
         True,
@@ -47,9 +42,10 @@ class RuntimeSettings:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
+        if self.integer_matmul == "activations":
+            raise ConfigError(owner, "integer_matmul", "'activations' was removed: use True (codes in every layer, the "
+                                                       "lowest peak) or 'auto' (the fastest step on this CPU).")
         check_choice(owner, "integer_matmul", self.integer_matmul, INTEGER_MATMUL)
-        for name in ("recompute_activation_inputs", "relu_masks", "fused_error_quantizer"):
+        for name in ("recompute_activation_inputs", "fused_error_quantizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(owner, name, f"must be True or False, got {getattr(self, name)!r}.")
-        if self.integer_matmul == "activations" and not self.recompute_activation_inputs:
-            raise ConfigError(owner, "integer_matmul", "'activations' needs recompute_activation_inputs=True.")

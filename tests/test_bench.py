@@ -177,7 +177,7 @@ def test_backward_page_groups_runs_by_what_they_recorded_and_judges_them_against
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import backward_page
 
-    token = dict(error_granularity="token", error_rounding="stochastic", error_products="both", error_rotation="none")
+    token = dict(error_granularity="token", error_rounding="stochastic", error_products="both")
     pretrained = {"finetune": {
         "fp32/seed0": _entry(0, 0.58, 2.0, schedule="fp32"), "fp32/seed1": _entry(1, 0.60, 1.0, schedule="fp32"),
         "static-8/8/seed0": _entry(0, 0.53, 1.0),  # recorded before the error settings existed: per tensor
@@ -284,7 +284,7 @@ def test_gpu_section_pairs_each_setting_with_fp32_seed_by_seed_with_its_standard
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import backward_page
 
-    token = dict(error_granularity="token", error_rounding="stochastic", error_products="both", error_rotation="none")
+    token = dict(error_granularity="token", error_rounding="stochastic", error_products="both")
     fp32 = {f"fp32/seed{s}": _entry(s, m, 1.0, schedule="fp32") for s, m in [(100, 0.60), (101, 0.50), (102, 0.70)]}
     # gaps -1, -2, -1 points: mean -1.33, standard deviation 0.577, standard error 0.577 / sqrt(3)
     cpt = {f"cpt/seed{s}": _entry(s, m, 0.80, schedule="cyclic", **token)
@@ -456,9 +456,6 @@ def test_codes_float_gemm_counts_a_steps_products_on_codes_and_its_table_names_e
     layers = tiny_bert_config().num_hidden_layers
     # per layer six products and its GELU's recomputed input, the pooler's product and its tanh's
     assert counts == {"float32": 7 * layers + 2, "float64": 0}
-    # each layer's FFN-in product and its GELU's recomputed input, the pooler's product and its tanh's
-    assert codes_float_gemm.products_on_codes("tiny_bert", "for activations") == {"float32": 2 * layers + 2,
-                                                                                   "float64": 0}
     row = {"key": "minilm", "products": {"for activations": {"float32": 14, "float64": 0},
                                          "on codes": {"float32": 44, "float64": 0}},
            "kept_mib": {"plain": 1098.6, "float products": 699.7, "for activations": 560.2, "on codes": 555.6},
@@ -602,7 +599,7 @@ def test_peak_memory_is_measured_in_interleaved_fresh_processes(monkeypatch):
     calls.clear()  # more arms (the ⊘ step, the buffers kept resident) join the same rotation, in the order given
     monkeypatch.setattr(overhead, "peak_memory_mib",
                         lambda kind, quantized, fused, options=None: calls.append((quantized, options)) or (1.0, 3))
-    others = [{"relu_masks": False}, {"hand_back_buffers": False}]
+    others = [{"recompute_activation_inputs": False}, {"integer_matmul": False}]
     runs = overhead.peak_memories_mib("vit_small", True, processes=2, other_options=others)
     assert calls == [(False, None), (True, None), (True, others[0]), (True, others[1])] * 2 and len(runs) == 4
 
@@ -677,7 +674,7 @@ class _CallsReLU(torch.nn.Module):
 class _ReluConvs(torch.nn.Module):
     """Conv, ReLU, conv (the CPT paper's scheme when quantized): the second conv reads the ReLU's kept output."""
 
-    def __init__(self, quantized: bool, relu_masks: bool = False, functional: bool = False):
+    def __init__(self, quantized: bool, functional: bool = False):
         from hf_cpt import CPTConfig, quantize_model, set_precision
 
         super().__init__()
@@ -686,7 +683,7 @@ class _ReluConvs(torch.nn.Module):
                                        _CallsReLU() if functional else torch.nn.ReLU(),
                                        torch.nn.Conv2d(16, 16, 3, padding=1))
         if quantized:
-            quantize_model(self.net, CPTConfig(quant_scheme="paper", relu_masks=relu_masks))
+            quantize_model(self.net, CPTConfig(quant_scheme="paper"))
             set_precision(self.net, 8, 8)
 
     def forward(self, x):
@@ -699,15 +696,6 @@ RELU_OUTPUT, FIRST_INPUT = 8 * 16 * 16 * 16 * 4, 8 * 3 * 16 * 16 * 4  # float32 
 RELU_CONVS_CODES = 8 * 3 * 16 * 16 + 16 * 16 * 9
 
 
-def _relu_mask_bytes() -> int:
-    """The ReLU's mask: one bit a value where the native kernel packs it, else a bool tensor."""
-    from hf_cpt.numerics import mask_kernels
-
-    values = RELU_OUTPUT // 4
-    assert values >= mask_kernels.NATIVE_MIN_NUMEL  # large enough to be packed
-    return values // 8 if mask_kernels._library() is not None else values
-
-
 def test_saved_activation_memory_counts_an_input_kept_by_its_producer_once():
     """A convolution fed a ReLU's output keeps that tensor (which the ReLU keeps anyway), not codes of its own: the
     figure, read from the graph, counts it once (saved-tensor hooks would switch that path off)."""
@@ -718,17 +706,6 @@ def test_saved_activation_memory_counts_an_input_kept_by_its_producer_once():
     assert overhead.saved_activation_mib(_ReluConvs(False), RELU_CONVS_BATCH) * mib == FIRST_INPUT + RELU_OUTPUT
     quantized = overhead.saved_activation_mib(_ReluConvs(True), RELU_CONVS_BATCH) * mib - RELU_OUTPUT
     assert RELU_CONVS_CODES <= quantized <= RELU_CONVS_CODES + 4096  # ranges and scales; no codes of the ReLU's
-
-
-def test_saved_activation_memory_counts_a_relus_mask_and_the_codes_kept_in_place_of_its_output():
-    """With `relu_masks` the ReLU keeps a mask and the convolution its codes: a byte and a bit per value of the
-    ReLU's output where both shared its four, read from the converted ReLU's node."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import overhead
-
-    kept = overhead.saved_activation_mib(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH) * 2**20
-    expected = RELU_CONVS_CODES + RELU_OUTPUT // 4 + _relu_mask_bytes()  # the output's codes (uint8) and its mask
-    assert expected <= kept <= expected + 4096
 
 
 def test_results_page_shows_the_runs_of_todays_defaults_under_the_plain_names(tmp_path):
@@ -941,12 +918,10 @@ def test_kept_memory_splits_what_a_forward_keeps_by_what_keeps_it():
     codes_for_activations = {**float_run, "auto_products": "activations"}
     assert "float products, on codes where an activation recomputes its input from them" in (
         _load_report().kept_memory_section(codes_for_activations)[0])
-    # a ReLU module's mask counts for the activation too, and the codes kept in place of its output for the layer
-    masked = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True), RELU_CONVS_BATCH)
-    assert masked["activations (their input or output)"] == _relu_mask_bytes() / mib
-    # and so does a ReLU called as a function, on the forward after the first step (which the figure is)
-    functional = kept_memory.kept_by_group(_ReluConvs(True, relu_masks=True, functional=True), RELU_CONVS_BATCH)
-    assert functional == masked
+    # a ReLU keeps its output, module or function alike, and the conv it feeds a reference to it (no codes)
+    kept = kept_memory.kept_by_group(_ReluConvs(True), RELU_CONVS_BATCH)
+    assert kept["activations (their input or output)"] == RELU_OUTPUT / mib
+    assert kept_memory.kept_by_group(_ReluConvs(True, functional=True), RELU_CONVS_BATCH) == kept
     # the command recorded makes the whole table: a resumed run's --cases leaves it
     argv = ["bench/kept_memory.py", "--cases", "gpt2", "vit-s", "--output", "x.json"]
     assert kept_memory._without_cases(argv) == ["bench/kept_memory.py", "--output", "x.json"]
@@ -984,7 +959,7 @@ def test_kernel_benchmark_times_every_kernel_beside_a_copy_and_its_table_marks_a
     runs = json.loads(output.read_text())["runs"]
     assert list(runs) == ["now", "again"]  # one run per label, kept side by side
     rows = runs["now"]["rows"]
-    assert {row["kind"] for row in rows} == {"ranges", "codes", "restore", "error", "masks", "rotation",
+    assert {row["kind"] for row in rows} == {"ranges", "codes", "restore", "error", "rotation",
                                              "rotated codes"}
     assert all(row["ns_per_value"] > 0 and row["copy_ns_per_value"] > 0 for row in rows)
     assert all(row["ratio"] == pytest.approx(row["ns_per_value"] / row["copy_ns_per_value"]) for row in rows)

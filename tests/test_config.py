@@ -112,8 +112,8 @@ def test_a_config_is_composed_of_its_parts_and_flat_names_are_routed_to_them():
     flat = CPTConfig(bits_min=3, bits_max=6, num_cycles=4, delay=0.25, error_granularity="token",
                      error_rounding="nearest", error_products="input", prt_metric="accuracy", eval_bits="fp32")
     assert flat == config and CPTConfig.from_dict(config.to_dict()) == config
-    flat.error_rotation = "tokens"  # a flat name set later goes to its part too
-    assert flat.errors.rotation == "tokens" and "error_rotation" not in vars(flat)
+    flat.error_range = "symmetric"  # a flat name set later goes to its part too
+    assert flat.errors.range == "symmetric" and "error_range" not in vars(flat)
     with pytest.raises(ValueError, match=r"^CPTConfig\.errors must be a ErrorQuantization"):
         CPTConfig(errors="token")
 
@@ -121,9 +121,10 @@ def test_a_config_is_composed_of_its_parts_and_flat_names_are_routed_to_them():
 def test_the_top_level_holds_the_users_choices_and_engine_switches_are_never_saved():
     fields = [f.name for f in dataclasses.fields(CPTConfig)]
     assert len(fields) <= 22
-    assert {"integer_matmul", "relu_masks", "fused_error_quantizer", "error_granularity"}.isdisjoint(fields)
-    config = CPTConfig(integer_matmul=False, relu_masks=False)
-    assert config.runtime == RuntimeSettings(integer_matmul=False, relu_masks=False)
+    assert {"integer_matmul", "recompute_activation_inputs", "fused_error_quantizer", "error_granularity"}.isdisjoint(
+        fields)
+    config = CPTConfig(integer_matmul=False, recompute_activation_inputs=False)
+    assert config.runtime == RuntimeSettings(integer_matmul=False, recompute_activation_inputs=False)
     assert "runtime" not in repr(config) and "integer_matmul" not in config.to_dict()
     assert config == CPTConfig()  # the same run, whatever engine computes it
 

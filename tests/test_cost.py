@@ -144,17 +144,3 @@ def test_meter_prices_each_product_at_the_bits_it_ran(products):
     expected = {"input": 16 + 8 * 4 + 32 * 4, "weight": 16 + 32 * 4 + 8 * 4}[products]
     assert meter.totals.bitops == q_macs * expected + f_macs * 3072
     assert meter.totals.static_bitops == q_macs * bitops_per_mac(8, 8, products) + f_macs * 3072
-
-
-@pytest.mark.parametrize("rotation", ["features", "tokens"])
-def test_error_rotation_is_priced_on_steps_that_quantize_errors(rotation):
-    from hf_cpt.numerics.rotation import get_rotation
-
-    model, meter = _metered_step(16, error_rotation=rotation)
-    adds, mults = get_rotation(16).operations_per_value if rotation == "features" else (6, 0)  # log2(64) adds
-    per_value = 2 * (adds * 32 + mults * 32 * 32)
-    assert per_value > 0 and meter.totals.rotation_bitops == 6 * 16 * per_value
-    set_precision(model, 4, None)  # errors in full precision: nothing rotated
-    model(torch.randn(6, 10)).sum().backward()
-    meter.end_step(4, None)
-    assert meter.totals.rotation_bitops == 6 * 16 * per_value

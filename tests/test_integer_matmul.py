@@ -154,23 +154,12 @@ def test_integer_products_setting_resolves_per_device():
     assert not every.integer_products(meta)  # a device without a backend of its own keeps its float kernels
     with cpu_backend(int8_dot=False):
         auto = PrecisionState(runtime=RuntimeSettings(integer_matmul="auto"))
-        assert not auto.integer_products(cpu) and not auto.learns_products_on_codes(cpu)  # floats: the fastest there
-        activations = PrecisionState(runtime=RuntimeSettings(integer_matmul="activations"))  # for activations alone
-        assert activations.learns_products_on_codes(cpu)
-        asked, not_asked = nn.Linear(2, 2), nn.Linear(2, 2)
-        activations.mark_products_on_codes(asked)
-        assert not activations.integer_products(cpu, asked)  # not before an optimizer step
-        torch.optim.SGD(asked.parameters(), lr=0.1).step()  # any optimizer's
-        assert activations.integer_products(cpu, asked) and not activations.integer_products(meta, asked)
-        assert not activations.integer_products(cpu, not_asked) and not activations.integer_products(cpu)
-        assert not activations.learns_products_on_codes(meta)
-    with pytest.raises(ValueError, match="'activations' needs recompute_activation_inputs=True"):
-        RuntimeSettings(integer_matmul="activations", recompute_activation_inputs=False)
+        assert not auto.integer_products(cpu)  # floats: the fastest there
+    with pytest.raises(ValueError, match="'activations' was removed"):
+        RuntimeSettings(integer_matmul="activations")
     with cpu_backend(int8_dot=True):
         auto = PrecisionState(runtime=RuntimeSettings(integer_matmul="auto"))
         assert auto.integer_products(cpu) and not auto.integer_products(meta)
-        assert not auto.learns_products_on_codes(cpu)  # every layer multiplies codes already
-    assert not never.learns_products_on_codes(cpu)
 
 
 def _layer_case(kind: str):

@@ -483,7 +483,7 @@ def test_an_input_its_producer_keeps_is_kept_once_and_gives_the_gradients_of_its
 
 
 def test_a_timm_resnet_keeps_its_relu_outputs_once_and_trains_as_with_codes(monkeypatch):
-    """timm's ResNet-18 (in-place ReLUs) without `relu_masks`: every conv but the stem and the one after the max-pool
+    """timm's ResNet-18 (in-place ReLUs): every conv but the stem and the one after the max-pool
     reads a ReLU's output, and the step's gradients are those of the codes path, bit for bit."""
     timm = pytest.importorskip("timm")
     import hf_cpt.nn.products as products
@@ -492,7 +492,7 @@ def test_a_timm_resnet_keeps_its_relu_outputs_once_and_trains_as_with_codes(monk
     base = timm.create_model("resnet18", num_classes=10)
     models = [copy.deepcopy(base) for _ in range(2)]
     for model in models:
-        quantize_model(model, CPTConfig(relu_masks=False))
+        quantize_model(model, CPTConfig())
         set_precision(model, 6, 8)
         model.train()
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])

@@ -267,7 +267,7 @@ def test_auto_error_grid_is_zero_centred_for_the_attention_products_only():
     auto = ErrorQuantization("auto", range="auto")
     assert auto.for_activations("token").range == "minmax" and auto.for_activations("tensor").range == "minmax"
     attention = auto.for_attention()
-    assert (attention.range, attention.products, attention.rotation) == ("symmetric", "both", "none")
+    assert (attention.range, attention.products) == ("symmetric", "both")
     assert ErrorQuantization(range="minmax", products="input").for_attention().range == "minmax"
     with pytest.raises(ValueError, match="resolve 'auto'"):
         quantize_error(torch.randn(4, 4), torch.tensor(8.0), ErrorQuantization("token", range="auto"))
@@ -341,8 +341,9 @@ def test_new_error_settings_are_validated_with_the_field_named():
 
     with pytest.raises(ValueError, match="CPTConfig.error_products must be one of"):
         CPTConfig(error_products="bias")
-    with pytest.raises(ValueError, match="CPTConfig.error_rotation must be one of"):
-        CPTConfig(error_rotation="random")
+    with pytest.raises(ValueError, match="CPTConfig.error_rotation was removed; only 'none'"):
+        CPTConfig(error_rotation="tokens")
+    assert CPTConfig(error_rotation="none") == CPTConfig()  # what an old config holds, and what every run does
     with pytest.raises(ValueError, match="CPTConfig.error_range must be one of"):
         CPTConfig(error_range="absmax")
 
@@ -422,57 +423,6 @@ def test_split_products_under_bf16_autocast_give_full_precision_gradients():
     assert out.dtype == torch.bfloat16
     assert x.grad.dtype == torch.float32 and model[0].weight.grad.dtype == torch.float32
     assert model[0].bias.grad.dtype == torch.float32 and torch.isfinite(model[0].weight.grad).all()
-
-
-# ----------------------------------------------------------------------------- rotated errors
-
-
-def _sylvester(size):
-    """Hadamard matrix by Sylvester's doubling, written here independently of the library."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < size:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / size**0.5
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("granularity", ["tensor", "token"])
-def test_token_rotated_error_is_quantized_in_hadamard_blocks_and_rotated_back(granularity, dtype):
-    grad = _error_with_padding(dtype)  # 21 rows of 16 features: one block of 32 rows, 11 of them padding
-    got = quantize_error(grad, torch.tensor(6.0), ErrorQuantization(granularity, "nearest", rotation="tokens"))
-    rows = torch.cat([grad.float().reshape(-1, 16), torch.zeros(11, 16)])
-    h = _sylvester(32)
-    mixed = h @ rows
-    if granularity == "token":
-        snapped = reference_per_row(mixed, 6)
-    else:
-        snapped = reference_quantize(mixed, mixed.min(), mixed.max(), 6)
-    expected = (h @ snapped)[:21].reshape(grad.shape).to(dtype)
-    assert got.dtype == dtype and torch.isfinite(got.float()).all()
-    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-5, atol=1e-6)
-
-
-def test_feature_rotated_error_is_quantized_in_the_rotated_basis_and_rotated_back():
-    from hf_cpt.numerics.rotation import get_rotation
-
-    grad = _error_with_padding(torch.float32)
-    got = quantize_error(grad, torch.tensor(6.0), ErrorQuantization("token", "nearest", rotation="features"))
-    matrix = get_rotation(16, seed=1).matrix()
-    assert torch.allclose(matrix @ matrix.t(), torch.eye(16), atol=1e-6)  # orthogonal
-    expected = reference_per_row(grad @ matrix, 6) @ matrix.t()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    assert torch.equal(got[:, 5:], torch.zeros_like(got[:, 5:]))  # a zero row rotates to a zero row and back
-
-
-@pytest.mark.parametrize("rotation", ["features", "tokens"])
-def test_rotated_stochastic_errors_are_unbiased(rotation):
-    grad = _error_with_padding(torch.float32)
-    scheme = ErrorQuantization("tensor", rotation=rotation)
-    draws = torch.stack([quantize_error(grad, torch.tensor(4.0), scheme) for _ in range(3000)])
-    # The rotated-back grid is not the input's, so compare the mean with a bound from the spread itself.
-    spread = draws.std(0)
-    assert bool(((draws.mean(0) - grad).abs() <= 5 * spread / 3000**0.5 + 1e-7).all())
-    assert float(draws.std(0).max()) > 0  # really stochastic
 
 
 @pytest.mark.slow

@@ -10,10 +10,8 @@ import torch
 from torch import nn
 
 from hf_cpt import CPTConfig, dequantize_model, quantize_model, set_precision
-from hf_cpt.convert import layers_on_codes, set_layers_on_codes
 from hf_cpt.cost import CostMeter
-from hf_cpt.nn.precision import PRODUCTS_ON_CODES
-from hf_cpt.nn.recompute import RECOMPUTABLE, RecomputedActivationMixin, restore_activation
+from hf_cpt.nn.recompute import RECOMPUTABLE, RecomputedActivationMixin
 from hf_cpt.utils import ConfigError
 
 from .helpers import tiny_bert_config, tiny_gpt2_config
@@ -230,105 +228,7 @@ def test_dequantize_restores_the_activation_and_a_converted_model_pickles():
 def test_the_setting_is_validated():
     with pytest.raises(ConfigError, match="recompute_activation_inputs"):
         CPTConfig(recompute_activation_inputs="yes")
-    with pytest.raises(ConfigError, match="integer_matmul.*'activations' needs recompute_activation_inputs=True"):
-        CPTConfig(integer_matmul="activations", recompute_activation_inputs=False)
-    with pytest.raises(ConfigError, match="integer_matmul.*'activations'"):
+    with pytest.raises(ConfigError, match="integer_matmul 'activations' was removed: use True"):
+        CPTConfig(integer_matmul="activations")
+    with pytest.raises(ConfigError, match="integer_matmul must be one of"):
         CPTConfig(integer_matmul="sometimes")
-
-
-# Under integer_matmul="activations": the layers whose output an activation reads, by model
-ASKED = {"_bert": ["bert.encoder.layer.0.intermediate.dense", "bert.encoder.layer.1.intermediate.dense",
-                   "bert.pooler.dense"],
-         "_gpt2": ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"],
-         # the gate feeds SiLU; the up projection shares the gate's input, so its codes
-         "_llama": [f"model.layers.{i}.mlp.{name}" for i in (0, 1) for name in ("gate_proj", "up_proj")]}
-
-
-def _step(model, batch) -> dict[str, torch.Tensor]:
-    """The gradients of one training step, then an optimizer step that leaves the weights as they were."""
-    gradients = _gradients(model, batch)
-    torch.optim.SGD(model.parameters(), lr=0.0).step()
-    model.zero_grad(set_to_none=True)
-    return gradients
-
-
-def _products_on_codes(model) -> list[str]:
-    return sorted(name for name, module in model.named_modules() if getattr(module, PRODUCTS_ON_CODES, None) is True)
-
-
-@pytest.mark.parametrize("build", [_bert, _gpt2, _llama], ids=lambda build: build.__name__)
-def test_codes_for_activations_keep_what_codes_everywhere_keep_from_the_second_forward_on(build):
-    """A layer multiplies floats until an activation reads its output; from then on it multiplies codes and the
-    activation recomputes its input: the first forward keeps what float products keep, the second what products on
-    codes in every layer keep, and only the products an activation reads (and their siblings) run on codes."""
-    model = build()
-    batch = _batch(model)
-    kept = {integer: _kept_bytes(_quantized(model, True, integer_matmul=integer)[0], batch)
-            for integer in (False, True)}
-    learning, _ = _quantized(model, True, integer_matmul="activations")
-    assert _products_on_codes(learning) == []
-    assert _kept_bytes(learning, batch) == kept[False]
-    _gradients(learning, batch)
-    assert _products_on_codes(learning) == []  # asked, but the step has not ended
-    for _ in range(2):  # an asked layer multiplies codes from the next optimizer step on; its siblings a step later
-        _step(learning, batch)
-    assert _products_on_codes(learning) == ASKED[build.__name__]
-    assert _kept_bytes(learning, batch) == kept[True] < kept[False]
-    reuses = []  # inputs that sibling layers shared in one more forward: as many as with float products
-    for quantized in (learning, _quantized(model, True, integer_matmul=False)[0]):
-        precision = next(m.cpt_precision for m in quantized.modules() if hasattr(m, "cpt_precision"))
-        before = precision.shared_inputs.reuses
-        quantized(**batch)
-        reuses.append(precision.shared_inputs.reuses - before)
-    assert reuses[0] == reuses[1]
-    assert reuses[0] > 0 or build is _gpt2  # GPT-2's attention projects its input in one layer
-
-
-@pytest.mark.parametrize("build", [_bert, _llama], ids=lambda build: build.__name__)
-def test_codes_for_activations_give_the_gradients_of_the_kept_input_bit_for_bit(build):
-    """Once the layers have learnt which products an activation reads, the recomputed inputs give the gradients the
-    same layers give when the activations keep their float inputs."""
-    model = build()
-    batch = _batch(model)
-    learnt, _ = _quantized(model, True, integer_matmul="activations")
-    for _ in range(2):
-        _step(learnt, batch)
-    keeping = copy.deepcopy(learnt)  # the same layers on codes (the mark is copied), activations restored
-    for module in keeping.modules():
-        restore_activation(module)
-    assert _products_on_codes(keeping) == ASKED[build.__name__]
-    _assert_same_gradients(_gradients(keeping, batch), _gradients(learnt, batch))
-    assert _recomputed_macs(learnt) > 0
-
-
-def test_codes_for_activations_switch_between_steps_under_gradient_checkpointing():
-    """A checkpointed block runs its forward again in backward: an asked layer switches to codes at an optimizer
-    step, so the forward runs again as it ran, and every step's gradients are those of the same model unchecked."""
-    model = _bert()
-    batch = _batch(model)
-    unchecked, _ = _quantized(model, True, integer_matmul="activations")
-    checked, _ = _quantized(model, True, integer_matmul="activations")
-    checked.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for _ in range(3):
-        _assert_same_gradients(_step(unchecked, batch), _step(checked, batch))
-    assert _products_on_codes(checked) == _products_on_codes(unchecked) == ASKED["_bert"]
-
-
-def test_codes_for_activations_leave_an_eval_forward_alone_and_the_layers_on_codes_are_restored_by_name():
-    """Neither an eval forward nor a forward without grad asks any layer; `set_layers_on_codes` restores what
-    `layers_on_codes` listed (a resumed run) and refuses a name that is no quantized layer; dequantizing forgets it."""
-    model = _bert()
-    batch = _batch(model)
-    learning, _ = _quantized(model, True, integer_matmul="activations")
-    with torch.no_grad():
-        learning(**batch)
-    learning.eval()
-    learning(**batch)
-    torch.optim.SGD(learning.parameters(), lr=0.0).step()
-    assert _products_on_codes(learning) == [] == layers_on_codes(learning)
-    set_layers_on_codes(learning, ASKED["_bert"])
-    assert layers_on_codes(learning) == ASKED["_bert"]
-    with pytest.raises(KeyError, match="no quantized layer 'bert.nope'"):
-        set_layers_on_codes(learning, ["bert.nope"])
-    dequantize_model(learning)
-    assert _products_on_codes(learning) == []

@@ -29,7 +29,6 @@ from hf_cpt import (
     save_quantized,
     set_eval_precision,
 )
-from hf_cpt.convert import layers_on_codes
 from hf_cpt.nn.base import QuantLayerMixin
 from hf_cpt.nn.layers import weight_channel_dim
 from hf_cpt.numerics.fake_quant import dequantize_codes, quantize_codes
@@ -513,9 +512,8 @@ def _trainer(tmp_path, model=None, cpt=None, **overrides):
 
 def test_trainer_checkpoints_keep_fp32_masters_and_resume_exactly(tmp_path):
     """Resumed from a checkpoint outside its output directory, a run ends where the uninterrupted one did, bit for
-    bit: with its layers multiplying codes where they did (`integer_matmul="activations"`) and its cost."""
-    config = CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False,
-                       integer_matmul="activations")
+    bit, and its cost."""
+    config = CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False)
     first = _trainer(tmp_path, cpt=config, save_strategy="steps", save_steps=2)
     first.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
@@ -525,7 +523,6 @@ def test_trainer_checkpoints_keep_fp32_masters_and_resume_exactly(tmp_path):
     assert "quantization_config" not in json.load(open(os.path.join(checkpoint, "config.json")))
     final = {k: v.clone() for k, v in first.model.state_dict().items()}
 
-    assert json.load(open(checkpoint / "cpt_layers_on_codes.json")) == layers_on_codes(first.model) != []
     resumed = _trainer(tmp_path / "again", cpt=config, save_strategy="steps", save_steps=2)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     for key, value in resumed.model.state_dict().items():
@@ -710,8 +707,7 @@ def test_precision_profile_reaches_the_model_card(tmp_path):
 def test_error_settings_travel_with_the_checkpoint_and_train_the_loaded_model_the_same_way(tmp_path):
     torch.manual_seed(0)
     model, inputs, auto_class = _bert()
-    errors = dict(error_granularity="token", error_rounding="nearest", error_products="input", error_rotation="tokens",
-                  error_range="symmetric")
+    errors = dict(error_granularity="token", error_rounding="nearest", error_products="input", error_range="symmetric")
     quantize_model(model, CPTConfig(**errors))
     save_quantized(model, tmp_path, 8, model_card=False)
     config = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
@@ -719,7 +715,7 @@ def test_error_settings_travel_with_the_checkpoint_and_train_the_loaded_model_th
     loaded = auto_class.from_pretrained(tmp_path)
     precision = hf_cpt.find_precision_state(loaded)
     assert (precision.errors.granularity, precision.errors.rounding, precision.errors.products,
-            precision.errors.rotation, precision.errors.range) == tuple(errors.values())
+            precision.errors.range) == tuple(errors.values())
 
 
 def test_a_checkpoint_written_before_the_error_grid_option_trains_further_on_the_min_max_grid(tmp_path):
@@ -736,8 +732,7 @@ def test_a_checkpoint_written_before_the_error_grid_option_trains_further_on_the
     assert precision.errors.range == "minmax" and precision.attention_errors.range == "minmax"
 
 
-@pytest.mark.parametrize("field,value", [("error_products", "bias"), ("error_rotation", "random"),
-                                         ("error_range", "absmax")])
+@pytest.mark.parametrize("field,value", [("error_products", "bias"), ("error_range", "absmax")])
 def test_unknown_error_setting_in_a_checkpoint_is_named(packed_dir, field, value):
     path, auto_class = packed_dir
     _edit_config(path, **{field: value})

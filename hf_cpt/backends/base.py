@@ -19,9 +19,9 @@ class Backend:
     name = "reference"
     native = False  # whether the package's C kernels may serve (CPU tensors only)
 
-    def products_on_codes(self, setting: bool | str) -> bool | str:
-        """Where training products run on integer codes here under ``RuntimeSettings.integer_matmul`` (True, False
-        or "activations"): never by default, a device keeping its float kernels until a backend of its own has
+    def products_on_codes(self, setting: bool | str) -> bool:
+        """Whether training products run on integer codes here under ``RuntimeSettings.integer_matmul`` (True, False
+        or "auto"): never by default, a device keeping its float kernels until a backend of its own has
         kernels measured faster."""
         return False
 

@@ -52,7 +52,7 @@ class CPUBackend(Backend):
         # read once, here: a compiled graph must not trace the CPU's flags or the environment
         self.int8_dot = int8_dot_products() if int8_dot is None else int8_dot
 
-    def products_on_codes(self, setting: bool | str) -> bool | str:
+    def products_on_codes(self, setting: bool | str) -> bool:
         """The setting as it is; "auto": True with int8 dot products, else False (a product on codes goes through the
         float32 GEMM there, and recomputing activations costs a second GEMM per MLP and step)."""
         return self.int8_dot if setting == "auto" else setting

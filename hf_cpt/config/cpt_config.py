@@ -40,10 +40,13 @@ SCHEDULE_OPTIONS = ("rounding", "delay_precision", "grad_schedule", "grad_bits_m
 # min/max scheme (usable with quantize_error as is); a CPTConfig resolves the ranges and grids per layer and for
 # the attention products (docs/backward.md).
 RUN_ERRORS = ErrorQuantization(granularity="auto", range="auto")
-# Settings that no longer exist (the CPU allocator layer and two float-op optimisations, removed): old
+# Engine switches that no longer exist (the CPU allocator layer, two float-op optimisations, ReLU masks): old
 # configs and checkpoints that name them still load, with a deprecation note; their values are ignored.
 REMOVED_SETTINGS = ("dropout_masks", "hand_back_buffers", "errors_in_place", "output_mappings",
-                    "embedding_row_gradients")
+                    "embedding_row_gradients", "relu_masks")
+# Numerics options that no longer exist, with the one value that still means what it meant (never measured to help;
+# any other value is an error rather than a silently different run).
+REMOVED_OPTIONS = {"error_rotation": "none"}
 
 # CPTConfig's top level: the user's choices, from the views that validate them.
 TOP_LEVEL = (
@@ -237,10 +240,13 @@ def _route(values: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments with flat names of nested settings gathered into their parts; removed settings dropped with a
     deprecation note; unknown names are an error."""
     known = {f.name for f in dataclasses.fields(CPTConfig)}
+    for name, kept in REMOVED_OPTIONS.items():
+        if name in values and values.pop(name) != kept:
+            raise ConfigError("CPTConfig", name, f"was removed; only {kept!r} (what every run now does) is accepted.")
     removed = sorted(set(values) & set(REMOVED_SETTINGS))
     if removed:
-        logger.warning("hf_cpt: CPTConfig settings %s were removed (the CPU allocator layer; use "
-                       "jemalloc or tcmalloc, docs/compatibility.md) and are ignored.", removed)
+        logger.warning("hf_cpt: CPTConfig settings %s were removed (engine switches; for CPU memory use jemalloc "
+                       "or tcmalloc, docs/compatibility.md) and are ignored.", removed)
     unknown = sorted(set(values) - known - set(ROUTED) - set(REMOVED_SETTINGS))
     if unknown:
         raise ValueError(f"Unknown CPTConfig field(s): {unknown}.")

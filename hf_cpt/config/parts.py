@@ -334,5 +334,4 @@ _register(RangeTestConfig, {"start_bits": "prt_start_bits", "steps_per_precision
 _register(EvaluationConfig)
 _register(RuntimeSettings)
 _register(ErrorQuantization, {"granularity": "error_granularity", "rounding": "error_rounding",
-                              "products": "error_products",
-                              "rotation": "error_rotation", "range": "error_range"})
+                              "products": "error_products", "range": "error_range"})

@@ -103,8 +103,8 @@ def environment_report() -> dict[str, str]:
         accelerator = "none (CPU)"
     forced = f" (${INT8_DOT_VARIABLE}={os.environ[INT8_DOT_VARIABLE]})" if INT8_DOT_VARIABLE in os.environ else ""
     products = (f"on integer codes: int8 dot products{forced}" if backend_for("cpu").products_on_codes("auto") else
-                f"on fake-quantized floats: no int8 dot products{forced} (integer_matmul='activations' trades time "
-                "for memory)")
+                f"on fake-quantized floats: no int8 dot products{forced} (integer_matmul=True trades time for "
+                "memory)")
     if os.environ.get(native.DISABLE_VARIABLE) == "0":
         kernels = f"off (${native.DISABLE_VARIABLE}=0): torch formulas"
     else:

@@ -18,9 +18,7 @@ from ..convert import (
     activation_ranges,
     find_precision_state,
     is_quantized,
-    layers_on_codes,
     load_activation_ranges,
-    set_layers_on_codes,
 )
 from ..cost import CostMeter
 from ..diagnostics.fidelity import output_fidelity
@@ -38,7 +36,6 @@ ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
 # Also in each Trainer checkpoint: the cost meter's totals, so a resumed run reports the whole run's cost.
 COST_STATE_FILE = "cpt_cost_state.json"
 # And the layers that multiply codes for the activations they feed, so a resumed run computes as it did.
-LAYERS_ON_CODES_FILE = "cpt_layers_on_codes.json"
 
 
 class CPTCallback(TrainerCallback):
@@ -77,7 +74,6 @@ class CPTCallback(TrainerCallback):
         if state.global_step > 0:  # resuming: our own files in the Trainer checkpoint
             self._restore_activation_ranges(args, state, model)
             self._restore_cost(args, state)
-            self._restore_layers_on_codes(args, state, model)
         self._check_log_order(args)
         self.precision.reused_weights.epoch = 0  # from here on, weights change only at optimizer steps (on_step_end)
 
@@ -130,8 +126,6 @@ class CPTCallback(TrainerCallback):
             if self.meter is not None:
                 with open(os.path.join(checkpoint, COST_STATE_FILE), "w") as f:
                     json.dump(self.meter.totals.state_dict(), f)
-            with open(os.path.join(checkpoint, LAYERS_ON_CODES_FILE), "w") as f:
-                json.dump(layers_on_codes(model), f)
 
     def _checkpoint_file(self, args, state, name: str) -> str:
         """The file ``name`` of the checkpoint this run resumes from."""
@@ -147,14 +141,6 @@ class CPTCallback(TrainerCallback):
         else:
             logger.warning("hf_cpt: no %s to resume from; the cost report covers only the steps after the resume.",
                            path)
-
-    def _restore_layers_on_codes(self, args, state, model: nn.Module) -> None:
-        path = self._checkpoint_file(args, state, LAYERS_ON_CODES_FILE)
-        if os.path.isfile(path):
-            with open(path) as f:
-                set_layers_on_codes(model, json.load(f))
-        else:
-            logger.info("hf_cpt: no %s to resume from; the layers learn anew which products run on codes.", path)
 
     def _restore_activation_ranges(self, args, state, model: nn.Module) -> None:
         # Resuming: the Trainer restored weights and state; the running ranges come from our own file.

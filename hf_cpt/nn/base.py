@@ -26,9 +26,8 @@ from ..numerics.fake_quant import (
 )
 from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
-from .precision import PRODUCTS_ON_CODES, PrecisionState
+from .precision import PrecisionState
 from .products import QuantizedProducts, keeps_input, quantized_input
-from .relu_masks import outside_functional_relus
 
 
 def input_features(layer: nn.Module) -> int:
@@ -114,8 +113,7 @@ class QuantLayerMixin:
         precision = self.__dict__.get("cpt_precision")
         if precision is not None:
             precision.reused_weights.drop(self)
-        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed",
-                    PRODUCTS_ON_CODES):
+        for key in ("cpt_precision", "_act_range_initialized", "cpt_granularity", "cpt_rotation_seed"):
             self.__dict__.pop(key, None)
         for index in range(len(self.__dict__.pop("_rotation_kinds", ()))):
             self._buffers.pop(f"rotation_factor_{index}", None)
@@ -228,10 +226,6 @@ class QuantLayerMixin:
         self.__dict__["_act_range_initialized"] = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with outside_functional_relus():  # a model's ReLU functions are caught around the layer, not in it
-            return self._quantized_forward(x)
-
-    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         precision = self.cpt_precision
         bits = self.forward_bits()
         quantize_backward = (
@@ -247,8 +241,7 @@ class QuantLayerMixin:
         rotated_weight = weight_rotation = None  # in training: W R, computed once, and R for the weight gradient
         codes_possible = (training_products and self.compute_on_codes is not None and self.quantizes_inputs
                           and precision.compact_codes and input_features(self) <= MAX_REDUCED_SIZE)
-        integer = codes_possible and precision.integer_products(weight.device, self)  # the product on integer codes
-        learn_codes = codes_possible and not integer and precision.learns_products_on_codes(weight.device)
+        integer = codes_possible and precision.integer_products(weight.device)  # the product on integer codes
         if bits is not None:
             frozen = self._frozen_weight()
             rotation = self.rotation if self.quantizes_inputs else None
@@ -279,7 +272,7 @@ class QuantLayerMixin:
                 x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
                 precision.error_bits(weight.device) if quantize_backward else None,
                 precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation, x_quantized,
-                weight_quantized, integer, learn_codes,
+                weight_quantized, integer,
             )
         if x_quantized is not None:
             x = x_quantized[0]
@@ -337,12 +330,8 @@ class QuantLayerMixin:
                training, keep, integer)
         entry = precision.shared_inputs.get(x, key)
         if entry is None:
-            sibling = (precision.shared_inputs.maker_for_other_product(x, key)
-                       if training and precision.learns_products_on_codes(x.device) else None)
-            if sibling is not None:  # one of them multiplies codes: both do from the next optimizer step on
-                precision.mark_products_on_codes(sibling, self)
             entry = quantized_input(x, self.input_feature_dim, rotation, bits, precision.compact_codes, keep, integer)
-            precision.shared_inputs.put(x, key, entry, self)
+            precision.shared_inputs.put(x, key, entry)
         return (x if entry.rotated is None else entry.rotated), entry.x_range, entry.quantized
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..backends import backend_for
 from ..numerics.derived import derived
@@ -15,21 +13,6 @@ from ..numerics.errors import PAPER_ERRORS, ErrorQuantization, quantize_error_on
 from ..runtime import RuntimeSettings
 from .reused_weights import ReusedWeights
 from .shared_input import SharedInputs
-
-# A layer's attribute under ``integer_matmul="activations"``: True once an activation asked for its codes
-# (`hf_cpt.nn.recompute`) and an optimizer step has begun since; its training products run on codes from then on. Not
-# at once: a checkpointed block runs its forward again in backward, and must run it as it ran; and the micro-batches of
-# one optimizer step compute alike, as one batch of them all would.
-PRODUCTS_ON_CODES = "cpt_products_on_codes"
-_asked_for_codes: weakref.WeakSet = weakref.WeakSet()  # the layers asked since the last optimizer step began
-_optimizer_hook = None  # the process-wide optimizer step pre-hook that starts them, once registered
-
-
-def _start_products_on_codes(optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook: the layers asked for their codes since the last step multiply codes from now on."""
-    for layer in list(_asked_for_codes):
-        setattr(layer, PRODUCTS_ON_CODES, True)
-    _asked_for_codes.clear()
 
 
 class PrecisionState:
@@ -63,23 +46,16 @@ class PrecisionState:
         # The attention products (two activations, no weight) quantize the errors of both their products,
         # unrotated, with the layers' rounding and granularity (range "auto": the zero-centred grid).
         self.attention_errors = errors.for_attention()
-        # Training products on integer codes (`hf_cpt.numerics.integer_matmul`): True (every layer's), False, "auto"
-        # or "activations" (those of the layers whose output feeds an activation that recomputes its input,
-        # `hf_cpt.nn.recompute`), resolved per device by its backend (`Backend.products_on_codes`).
+        # Training products on integer codes (`hf_cpt.numerics.integer_matmul`): True, False or "auto", resolved per
+        # device by its backend (`Backend.products_on_codes`).
         self.runtime = runtime
         self.integer_matmul = runtime.integer_matmul
         # Products on codes tag their outputs so that a converted activation recomputes them in backward instead of
         # keeping them (`hf_cpt.nn.recompute`); the forward MACs those recomputations ran so far.
         self.recompute_activation_inputs = runtime.recompute_activation_inputs
         self.recomputed_macs = 0
-        # A layer that keeps codes of a converted ReLU's output hands that ReLU a mask to keep (`hf_cpt.nn.relu_masks`).
-        self.relu_masks = runtime.relu_masks
         # Large errors quantized by one fused kernel (`hf_cpt.numerics.error_kernels`).
         self.fused_errors = runtime.fused_error_quantizer
-        # Set once a quantized layer is fed a ReLU called as a function: the model's training forwards then send such
-        # calls the same way (`hf_cpt.nn.relu_masks.FunctionalReLUScope`).
-        self.functional_relus = False
-        self.functional_relu_scope = None  # those hooks (`quantize_model` makes them)
         self.activation_momentum = activation_momentum
         self.activation_ema_init = activation_ema_init
         # The last input of the per-token layers, rotated and quantized once for its sibling layers.
@@ -127,27 +103,10 @@ class PrecisionState:
         grad_bits = self.grad_bits
         return derived(grad_bits, ("error_bits", device), lambda: grad_bits.to(device, copy=True))
 
-    def integer_products(self, device: torch.device, layer: object = None) -> bool:
-        """Whether ``layer``'s training products on ``device`` run on integer codes (its backend resolves the
-        setting): every layer's, or under "activations" those of a layer marked `PRODUCTS_ON_CODES`."""
-        mode = backend_for(device).products_on_codes(self.integer_matmul)
-        return mode is True or (mode == "activations" and getattr(layer, PRODUCTS_ON_CODES, False) is True)
-
-    @staticmethod
-    def mark_products_on_codes(*layers: object) -> None:
-        """From the next optimizer step on (any `torch.optim.Optimizer`'s), ``layers``' training products run on codes
-        (`integer_matmul="activations"`)."""
-        global _optimizer_hook
-        for layer in layers:
-            if getattr(layer, PRODUCTS_ON_CODES, False) is not True:
-                _asked_for_codes.add(layer)
-        if _optimizer_hook is None:
-            _optimizer_hook = register_optimizer_step_pre_hook(_start_products_on_codes)
-
-    def learns_products_on_codes(self, device: torch.device) -> bool:
-        """Whether a layer's float training product on ``device`` tags its output, so that an activation it feeds
-        marks the layer to run on codes from the next optimizer step on (`integer_matmul="activations"`)."""
-        return backend_for(device).products_on_codes(self.integer_matmul) == "activations"
+    def integer_products(self, device: torch.device) -> bool:
+        """Whether the layers' training products on ``device`` run on integer codes (its backend resolves the
+        setting)."""
+        return backend_for(device).products_on_codes(self.integer_matmul)
 
     def quantize_error_on_backward(
         self, output: torch.Tensor, feature_dim: int = -1, attention: bool = False, granularity: str = "tensor"

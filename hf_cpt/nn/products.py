@@ -16,9 +16,7 @@ from ..backends import backend_for
 from ..numerics.fake_quant import fake_quantize, token_range
 from ..numerics.rotated_codes import rotated_token_codes
 from ..numerics.rotation import Rotation
-from .recompute import mark_float_product, mark_recomputable
-from .relu_masks import hand_over_input
-from .saved import same_view, saved_as_is
+from .recompute import mark_recomputable
 from .shared_input import SharedInput
 
 NOT_SAVED = (None, None, None)
@@ -26,6 +24,13 @@ NOT_SAVED = (None, None, None)
 # Autograd nodes whose backward keeps their own output (a ReLU keeps its result): a quantized layer fed that output
 # keeps a reference to it and quantizes it again in backward, instead of a second copy of it as codes.
 RESULT_KEEPING_NODES = frozenset({"ReluBackward0", "SigmoidBackward0", "TanhBackward0"})
+
+
+def saved_as_is() -> bool:
+    """Whether a tensor saved for backward now is kept as it is: no saved-tensor hooks run (offloading and
+    checkpointing keep a copy, or nothing) and no graph is being traced."""
+    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return not torch.compiler.is_dynamo_compiling() and hooks is not None and hooks(False) is None
 
 
 def kept_by_producer(x: torch.Tensor) -> bool:
@@ -40,7 +45,9 @@ def kept_by_producer(x: torch.Tensor) -> bool:
         saved = node._saved_result
     except RuntimeError:  # a backward through the producer ran already and freed it
         return False
-    return same_view(saved, x)
+    same_storage = saved.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    return same_storage and (saved.storage_offset(), saved.shape, saved.stride()) == (x.storage_offset(), x.shape,
+                                                                                       x.stride())
 
 
 def keeps_input(layer, needs_input_grad: bool, needs_weight_grad: bool) -> bool:
@@ -118,8 +125,6 @@ class QuantizedProducts(torch.autograd.Function):
     With ``integer`` (decided by `QuantLayerMixin.forward`: 8 bits or fewer, both operands quantized, a layer with
     `compute_on_codes`), the forward product runs on the operands' integer codes (`hf_cpt.numerics.integer_matmul`)
     and the fake-quantized floats are never formed; an operand given quantized then comes as (None, its codes).
-    With ``learn_codes`` (`PrecisionState.learns_products_on_codes`, a layer that could run on codes), a float
-    product whose output would be recomputable on codes tags it for the activation it feeds (`hf_cpt.nn.recompute`).
     Backward: straight-through for both operands; with error bits (``grad_bits``, a tensor never modified afterwards:
     `PrecisionState.error_bits`), the error is quantized once and each
     product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
@@ -130,7 +135,7 @@ class QuantizedProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_min, x_max, weight, weight_min, weight_max, bias, layer, bits, compact, grad_bits, errors,
-                rotated_weight, weight_rotation, x_quantized, weight_quantized=None, integer=False, learn_codes=False):
+                rotated_weight, weight_rotation, x_quantized, weight_quantized=None, integer=False):
         needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         keep_x = keeps_input(layer, needs_x, needs_weight)
         ctx.layer, ctx.errors, ctx.weight_rotation = layer, errors, weight_rotation
@@ -148,8 +153,6 @@ class QuantizedProducts(torch.autograd.Function):
             weight_codes = (weight_quantized[1] if weight_quantized is not None
                             else backend.operand(operand, weight_min, weight_max, bits, values=False)[1])
             x_saved = (x, x_min, x_max) if producer_keeps else x_codes if keep_x else NOT_SAVED
-            if layer.cpt_precision.relu_masks:
-                hand_over_input(x, x_saved[0], layer.cpt_precision)
             ctx.save_for_backward(*x_saved, *(weight_codes if needs_x else NOT_SAVED))
             autocast = torch.is_autocast_enabled(x.device.type)
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -169,12 +172,8 @@ class QuantizedProducts(torch.autograd.Function):
         else:  # quantized by the layer already (its codes kept for the other forwards of this optimizer step)
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
-        if layer.cpt_precision.relu_masks:
-            hand_over_input(x, x_saved[0], layer.cpt_precision)
         ctx.save_for_backward(*x_saved, *weight_saved)
         output = layer.compute(x_value, weight_value)
-        if learn_codes and keep_x and needs_x and not producer_keeps and not torch.compiler.is_dynamo_compiling():
-            mark_float_product(output, layer)  # where it would be recomputable on codes
         return output
 
     @staticmethod

@@ -8,14 +8,9 @@ a `RecomputableOutput` (references to the codes, no copy), an activation convert
 input, and its backward recomputes the input and differentiates the activation as autograd would: the same
 gradient bit for bit, for one more product on codes per layer and step (the cost meter counts it).
 
-Activations are converted in place, like the layers (same object, ``isinstance`` holds, no state but the
-``output_mappings`` flag). One that is fed anything else (a normalization's output, an edited tensor) runs as before.
-
-Which layers multiply codes is `integer_matmul`'s choice. Under ``"activations"`` (an option on a CPU without int8
-dot products, where a product on codes costs more than a float one: memory for time) a layer multiplies floats until
-an activation it feeds asks for its codes: its float product tags its output (`mark_float_product`), a converted
-activation fed that output marks the layer (`PrecisionState.mark_products_on_codes`), and from the next optimizer
-step on its product runs on codes and its output is recomputable (docs/method.md §2, "Integer products").
+Activations are converted in place, like the layers (same object, ``isinstance`` holds, no state). One that is fed
+anything else (a normalization's output, an edited tensor, a float product) runs as before. Which layers multiply
+codes is `integer_matmul`'s choice (docs/method.md §2, "Integer products").
 """
 
 from __future__ import annotations
@@ -23,12 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import relu_masks
-
 # The attribute a layer's output carries when it can be recomputed from codes.
 RECOMPUTABLE = "_cpt_recomputable"
-# The attribute a float product's output carries where its layer could multiply codes instead: (layer, version).
-FLOAT_PRODUCT = "_cpt_float_product"
 
 
 class RecomputableOutput:
@@ -68,19 +59,6 @@ def mark_recomputable(output: torch.Tensor, layer: nn.Module, x_codes: tuple, we
     setattr(output, RECOMPUTABLE, RecomputableOutput(layer, x_codes, weight_codes, bits, bias, dtype, output))
 
 
-def mark_float_product(output: torch.Tensor, layer: nn.Module) -> None:
-    """Tag ``output``, a float product of ``layer`` that could have run on its codes, with its layer: an activation
-    fed it unedited marks the layer to multiply codes (`PrecisionState.mark_products_on_codes`)."""
-    setattr(output, FLOAT_PRODUCT, (layer, output._version))
-
-
-def _ask_for_codes(x: torch.Tensor) -> None:
-    """Mark the layer whose float product ``x`` is, unedited, to multiply codes from the next optimizer step on."""
-    source = getattr(x, FLOAT_PRODUCT, None)
-    if source is not None and source[1] == x._version:
-        source[0].cpt_precision.mark_products_on_codes(source[0])
-
-
 class _ActivationOfRecomputedInput(torch.autograd.Function):
     """``activation(x)``, keeping the codes ``x`` is recomputed from instead of ``x``."""
 
@@ -105,7 +83,6 @@ class RecomputedActivationMixin:
     recomputable output (`RecomputableOutput`); any other input runs the activation as it was."""
 
     float_class: type  # set on each converted class
-    masks_relu_output = False  # `ReLUKeepingMask`: keeps its output until a quantized layer hands it a mask
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.float_class.forward(self, x)
@@ -116,11 +93,7 @@ class RecomputedActivationMixin:
         recipe = getattr(x, RECOMPUTABLE, None) if isinstance(x, torch.Tensor) else None
         # autograd records this call: the activation may keep codes in place of its input
         recorded = isinstance(x, torch.Tensor) and torch.is_grad_enabled() and not getattr(self, "inplace", False)
-        if recipe is None and recorded:
-            _ask_for_codes(x)
         if recipe is None or recipe.tensors is None or not recorded or not recipe.matches(x):
-            if self.masks_relu_output and isinstance(x, torch.Tensor) and relu_masks.runs_here(x):
-                return relu_masks.relu_handing_over(x, self.inplace)
             return self.float_forward(x)
         return _ActivationOfRecomputedInput.apply(x, self, recipe, *recipe.tensors)
 
@@ -150,16 +123,12 @@ def _recomputed_class(float_class: type, name: str | None = None, **attributes) 
 RECOMPUTED_ACTIVATION_CLASSES: dict[type, type] = {
     float_class: _recomputed_class(float_class) for float_class in dict.fromkeys(_activation_classes())
 }
-# A ReLU that also keeps a mask in place of an output a quantized layer keeps as codes (`relu_masks`).
-ReLUKeepingMask = _recomputed_class(nn.ReLU, "ReLUKeepingMask", masks_relu_output=True)
 
 
-def convert_activation(module: nn.Module, recompute: bool = True, relu_masks: bool = True) -> bool:
-    """Make ``module`` recompute its input where it can (``recompute``), or, a ReLU, keep a mask in place of its
-    output where it can (``relu_masks``, `hf_cpt.nn.relu_masks`), in place; False when its class is not converted
-    for either or it holds parameters or buffers."""
-    masks = relu_masks and type(module) is nn.ReLU
-    recomputed = ReLUKeepingMask if masks else RECOMPUTED_ACTIVATION_CLASSES.get(type(module)) if recompute else None
+def convert_activation(module: nn.Module) -> bool:
+    """Make ``module`` recompute its input where it can, in place; False when its class is not converted or it
+    holds parameters or buffers."""
+    recomputed = RECOMPUTED_ACTIVATION_CLASSES.get(type(module))
     if recomputed is None or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return False
     module.__class__ = recomputed

@@ -40,7 +40,6 @@ class SharedInputs:
         self._source: weakref.ref | None = None
         self._key: tuple[Any, ...] | None = None
         self._entry: SharedInput | None = None
-        self._owner: weakref.ref | None = None  # the layer that made the entry
         self.reuses = 0  # inputs served from here so far (the cost meter counts their rotation once)
 
     def get(self, x: torch.Tensor, key: tuple[Any, ...]) -> SharedInput | None:
@@ -50,20 +49,10 @@ class SharedInputs:
         self.reuses += 1
         return self._entry
 
-    def put(self, x: torch.Tensor, key: tuple[Any, ...], entry: SharedInput, layer: object = None) -> None:
-        """Hold ``entry``, made by ``layer``, for ``x`` until the next input, or until ``x`` is freed."""
+    def put(self, x: torch.Tensor, key: tuple[Any, ...], entry: SharedInput) -> None:
+        """Hold ``entry`` for ``x`` until the next input, or until ``x`` is freed."""
         self._source = weakref.ref(x, self._release)
         self._key, self._entry = (x._version, *key), entry
-        self._owner = None if layer is None else weakref.ref(layer)
-
-    def maker_for_other_product(self, x: torch.Tensor, key: tuple[Any, ...]) -> object | None:
-        """The layer that made the held entry where it is ``x``'s under ``key`` but for the other kind of product (the
-        key's last item: on codes or not), else None: siblings of which one multiplies codes for the activation it
-        feeds (`integer_matmul="activations"`), which should share one kind of operand."""
-        if (self._source is None or self._source() is not x or self._key is None or self._owner is None
-                or self._key[:-1] != (x._version, *key[:-1]) or self._key[-1] == key[-1]):
-            return None
-        return self._owner()
 
     def __getstate__(self) -> dict:  # a copied or pickled model starts empty (a weakref cannot be pickled)
         return {}
@@ -72,7 +61,7 @@ class SharedInputs:
         self.__init__()
 
     def clear(self) -> None:
-        self._source = self._key = self._entry = self._owner = None
+        self._source = self._key = self._entry = None
 
     def _release(self, source: weakref.ref) -> None:
         if source is self._source:

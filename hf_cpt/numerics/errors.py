@@ -21,7 +21,6 @@ import torch
 from ..utils import check_choice, setting
 from . import error_kernels
 from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_round
-from .error_rotation import ERROR_ROTATIONS, rotate_error
 from .fake_quant import _compute_dtype, fake_quantize, levels_on, quantization_scale, tensor_range, token_range
 
 # Below this many elements the eager error quantizer is as fast as the fused one.
@@ -42,7 +41,7 @@ ERROR_PRODUCTS = ("both", "input", "weight")
 
 @dataclass(frozen=True)
 class ErrorQuantization:
-    """How errors (output gradients) are quantized: ranges, rounding, rotation, which products use them."""
+    """How errors (output gradients) are quantized: ranges, rounding, which products use them."""
 
     granularity: str = setting(
         "tensor",
@@ -61,11 +60,6 @@ class ErrorQuantization:
         "Backward products that use the quantized error: 'both' (the CPT paper), 'input' (the input gradient; the "
         "weight gradient from the full-precision error, as SwitchBack does, priced at 32-bit errors) or 'weight'."
     )
-    rotation: str = setting(
-        "none",
-        "Orthogonal rotation of the error before quantizing (and back): 'none', 'features' (across the output "
-        "features) or 'tokens' (across tokens, in Hadamard blocks of 64, as HALO does)."
-    )
     range: str = setting(
         "minmax",
         "Grid of the quantized errors: 'minmax' (the range's min to max, the CPT paper), 'symmetric' (-max|e| to "
@@ -76,8 +70,7 @@ class ErrorQuantization:
 
     def __post_init__(self) -> None:
         for name, choices in (("granularity", ERROR_GRANULARITY_CHOICES), ("rounding", ERROR_ROUNDINGS),
-                              ("products", ERROR_PRODUCTS), ("rotation", ERROR_ROTATIONS),
-                              ("range", ERROR_RANGE_CHOICES)):
+                              ("products", ERROR_PRODUCTS), ("range", ERROR_RANGE_CHOICES)):
             check_choice("ErrorQuantization", name, getattr(self, name), choices)
 
     def for_activations(self, activation_granularity: str) -> ErrorQuantization:
@@ -88,11 +81,10 @@ class ErrorQuantization:
         return _resolve_errors(self, activation_granularity)
 
     def for_attention(self) -> ErrorQuantization:
-        """These settings for the attention products (two activations, no weight): the errors of both products,
-        unrotated; range "auto" becomes the zero-centred grid (the score gradient is zero almost everywhere in a
+        """These settings for the attention products (two activations, no weight): the errors of both products;
+        range "auto" becomes the zero-centred grid (the score gradient is zero almost everywhere in a
         row, and a min/max grid puts those zeros between two levels: docs/backward.md)."""
-        return dataclasses.replace(self, products="both", rotation="none",
-                                   range="symmetric" if self.range == "auto" else self.range)
+        return dataclasses.replace(self, products="both", range="symmetric" if self.range == "auto" else self.range)
 
     @property
     def quantizes_input_gradient(self) -> bool:
@@ -165,8 +157,7 @@ def quantize_error(
     """Quantization of an error tensor at ``bits`` with ``scheme`` (docs/method.md §2).
 
     Ranges per tensor (the CPT paper) or per row over ``feature_dim``, on the min/max or the zero-centred grid;
-    stochastic or nearest rounding;
-    optionally in a rotated basis (`rotate_error`) and rotated back. Stochastic rounding with
+    stochastic or nearest rounding. Stochastic rounding with
     ``fused`` runs one fused kernel (hashed noise, clamp, rounding; `error_kernels.fused_kernel`) for large
     tensors and falls back to the eager path, with one warning, if no fused kernel can be built.
     """
@@ -176,15 +167,6 @@ def quantize_error(
                          "ErrorQuantization.for_activations or for_attention)")
     if grad.numel() == 0:
         return grad
-    if scheme.rotation == "none":
-        return _quantize_error_unrotated(grad, bits, scheme, feature_dim, fused)
-    rotated, rotated_dim, back = rotate_error(grad, scheme.rotation, feature_dim)
-    return back(_quantize_error_unrotated(rotated, bits, scheme, rotated_dim, fused))
-
-
-def _quantize_error_unrotated(
-    grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int, fused: bool = True
-) -> torch.Tensor:
     per_row, symmetric = scheme.granularity == "token", scheme.range == "symmetric"
     if scheme.rounding == "nearest":
         if symmetric:

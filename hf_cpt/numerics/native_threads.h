@@ -2,7 +2,7 @@
  * POSIX thread started for the call, the calling thread taking the first. A kernel's result never depends on the
  * split.
  *
- * Included by error_kernels.c, code_kernels.c, rotation_kernels.c and mask_kernels.c; native.py keys each built
+ * Included by error_kernels.c, code_kernels.c, and rotation_kernels.c; native.py keys each built
  * library on this file too, so a change here rebuilds them all.
  */
 #ifndef HF_CPT_NATIVE_THREADS_H

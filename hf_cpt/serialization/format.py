@@ -19,7 +19,6 @@ from ..numerics.errors import (
     ERROR_GRANULARITY_CHOICES,
     ERROR_PRODUCTS,
     ERROR_RANGE_CHOICES,
-    ERROR_ROTATIONS,
     ERROR_ROUNDINGS,
     ErrorQuantization,
 )
@@ -92,7 +91,6 @@ class CheckpointFields:
     error_granularity: str = "tensor"
     error_rounding: str = "stochastic"
     error_products: str = "both"
-    error_rotation: str = "none"
     error_range: str = "minmax"  # absent in files written before the option: the grid they trained with
     # For the record:
     cpt_config: dict[str, Any] | None = None  # the run's CPTConfig
@@ -129,8 +127,7 @@ class CheckpointFields:
     @property
     def errors(self) -> ErrorQuantization:
         """How the loaded model quantizes errors if trained further (absent in older files: the paper's)."""
-        return ErrorQuantization(self.error_granularity, self.error_rounding, self.error_products, self.error_rotation,
-                                 self.error_range)
+        return ErrorQuantization(self.error_granularity, self.error_rounding, self.error_products, self.error_range)
 
     @property
     def packed(self) -> bool:
@@ -214,7 +211,7 @@ class CheckpointFields:
                 raise ValueError(f"quantization_config.attention_bits {problem}")
         for name, choices in (("quantized_attention", (None, *ACTIVATION_GRANULARITIES)),
                               ("error_granularity", ERROR_GRANULARITY_CHOICES), ("error_rounding", ERROR_ROUNDINGS),
-                              ("error_products", ERROR_PRODUCTS), ("error_rotation", ERROR_ROTATIONS),
+                              ("error_products", ERROR_PRODUCTS),
                               ("error_range", ERROR_RANGE_CHOICES),
                               ("activation_ema_init", EMA_INITS)):
             if getattr(self, name) not in choices:
