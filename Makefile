@@ -25,8 +25,15 @@ $(STAMP): pyproject.toml
 # The checkpoint tests that load the same trained checkpoints stay on one worker (xdist_group).
 TEST_WORKERS ?= 2
 
+# Then the layers' tests again on the other CPU path (HF_CPT_INT8_DOT: int8 dot products forced off where the CPU has
+# them, on where it has not), so that both paths run on every machine.
+OTHER_PATH_TESTS := tests/test_nn.py tests/test_integer_matmul.py tests/test_recompute.py tests/test_composition.py \
+	tests/test_backends.py tests/test_code_kernels.py
+
 test: install
 	$(RUN_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(RUN_ENV) HF_CPT_INT8_DOT=$$($(PY) -c "from hf_cpt.backends.cpu import cpu_reports_int8_dot as has; \
+		print(0 if has() else 1)") $(PY) -m pytest -q -n $(TEST_WORKERS) $(OTHER_PATH_TESTS)
 
 demo: install
 	$(RUN_ENV) $(PY) recipes/demo.py --output_dir outputs/demo

@@ -423,17 +423,13 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "parameters excluded), which no allocator changes. A quantized layer keeps the uint8 codes of its "
                   "input and of its weight (a quarter of the weight's size, kept beside the weight, so at small "
                   "batches the two sides are close); an activation fed by a product on codes keeps references to those "
-                  "codes, not its float input (`recompute_activation_inputs`, ⊘); dropout keeps a bool mask where "
-                  "PyTorch's keeps a float32 one on the CPU (`dropout_masks`, ⊘; no quantization, the same values bit "
-                  "for bit); the rest is the model's own (LayerNorm inputs, softmax outputs, the attention products' "
-                  "float operands), and with `quantize_attention` the attention products keep codes too. "
-                  "In a CNN a convolution's input is the output of the ReLU before it, which the ReLU keeps for its "
-                  "own backward: the ReLU hands that output over for a one-byte mask once the conv has kept its codes "
-                  "(`relu_masks`, ⊘), a ReLU module at once (timm's ResNet-18, the paper's ResNet-20), a ReLU "
-                  "called as a function (`torch.relu`) from the model's first training forward on, and a ResNet "
-                  "stem's ReLU, read by a max-pool that keeps only its indices (in runs before 2026-11-28, a function "
-                  "from the second forward on and the stem's ReLU kept its output; docs/method.md §2, "
-                  "\"ReLU masks\")."]
+                  "codes, not its float input (`recompute_activation_inputs`, ⊘); the rest is the model's own "
+                  "(LayerNorm inputs, softmax outputs, dropout masks, the attention products' float operands), and "
+                  "with `quantize_attention` the attention products keep codes too. In a CNN a convolution's input is "
+                  "the output of the ReLU before it, which the ReLU keeps for its own backward: the convolution keeps "
+                  "a reference to it, not codes of its own (docs/method.md §2, \"Inputs their producer keeps\"). "
+                  + ("Runs before 2026-12-04 also kept bool dropout masks and one-bit ReLU masks (settings since "
+                     "removed)." if overhead.get("before_engine_removals") else "")]
     if any("float_product_ratio" in row for row in overhead["rows"]):
         lines += ["", "∥ the same quantized step with float products (`integer_matmul=False`: the layers' forward "
                   "GEMM on fake-quantized floats in every layer), timed in the same run, "
@@ -449,10 +445,9 @@ def overhead_summary(overhead: dict) -> list[str]:
                   "with the others: what running the kernels' slices on the workers that wait for torch's next "
                   "parallel region buys."]
     if any("kept_inputs_ratio" in row or "memory_ratio_kept_inputs" in row for row in overhead["rows"]):
-        lines += ["", "⊘ the same quantized step with every activation and dropout keeping what "
-                  "autograd's keeps (`recompute_activation_inputs=False, relu_masks=False, dropout_masks=False`): its "
-                  "float input instead of recomputing it from the codes of the product before it in backward, a ReLU "
-                  "its float output instead of a mask, a CPU dropout a float32 mask (docs/method.md §2): its time, "
+        lines += ["", "⊘ the same quantized step with every activation keeping what autograd's keeps "
+                  "(`recompute_activation_inputs=False`): its float input instead of recomputing it from the codes of "
+                  "the product before it in backward (docs/method.md §2): its time, "
                   "timed in the same run, interleaved with the others; its peak memory under glibc's default (the "
                   "median of as many fresh processes as each side's, interleaved with theirs; rows measured before "
                   "this figure was added lack it) and as ‡ (one process), and what its forward keeps for backward, "
