@@ -52,6 +52,14 @@ def rotation_buffers(features: int) -> dict[str, tuple[int, ...]]:
     return {"rotation_signs": shapes[0], **{f"rotation_factor_{i}": shape for i, shape in enumerate(shapes[1:])}}
 
 
+
+def weight_fingerprint(weight: torch.Tensor) -> torch.Tensor:
+    """Per-row sums of ``weight``'s bit patterns as integers: any edit of its values moves them (but a reordering of
+    values within a row), one read of the weight; its version counter misses edits made through ``.data``."""
+    values = weight.detach().contiguous()
+    as_integers = values.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[values.element_size()])
+    return as_integers.reshape(values.shape[0], -1).sum(dim=1, dtype=torch.int64)
+
 class QuantLayerMixin:
     """Shared forward of the quantized layers: rotate, quantize input and weight, compute, mark the error.
 
@@ -123,7 +131,9 @@ class QuantLayerMixin:
     # -- frozen codes: a loaded layer computes with the codes it was exported with (docs/checkpoints.md) --
     def freeze_weight(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> None:
         """Compute with these codes (``[C, K]`` uint8, in the rotated basis when rotated) whenever the layer
-        evaluates at ``bits``, until its master weight changes (an optimizer step, an in-place edit).
+        evaluates at ``bits``, until its master weight changes: an optimizer step, an in-place edit, and an edit
+        through ``weight.data`` too (peft's LoRA merge: it moves no version counter), which `weight_fingerprint`
+        sees.
 
         Loading a checkpoint freezes every CPT layer to its stored codes: the loaded model then computes with
         the very weight the trained one did, instead of re-deriving it from the float master (``Q(W R)`` of a
@@ -132,7 +142,8 @@ class QuantLayerMixin:
         self.register_buffer(FROZEN_CODES, codes, persistent=False)
         self.register_buffer(FROZEN_SCALE, scale, persistent=False)
         self.register_buffer(FROZEN_ZERO_POINT, zero_point, persistent=False)
-        self.__dict__["_frozen"] = (int(bits), weakref.ref(self.weight), self.weight._version)
+        self.__dict__["_frozen"] = (int(bits), weakref.ref(self.weight), self.weight._version,
+                                    weight_fingerprint(self.weight))
 
     def unfreeze_weight(self) -> None:
         self.__dict__.pop("_frozen", None)
@@ -144,8 +155,9 @@ class QuantLayerMixin:
         frozen = self.__dict__.get("_frozen")
         if frozen is None or bits is None or bits != frozen[0]:
             return None
-        _, weight_ref, version = frozen
-        if weight_ref() is not self.weight or self.weight._version != version:
+        _, weight_ref, version, fingerprint = frozen
+        if (weight_ref() is not self.weight or self.weight._version != version
+                or not torch.equal(weight_fingerprint(self.weight), fingerprint)):
             self.unfreeze_weight()  # trained or replaced since loading: the master weight is the truth again
             return None
         return self._buffers[FROZEN_CODES], self._buffers[FROZEN_SCALE], self._buffers[FROZEN_ZERO_POINT]
