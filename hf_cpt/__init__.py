@@ -55,6 +55,7 @@ _EXPORTS = {
     "dequantize_model": "convert",
     "find_precision_state": "convert",
     "quantize_model": "convert",
+    "quantize_adapters": "convert",
     "set_eval_precision": "convert",
     "set_precision": "convert",
 }

@@ -7,6 +7,7 @@ returns a `QuantizationReport` saying what was converted and what was kept, and 
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -158,21 +159,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
     precision = PrecisionState.from_settings(config)
     report = QuantizationReport()
     for name, module in list(model.named_modules()):
-        if not _is_candidate_layer(module):
-            continue
-        reason = _reason_to_keep(name, module, config, heads)
-        if reason is not None:
-            report.kept[name] = reason
-            continue
-        granularity, rotate = resolve_scheme(config.quant_scheme, module)
-        if rotate:
-            obstacle = _rotation_obstacle(module)
-            if obstacle is not None:
-                rotate = False
-                report.not_rotated[name] = obstacle
-        convert_layer(module, precision, granularity, config.rotation_seed if rotate else None)
-        report.quantized.append(name)
-        report.schemes[name] = scheme_name(granularity, rotate)
+        if _is_candidate_layer(module):
+            _convert_layer(name, module, config, precision, report, heads)
     if config.quantize_embeddings:
         _quantize_embeddings(model, config, precision, report)
     if not report.quantized:
@@ -263,7 +251,7 @@ def _quantize_embeddings(model: nn.Module, config: CPTConfig, precision: Precisi
 def _reason_to_keep(name: str, module: nn.Module, config: CPTConfig, heads: set[str]) -> str | None:
     if type(module) not in QUANT_LAYER_CLASSES:
         return f"{type(module).__name__} subclasses {type(module).__mro__[1].__name__} with its own forward"
-    if not config.quantize_adapters and any(marker in name.split(".") for marker in ADAPTER_MARKERS):
+    if not config.quantize_adapters and _is_adapter(name):
         return "peft adapter (set quantize_adapters=True to quantize it)"
     pattern = matches_any(name, config.exclude_modules)
     if pattern is not None:
@@ -275,6 +263,43 @@ def _reason_to_keep(name: str, module: nn.Module, config: CPTConfig, heads: set[
     if _inside(name, heads):
         return "output head (kept FP32 as in the papers; list it in include_modules to quantize it)"
     return None
+
+
+def _convert_layer(name: str, module: nn.Module, config: CPTConfig, precision: PrecisionState,
+                   report: QuantizationReport, heads: set[str]) -> None:
+    """Convert one candidate layer as ``config`` selects it, or note in ``report`` why it stays."""
+    reason = _reason_to_keep(name, module, config, heads)
+    if reason is not None:
+        report.kept[name] = reason
+        return
+    granularity, rotate = resolve_scheme(config.quant_scheme, module)
+    if rotate:
+        obstacle = _rotation_obstacle(module)
+        if obstacle is not None:
+            rotate = False
+            report.not_rotated[name] = obstacle
+    convert_layer(module, precision, granularity, config.rotation_seed if rotate else None)
+    report.quantized.append(name)
+    report.schemes[name] = scheme_name(granularity, rotate)
+
+
+def _is_adapter(name: str) -> bool:
+    return any(marker in name.split(".") for marker in ADAPTER_MARKERS)
+
+
+def quantize_adapters(model: nn.Module, config: CPTConfig | None = None) -> QuantizationReport:
+    """Quantize the peft adapter layers (``lora_A`` / ``lora_B``) added to a quantized model after `quantize_model`
+    (``get_peft_model``, ``PeftModel.from_pretrained``), in place, with the model's precision and ``config``'s
+    scheme (give the run's config; default `CPTConfig()`). `CPTCallback` and `CPTTrainer` call it when a run starts
+    with ``quantize_adapters=True``; call it after loading adapters onto a quantized base."""
+    config = copy.copy(config or CPTConfig())
+    config.quantize_adapters = True
+    precision = find_precision_state(model)
+    report = QuantizationReport()
+    for name, module in list(model.named_modules()):
+        if _is_candidate_layer(module) and _is_adapter(name):
+            _convert_layer(name, module, config, precision, report, output_head_names(model))
+    return report
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:

@@ -108,3 +108,110 @@ def test_an_edit_through_data_unfreezes_a_loaded_layer(tmp_path):
     layer.weight.data[3] *= 4.0
     assert layer.frozen_codes(8) is None
     assert not torch.equal(_logits(model, batch), before)
+
+
+WORDS = "the a cat dog sat ran on in mat park big small red blue quickly slowly".split()
+
+
+def _tiny_llama(vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                        max_position_embeddings=64, tie_word_embeddings=False))
+
+
+# TRL's default (bf16=True) leaves the trained model's forward under accelerate's autocast: a reloaded float32 model
+# is compared under the same autocast (docs/clients.md). The test trains in FP32, where the two agree bit for bit.
+BF16 = False
+
+
+def test_trl_sft_trainer_with_the_callback_trains_says_how_to_save_and_the_saved_model_reloads_exactly(
+        tmp_path, caplog):
+    """TRL's SFTTrainer with `CPTCallback`, as its users write it (TRL's defaults): the cost logs appear; its
+    save_model cannot be reached, so the callback says once how to save the trained model; saved that way, the model
+    reloads in a fresh process computing what the trained one does."""
+    import logging
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_cpt import CPTCallback
+
+    from .helpers import build_word_tokenizer
+
+    tokenizer = build_word_tokenizer(WORDS, str(tmp_path))
+    tokenizer.eos_token = "[SEP]"
+    rng = torch.Generator().manual_seed(0)
+    texts = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (8,), generator=rng)) for _ in range(16)]
+    model = _tiny_llama(len(tokenizer))
+    config = CPTConfig(bits_min=4, bits_max=8, num_cycles=1, fidelity_threshold=None)
+    quantize_model(model, config)
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4, logging_steps=1,
+                     report_to=[], save_strategy="no", max_length=16, use_cpu=True, dataloader_num_workers=0,
+                     bf16=BF16)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                         processing_class=tokenizer, callbacks=[CPTCallback(config)])
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.integrations.callback"):
+        trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["cpt/bits"] for h in steps] == [4, 5, 6, 7]  # the cycle, logged at every step
+    assert caplog.text.count("this Trainer's save_model() writes the FP32 master weights") == 1
+    assert "hf_cpt.save_quantized(trainer.model, output_dir, bits=8)" in caplog.text
+
+    save_quantized(trainer.model, tmp_path / "saved", 8, model_card=False)
+    ids = tokenizer(texts[:2], return_tensors="pt", padding=True)["input_ids"]
+    trained = trainer.model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        expected = trained(input_ids=ids).logits.float()
+    torch.save(ids, tmp_path / "ids.pt")
+    code = (
+        "import json, torch, hf_cpt; from transformers import AutoModelForCausalLM as A; "
+        f"m = A.from_pretrained({str(tmp_path / 'saved')!r}).eval(); ids = torch.load({str(tmp_path / 'ids.pt')!r}); "
+        f"ctx = torch.autocast('cpu', dtype=torch.bfloat16, enabled={args.bf16}); "
+        "ctx.__enter__(); print(json.dumps(m(input_ids=ids).logits.float().tolist()))"
+    )
+    reloaded = torch.tensor(json.loads(run_python(["-c", code], check=True).stdout.strip().splitlines()[-1]))
+    assert _relative(reloaded, expected) <= 1e-5
+
+
+def test_adapters_added_after_quantize_model_are_quantized_and_reload_with_peft_exactly(tmp_path):
+    """The documented order (`quantize_model` with ``quantize_adapters=True``, then ``get_peft_model``, then the
+    Trainer): the run starts by quantizing the adapters, which train at the schedule's bits; saved with peft's own
+    ``save_pretrained`` and loaded with ``PeftModel.from_pretrained`` onto the quantized base, `quantize_adapters`
+    makes the loaded model compute what the trained one does."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import BertForSequenceClassification, TrainingArguments
+
+    from hf_cpt import CPTTrainer, quantize_adapters
+    from hf_cpt.nn.base import QuantLayerMixin
+
+    def base():
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(tiny_bert_config())
+        quantize_model(model, config)
+        return model
+
+    config = CPTConfig(bits_min=6, bits_max=8, num_cycles=1, quantize_adapters=True, fidelity_threshold=None)
+    lora = LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
+    model = get_peft_model(base(), lora)
+    query = model.base_model.model.bert.encoder.layer[0].attention.self.query
+    assert not isinstance(query.lora_A["default"], QuantLayerMixin)  # not yet: added after quantize_model
+    rows = [{"input_ids": torch.randint(5, 128, (12,)), "labels": torch.tensor(i % 2)} for i in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
+                             learning_rate=5e-2, report_to=[], save_strategy="no", use_cpu=True)
+    CPTTrainer(model=model, args=args, cpt_config=config, train_dataset=rows).train()
+    assert isinstance(query.lora_A["default"], QuantLayerMixin) and isinstance(query.lora_B["default"], QuantLayerMixin)
+    model.eval()
+    batch = {"input_ids": torch.stack([row["input_ids"] for row in rows[:4]])}
+    expected = _logits(model, batch)
+    with model.disable_adapter():
+        assert _relative(_logits(model, batch), expected) > 1e-3  # the adapters trained
+
+    model.save_pretrained(tmp_path / "adapter")  # plain peft
+    loaded = PeftModel.from_pretrained(base(), tmp_path / "adapter")
+    assert quantize_adapters(loaded, config).quantized == [
+        name for name, module in loaded.named_modules() if name.endswith(("lora_A.default", "lora_B.default"))]
+    set_precision(loaded, None)
+    assert torch.equal(_logits(loaded.eval(), batch), expected)

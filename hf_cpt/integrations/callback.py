@@ -19,6 +19,7 @@ from ..convert import (
     find_precision_state,
     is_quantized,
     load_activation_ranges,
+    quantize_adapters,
 )
 from ..cost import CostMeter
 from ..diagnostics.fidelity import output_fidelity
@@ -59,6 +60,7 @@ class CPTCallback(TrainerCallback):
         self.bits: int | None = None
         self.grad_bits: int | None = None
         self.logs_injected_by_trainer = False  # CPTTrainer adds the values in Trainer.log itself
+        self.trainer_saves_quantized = False  # CPTTrainer's save_model writes the packed checkpoint
         self.attached = False  # registered ahead of the reporting integrations by `attach`
         self.fidelity: dict[int, float] | None = None  # output fidelity at bits_min on the first batch
 
@@ -66,6 +68,10 @@ class CPTCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs):
         """What happens at the start of a run, in order."""
         self.precision = self._precision_of(model)
+        if self.config.quantize_adapters:  # adapters added after quantize_model (the documented order)
+            added = quantize_adapters(model, self.config).quantized
+            if added and state.is_world_process_zero:
+                logger.info("hf_cpt: quantized %d peft adapter layers added after quantize_model.", len(added))
         bits_min = self._range_test(args, state, model, kwargs.get("train_dataloader"), kwargs.get("optimizer"))
         self._build_schedules(state.max_steps, bits_min)
         self._check_fidelity(state, model, kwargs.get("train_dataloader"))
@@ -223,6 +229,13 @@ class CPTCallback(TrainerCallback):
         report = self.cost_report()
         if state.is_world_process_zero:
             logger.warning(format_cost_report(report))
+            if not self.trainer_saves_quantized and self.config.schedule != "fp32":
+                bits = self.config.bits_max
+                logger.warning(
+                    "hf_cpt: this Trainer's save_model() writes the FP32 master weights, without quantization_config: "
+                    "they reload as a float model, not the %d-bit one trained. Save the trained model with "
+                    "hf_cpt.save_quantized(trainer.model, output_dir, bits=%d), or train with hf_cpt.CPTTrainer, "
+                    "whose save_model does (docs/clients.md).", bits, bits)
             if args.output_dir:
                 os.makedirs(args.output_dir, exist_ok=True)
                 with open(os.path.join(args.output_dir, COST_REPORT_FILE), "w") as f:

@@ -77,13 +77,13 @@ class CPTTrainer(Trainer):
                 "bits=<1..%d> to export at that precision).", unexportable, MAX_EXPORT_BITS,
             )
         self.cpt_callback = CPTCallback(self.cpt_config)
-        self.cpt_callback.logs_injected_by_trainer = True
+        self.cpt_callback.logs_injected_by_trainer = self.cpt_callback.trainer_saves_quantized = True
         kwargs["callbacks"] = [self.cpt_callback] + list(kwargs.get("callbacks") or [])
         super().__init__(model, args, *trainer_args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """`transformers.Trainer.train`; a resumed run's callback reads its own files (activation ranges, cost,
-        the layers on codes) from the checkpoint resumed from, wherever it is."""
+        """`transformers.Trainer.train`; a resumed run's callback reads its own files (activation ranges, cost)
+        from the checkpoint resumed from, wherever it is."""
         checkpoint = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         if resume_from_checkpoint is True and os.path.isdir(self.args.output_dir):  # none found: the Trainer's error
             checkpoint = get_last_checkpoint(self.args.output_dir)
