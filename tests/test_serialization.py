@@ -253,18 +253,30 @@ def test_size_ratios_at_realistic_proportions(tmp_path):
     assert ratios[8] <= 0.27 and ratios[4] <= 0.15
 
 
-def test_portable_export_loads_as_cpt_model(tmp_path):
+def test_portable_export_is_a_plain_float_checkpoint_with_its_settings_beside_it(tmp_path):
+    """No quantization_config: it loads as a float model (weights on the grid), hf_cpt imported or not; the CPT
+    settings are in cpt_config.json."""
     model, inputs, auto_class = calibrated("gpt2")
-    expected = logits(model, inputs, 4)
     export_portable(model, tmp_path, 4, model_card=False)
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
     assert all(t.is_floating_point() for t in tensors.values())
+    assert set(tensors) <= set(hf_cpt.dequantize_model(copy.deepcopy(model)).state_dict())  # plain keys only
     layer = model.transformer.h[0].mlp.c_fc
     assert torch.equal(tensors["transformer.h.0.mlp.c_fc.weight"], layer.quantized_weight(4))
+    assert "quantization_config" not in json.load(open(tmp_path / "config.json"))
+    settings = json.load(open(tmp_path / "cpt_config.json"))
+    assert settings["bits"] == 4 and settings["checkpoint_format"] == "portable"
+    assert settings["activation_ranges"]["transformer.h.0.mlp.c_fc"] == [float(layer.act_min), float(layer.act_max)]
 
     loaded = auto_class.from_pretrained(tmp_path)
-    assert isinstance(loaded.transformer.h[0].mlp.c_fc, QuantLayerMixin)
-    torch.testing.assert_close(logits(loaded, inputs), expected, rtol=1e-5, atol=1e-6)
+    assert not any(isinstance(m, QuantLayerMixin) for m in loaded.modules())
+    snapped = copy.deepcopy(model)
+    for quantized in snapped.modules():
+        if isinstance(quantized, QuantLayerMixin):
+            with torch.no_grad():
+                quantized.weight.copy_(quantized.quantized_weight(4))
+    hf_cpt.dequantize_model(snapped)
+    torch.testing.assert_close(logits(loaded, inputs), logits(snapped, inputs), rtol=0, atol=0)
 
 
 def test_without_import_hf_cpt_packed_fails_loudly_and_portable_loads(tmp_path):

@@ -211,8 +211,8 @@ def _intro_section(model_name: str, fields: CheckpointFields | None) -> list[str
             f"{intro} and stored as a{'n' if fields.bits == 8 else ''} **{fields.bits}-bit packed CPT checkpoint**: "
             "integer weights, a per-channel scale and zero point, and the activation ranges, in safetensors."
         ]
-    return lines + [f"{intro} and exported in the **portable** format: float weights snapped to the {fields.bits}-bit "
-                    "grid."]
+    return lines + [f"{intro} and exported in the **portable** format: a plain float checkpoint whose quantized "
+                    f"layers' weights are snapped to the {fields.bits}-bit grid (the CPT settings: `cpt_config.json`)."]
 
 
 def _loading_section(model: nn.Module, fields: CheckpointFields | None, repo_id: str | None) -> list[str]:
@@ -230,12 +230,11 @@ def _loading_section(model: nn.Module, fields: CheckpointFields | None, repo_id:
         )
     else:
         lines.append(
-            "Plain transformers loads it as a float model (weights on the quantization grid, activations not "
-            f"quantized). To rebuild the CPT layers with their activation quantizers: {INSTALL_HINT}, then "
-            "`import hf_cpt` before `from_pretrained`."
+            "Any reader of transformers checkpoints loads it, without hf-cpt, as a float model (weights on the "
+            "quantization grid, activations not quantized)."
         )
     lines += ["", "```python"]
-    if fields is not None:
+    if fields is not None and fields.packed:
         lines.append("import hf_cpt  # noqa: F401  (registers quant_method 'cpt' with transformers)")
     lines += [f"from transformers import {auto_class}", "",
               f'model = {auto_class}.from_pretrained("{repo_id or "path/to/this/model"}")', "```", ""]

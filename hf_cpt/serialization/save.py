@@ -31,6 +31,7 @@ anywhere. Layout details: ``docs/checkpoints.md``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -86,13 +87,22 @@ def plain_model(model: nn.Module) -> Iterator[None]:
             config.quantization_config = old_config
 
 
+PORTABLE_SETTINGS_FILE = "cpt_config.json"  # a portable export's CPT settings (`CheckpointFields`)
+
 def write_checkpoint(
     model: nn.Module, save_directory: str, state_dict: dict, fields: CheckpointFields, **save_kwargs
 ) -> None:
-    """``model.save_pretrained`` with an export's state dict and ``quantization_config`` (the model is unchanged)."""
-    quantization_config = CPTQuantizationConfig.from_fields(fields)
-    with _as_export(model, quantization_config):
+    """``model.save_pretrained`` with an export's state dict (the model is unchanged): a packed export with its
+    ``quantization_config``; a portable one as a plain float checkpoint that any reader of transformers checkpoints
+    loads, its CPT settings in `PORTABLE_SETTINGS_FILE` beside it."""
+    if fields.packed:
+        with _as_export(model, CPTQuantizationConfig.from_fields(fields)):
+            model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
+        return
+    with plain_model(model):
         model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
+    with open(os.path.join(save_directory, PORTABLE_SETTINGS_FILE), "w") as f:
+        json.dump(fields.to_dict(), f, indent=2)
 
 
 def save_quantized(
@@ -142,12 +152,11 @@ def export_portable(
     card_info: dict[str, Any] | None = None,
     **save_kwargs: Any,
 ) -> str:
-    """Write a float checkpoint whose CPT-layer weights are snapped to the ``bits`` grid; it loads anywhere.
-
-    Without ``import hf_cpt``, transformers warns about the unknown ``cpt`` quantization and loads a
-    plain float model (weights on the grid; activations and attention products not quantized). With
-    ``import hf_cpt`` the CPT layers and their activation ranges are rebuilt, as from a packed
-    checkpoint. Same size as FP32.
+    """Write a plain float checkpoint whose CPT-layer weights are snapped to the ``bits`` grid: it loads anywhere
+    (``from_pretrained``, evaluation harnesses, serving engines), as a float model (weights on the grid; activations
+    and attention products not quantized), with or without hf_cpt. No ``quantization_config``: the CPT settings
+    (bits, layers, activation ranges, the run's config) go into ``cpt_config.json`` and the model card. Same size as
+    FP32; for the trained model's exact computation, `save_quantized`.
     """
     save_directory = os.fspath(save_directory)
     bits = resolve_export_bits(model, bits, cpt_config)
