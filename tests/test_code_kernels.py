@@ -182,9 +182,14 @@ def test_native_centred_codes_and_their_sums_are_exact(shape, per_column, bits):
     assert torch.equal(sums.long(), centred.sum(dim)) and torch.equal(squares.long(), centred.square().sum(dim))
 
 
-def test_kernels_run_on_one_thread_unless_told_and_refuse_a_bad_count(monkeypatch):
-    """A kernel's own threads wait for a core torch's spinning workers hold inside a step: one unless told."""
+def test_kernels_run_on_torchs_team_else_on_one_thread_unless_told_and_refuse_a_bad_count(monkeypatch):
+    """Built with OpenMP, a kernel splits its rows over torch's team (torch's thread count); else threads of its own
+    would wait for a core torch's spinning workers hold inside a step: one unless told."""
     monkeypatch.delenv(native.THREADS_VARIABLE, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(native, "_on_openmp_team", True)
+    assert native.threads() == 4
+    monkeypatch.setattr(native, "_on_openmp_team", False)
     assert native.threads() == 1
     monkeypatch.setenv(native.THREADS_VARIABLE, "3")
     assert native.threads() == 3

@@ -30,17 +30,19 @@ logger = logging.getLogger(__name__)
 # Exact IEEE float32 arithmetic (no fused multiply-add, no fast-math), vectorized for this CPU.
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread")
 NATIVE_FLAGS = ("-march=native",)
+OPENMP_FLAGS = ("-fopenmp",)  # the kernels' slices on torch's OpenMP team (native_threads.h); tried first
 DISABLE_VARIABLE = "HF_CPT_NATIVE_KERNELS"  # "0" turns the native kernels off (the callers' other path runs)
 THREADS_VARIABLE = "HF_CPT_NATIVE_THREADS"  # how many threads a kernel splits its rows over
 
 
 def threads() -> int:
-    """The threads a native kernel splits its rows over: ``$HF_CPT_NATIVE_THREADS``, else one: inside a training step
-    torch's idle OpenMP workers keep spinning on the other cores, so a kernel's own threads wait for a core, and one
-    measured faster there than two (docs/compatibility.md)."""
+    """The threads a native kernel splits its rows over: ``$HF_CPT_NATIVE_THREADS``, else torch's thread count where
+    the kernels run on torch's OpenMP team (built with OpenMP), else one: inside a training step torch's idle OpenMP
+    workers keep spinning on the other cores, so threads of a kernel's own wait for a core, and one measured faster
+    there than two (docs/compatibility.md)."""
     value = os.environ.get(THREADS_VARIABLE)
     if value is None:
-        return 1
+        return torch.get_num_threads() if _on_openmp_team else 1
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, got {value!r}")
     return int(value)
@@ -79,7 +81,8 @@ def _build(source: Path, target: Path, compiler: str) -> str | None:
     the compiler's complaint on failure."""
     target.parent.mkdir(parents=True, exist_ok=True)
     complaint = None
-    for flags in (FLAGS + NATIVE_FLAGS, FLAGS):  # a compiler without -march=native still builds portable code
+    # a compiler without OpenMP or -march=native still builds the kernels, on POSIX threads or portable
+    for flags in (FLAGS + OPENMP_FLAGS + NATIVE_FLAGS, FLAGS + OPENMP_FLAGS, FLAGS + NATIVE_FLAGS, FLAGS):
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as scratch:
             partial = Path(scratch.name)
         try:
@@ -99,8 +102,8 @@ def _build(source: Path, target: Path, compiler: str) -> str | None:
 def _target(source: Path) -> Path:
     # The key covers the package's headers too (every kernel includes them), so a changed header rebuilds all.
     headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, *NATIVE_FLAGS, platform.machine(),
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    parts = [source.read_text(), *headers, *FLAGS, *OPENMP_FLAGS, *NATIVE_FLAGS, platform.machine(), _cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"
 
 
@@ -207,4 +210,10 @@ def load(name: str) -> ctypes.CDLL | None:
     except OSError as error:
         logger.warning("hf_cpt: loading %s failed (%s); using the other path", target, error)
         return None
+    global _on_openmp_team
+    _on_openmp_team = bool(library.hf_cpt_openmp()) and _on_openmp_team is not False
     return library
+
+
+# Whether every kernel library loaded so far splits its work on an OpenMP team (None: none loaded yet).
+_on_openmp_team: bool | None = None

@@ -1,6 +1,10 @@
 /* How the package's C kernels split their work over threads: one contiguous slice of items (rows, or elements) per
- * POSIX thread started for the call, the calling thread taking the first. A kernel's result never depends on the
- * split.
+ * thread, the calling thread taking the first. A kernel's result never depends on the split.
+ *
+ * Built with OpenMP (-fopenmp, native.py), the slices run in an OpenMP parallel region: the dynamic linker resolves
+ * libgomp.so.1 to the runtime torch has loaded, so they run on torch's own team, whose workers wait for its next
+ * region anyway (threads of their own would compete with those spinning workers for the cores). Without OpenMP, on
+ * POSIX threads started for the call.
  *
  * Included by error_kernels.c, code_kernels.c, and rotation_kernels.c; native.py keys each built
  * library on this file too, so a change here rebuilds them all.
@@ -10,6 +14,18 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Whether this library splits its work on an OpenMP team (native.py reads it to choose the default thread count). */
+int hf_cpt_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 #define MAX_THREADS 64
 
@@ -45,6 +61,15 @@ static int split_items(slice_body body, const void *args, int64_t items, int64_t
         slice_t slice = {body, args, items * t / threads, items * (t + 1) / threads, 0};
         slices[t] = slice;
     }
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int t = 0; t < threads; t++) run_slice(&slices[t]);
+        int failed = 0;
+        for (int t = 0; t < threads; t++) failed |= slices[t].failed;
+        return failed ? -1 : threads;
+    }
+#endif
     int started = 1;
     for (; started < threads; started++) {
         if (pthread_create(&ids[started], 0, run_slice, &slices[started]) != 0) break;

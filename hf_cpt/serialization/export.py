@@ -28,7 +28,7 @@ from .format import (
     ACT_MIN,
     MAX_EXPORT_BITS,
     PACKED,
-    QUANT_METHOD,
+    QUANT_METHODS,
     REQUIRES_HF_CPT,
     SCALE,
     ZERO_POINT,
@@ -335,8 +335,8 @@ def resolve_export_bits(model: nn.Module, bits: int | None, cpt_config: CPTConfi
     if bits is None:
         stored = getattr(getattr(model, "config", None), "quantization_config", None)
         stored_bits = stored.get("bits") if isinstance(stored, dict) else getattr(stored, "bits", None)
-        if getattr(stored, "quant_method", None) == QUANT_METHOD or (
-            isinstance(stored, dict) and stored.get("quant_method") == QUANT_METHOD
+        if getattr(stored, "quant_method", None) in QUANT_METHODS or (
+            isinstance(stored, dict) and stored.get("quant_method") in QUANT_METHODS
         ):
             bits = stored_bits
     if bits is None:

@@ -24,7 +24,11 @@ from ..numerics.errors import (
 )
 from ..version import __version__
 
-QUANT_METHOD = "cpt"
+# The quant_method written. A reader without hf_cpt (transformers, lm-eval, a serving engine) names it in the first line
+# it prints ("Unknown quantization type, got ..."), before any load report: so it says what is needed. Files written
+# before 2026-12-04 hold "cpt"; both are registered.
+QUANT_METHOD = "cpt: needs hf-cpt (pip install hf-cpt), then import hf_cpt"
+QUANT_METHODS = (QUANT_METHOD, "cpt")
 # 2: layer_schemes (per-token / rotated layers). 3: packed files also hold each rotated layer's rotation
 # tensors, the attention routing of the trained model (`attention_routing`) and the `REQUIRES_HF_CPT` marker.
 # 4: `attention_bits` (attention products at a fixed bit-width), which an older reader would ignore.
@@ -134,8 +138,9 @@ class CheckpointFields:
         return self.checkpoint_format == "packed"
 
     def _check_identity(self) -> None:
-        if self.quant_method != QUANT_METHOD:
-            raise ValueError(f"quantization_config.quant_method must be {QUANT_METHOD!r}, got {self.quant_method!r}.")
+        if self.quant_method not in QUANT_METHODS:
+            raise ValueError(f"quantization_config.quant_method must be one of {list(QUANT_METHODS)}, got "
+                             f"{self.quant_method!r}.")
         if self.format_version not in SUPPORTED_FORMAT_VERSIONS:
             raise ValueError(
                 f"quantization_config.format_version={self.format_version!r} is not supported by hf_cpt {__version__} "

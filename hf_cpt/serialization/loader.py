@@ -39,7 +39,7 @@ from ..nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_la
 from ..nn.precision import PrecisionState
 from ..numerics.fake_quant import dequantize_codes
 from .export import packed_state_dict, portable_state_dict
-from .format import ACT_MAX, ACT_MIN, PACKED, QUANT_METHOD, REQUIRES_HF_CPT, SCALE, ZERO_POINT
+from .format import ACT_MAX, ACT_MIN, PACKED, QUANT_METHODS, REQUIRES_HF_CPT, SCALE, ZERO_POINT
 from .packing import packed_row_bytes, unpack_codes
 from .quantization_config import CPTQuantizationConfig
 from .validation import named_module, read_tensor_headers, safetensors_files, validate_checkpoint
@@ -282,15 +282,17 @@ class CPTHfQuantizer(HfQuantizer):
 
 
 def _register() -> None:
-    """Register the ``cpt`` method with transformers (idempotent: a second import replaces the entry)."""
+    """Register the CPT methods (`QUANT_METHODS`) with transformers (idempotent: a second import replaces the
+    entries)."""
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
-    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not None:
-        AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = CPTQuantizationConfig
-        AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = CPTHfQuantizer
-        return
-    register_quantization_config(QUANT_METHOD)(CPTQuantizationConfig)
-    register_quantizer(QUANT_METHOD)(CPTHfQuantizer)
+    for name in QUANT_METHODS:
+        if AUTO_QUANTIZATION_CONFIG_MAPPING.get(name) is not None:
+            AUTO_QUANTIZATION_CONFIG_MAPPING[name] = CPTQuantizationConfig
+            AUTO_QUANTIZER_MAPPING[name] = CPTHfQuantizer
+        else:
+            register_quantization_config(name)(CPTQuantizationConfig)
+            register_quantizer(name)(CPTHfQuantizer)
 
 
 _register()

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import CPTConfig
 from .export import packed_state_dict, portable_state_dict, resolve_export_bits
-from .format import QUANT_METHOD, CheckpointFields
+from .format import QUANT_METHODS, CheckpointFields
 from .model_card import write_model_card
 from .quantization_config import CPTQuantizationConfig
 
@@ -72,7 +72,7 @@ def plain_model(model: nn.Module) -> Iterator[None]:
     """Save as a plain FP32 model: hide a loaded CPT quantizer and its ``quantization_config``."""
     config = getattr(model, "config", None)
     quantizer = model.__dict__.get("hf_quantizer")
-    is_cpt = quantizer is not None and getattr(quantizer.quantization_config, "quant_method", None) == QUANT_METHOD
+    is_cpt = quantizer is not None and getattr(quantizer.quantization_config, "quant_method", None) in QUANT_METHODS
     if not is_cpt:
         yield
         return
