@@ -270,3 +270,35 @@ def test_a_portable_export_loads_in_lm_eval_and_transformers_without_hf_cpt(tmp_
         expected.append(sum(float(logprobs[i - 1, sequence[i]]) for i in range(len(context_ids), len(sequence))))
     assert out["hf_cpt"] is False and out["plain"] == "Linear"
     assert out["got"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_reader_without_hf_cpt_names_it_first_and_an_older_cpt_file_still_loads(tmp_path):
+    """transformers (and lm-eval, which asks transformers for the config) print the quant_method in the first line
+    they print about a packed checkpoint: it names hf-cpt and the fix, before any load report. A file written before
+    the name changed (quant_method "cpt") loads with hf_cpt as before."""
+    batch = _trained_packed_checkpoint(tmp_path / "packed")
+    code = (
+        "from transformers import AutoModelForSequenceClassification as A\n"
+        f"try:\n    A.from_pretrained({str(tmp_path / 'packed')!r})\nexcept RuntimeError:\n    print('REFUSED')\n"
+        "from transformers.quantizers.auto import AutoQuantizationConfig\n"
+        "import json\n"
+        f"config = json.load(open({str(tmp_path / 'packed' / 'config.json')!r}))['quantization_config']\n"
+        "try:\n    AutoQuantizationConfig.from_dict(config)\nexcept ValueError as error:\n"
+        "    print('LM-EVAL PATH:', str(error).splitlines()[0])\n"
+    )
+    result = run_python(["-c", code])
+    lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+    assert "REFUSED" in result.stdout
+    hint = "needs hf-cpt (pip install hf-cpt), then import hf_cpt"
+    assert hint in lines[0], lines[:3]  # the first line printed, before the load report
+    assert hint in result.stdout.split("LM-EVAL PATH:")[1]
+
+    from transformers import AutoModelForSequenceClassification
+
+    expected = _logits(AutoModelForSequenceClassification.from_pretrained(tmp_path / "packed"), batch)
+    config_file = tmp_path / "packed" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"]["quant_method"] = "cpt"  # as files written before 2026-12-04 hold it
+    config_file.write_text(json.dumps(config))
+    assert torch.equal(_logits(AutoModelForSequenceClassification.from_pretrained(tmp_path / "packed"), batch),
+                       expected)

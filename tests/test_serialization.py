@@ -33,7 +33,13 @@ from hf_cpt.nn.base import QuantLayerMixin
 from hf_cpt.nn.layers import weight_channel_dim
 from hf_cpt.numerics.fake_quant import dequantize_codes, quantize_codes
 from hf_cpt.serialization.export import plan_export
-from hf_cpt.serialization.format import FORMAT_VERSION, REQUIRES_HF_CPT, CheckpointFields, float_storage_bits
+from hf_cpt.serialization.format import (
+    FORMAT_VERSION,
+    QUANT_METHOD,
+    REQUIRES_HF_CPT,
+    CheckpointFields,
+    float_storage_bits,
+)
 from hf_cpt.serialization.packing import pack_codes, unpack_codes
 from hf_cpt.serialization.save import checkpoint_size
 from hf_cpt.version import INSTALL_HINT
@@ -207,7 +213,7 @@ def test_packed_tensors_and_config(tmp_path):
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
     config = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
 
-    assert config["quant_method"] == "cpt" and config["format_version"] == FORMAT_VERSION
+    assert config["quant_method"] == QUANT_METHOD and config["format_version"] == FORMAT_VERSION
     assert config["checkpoint_format"] == "packed" and config["bits"] == 4 and config["float_weight_bits"] == "auto"
     assert config["activation_momentum"] == 0.9 and config["activation_ema_init"] == "first_batch"
     query = "bert.encoder.layer.0.attention.self.query"
@@ -655,7 +661,7 @@ def test_push_to_hub_uploads_packed_checkpoint_and_model_card(tmp_path, monkeypa
         "training_args.bin", *tokenizer_files,
     ])
     config = json.loads(contents["config.json"])["quantization_config"]
-    assert config["quant_method"] == "cpt" and config["bits"] == 8 and config["checkpoint_format"] == "packed"
+    assert config["quant_method"] == QUANT_METHOD and config["bits"] == 8 and config["checkpoint_format"] == "packed"
     assert contents["cpt_schedule.png"].startswith(b"\x89PNG")
     card = contents["README.md"].decode()
     report = trainer.cpt_callback.cost_report()
