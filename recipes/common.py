@@ -490,13 +490,8 @@ def load_model(auto_cls, model_args: ModelArguments, config, tokenizer=None):
 # Metrics
 # ---------------------------------------------------------------------------------------------
 def accuracy_metrics() -> Callable:
-    """``compute_metrics`` giving ``accuracy`` from logits or predicted ids (labels -100 are ignored).
-
-    Uses the `evaluate` accuracy script shipped in `hf_cpt.metrics`, online and offline alike.
-    """
-    from hf_cpt.metrics import load_metric
-
-    metric = load_metric("accuracy")
+    """``compute_metrics`` giving ``accuracy`` from logits or predicted ids (labels -100 are ignored), computed here:
+    the same online and offline, no metric script to fetch."""
 
     def compute_metrics(eval_pred):
         predictions = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
@@ -505,7 +500,7 @@ def accuracy_metrics() -> Callable:
         if predictions.ndim > references.ndim:  # logits
             predictions = predictions.argmax(axis=-1)
         keep = references != -100  # padding of labels
-        return metric.compute(predictions=predictions[keep], references=references[keep])
+        return {"accuracy": float((predictions[keep] == references[keep]).mean())}
 
     return compute_metrics
 

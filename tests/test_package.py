@@ -21,7 +21,7 @@ LAYERS = {
     "convert": 5,
     "diagnostics": 6, "serialization": 6,
     "integrations": 7,
-    "cli": 8, "registration": 8, "metrics": 8, "__main__": 9,
+    "cli": 8, "registration": 8, "__main__": 9,
 }
 MAX_LINES = 400
 
@@ -125,13 +125,11 @@ def test_no_file_is_longer_than_the_limit():
 
 def test_torch_and_transformers_are_the_only_third_party_imports():
     """``import hf_cpt`` and every module it can load need only torch, transformers (and what they bring:
-    accelerate for the Trainer, safetensors); the recipes' metric is the one exception (datasets, evaluate)."""
+    accelerate for the Trainer, safetensors)."""
     allowed = {"torch", "transformers", "safetensors", "accelerate", "numpy", "matplotlib"}
     stdlib = set(__import__("sys").stdlib_module_names)
     found = {}
     for module, path in _modules().items():
-        if _layer(module) == "metrics":
-            continue
         for node in ast.walk(ast.parse(open(path).read())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])

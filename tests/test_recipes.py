@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from .fresh_python import run_python
@@ -308,21 +309,23 @@ def test_validation_split_is_deterministic():
     assert first["validation"]["x"] != list(range(180, 200))  # shuffled, not the file's tail
 
 
-def test_shipped_accuracy_metric_matches_sklearn():
+def test_the_recipes_accuracy_matches_sklearn_from_logits_and_ids_without_padded_labels():
     from sklearn.metrics import accuracy_score
+    from transformers import EvalPrediction
 
-    from hf_cpt.metrics import available_metrics, load_metric
+    sys.path.insert(0, RECIPES)
+    import common
 
-    assert "accuracy" in available_metrics()
-    metric = load_metric("accuracy")
-    predictions, references = [0, 1, 2, 2, 1, 0, 1], [0, 1, 1, 2, 0, 0, 2]
-    assert metric.compute(predictions=predictions, references=references)["accuracy"] == pytest.approx(
-        accuracy_score(references, predictions)
-    )
-    weights = [1, 2, 3, 4, 5, 6, 7]
-    assert metric.compute(predictions=predictions, references=references, sample_weight=weights)[
-        "accuracy"
-    ] == pytest.approx(accuracy_score(references, predictions, sample_weight=weights))
+    compute = common.accuracy_metrics()
+    predictions, references = np.array([0, 1, 2, 2, 1, 0, 1]), np.array([0, 1, 1, 2, 0, 0, 2])
+    expected = accuracy_score(references, predictions)
+    assert compute(EvalPrediction(predictions, references))["accuracy"] == pytest.approx(expected)
+    logits = np.eye(3)[predictions] * 5.0  # the same predictions as logits
+    assert compute(EvalPrediction((logits,), references))["accuracy"] == pytest.approx(expected)
+    padded = np.array([0, 1, -100, 2, -100, 0, 2])  # labels -100 are ignored
+    keep = padded != -100
+    assert compute(EvalPrediction(predictions, padded))["accuracy"] == pytest.approx(
+        accuracy_score(padded[keep], predictions[keep]))
 
 
 class _RecordingTrainer:
