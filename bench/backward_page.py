@@ -202,7 +202,7 @@ def gpu_summary(results: dict) -> list[str]:
         return []
     fp32, rows = paired
     gpu = results.get("environment", {}).get("gpu") or "a GPU"
-    return [f"- On one {gpu}, {len(fp32)} seeds per setting (default errors; [docs/backward.md](docs/backward.md)), "
+    return [f"- On one {gpu}, {len(fp32)} seeds per setting (default errors; [docs/backward.md](backward.md)), "
             "points against FP32 of the same seed, ± standard error: "
             + "; ".join(f"{name} {mean(gaps):+.2f} ± {error:.2f}" for name, _, _, gaps, error in rows) + "."]
 

@@ -301,7 +301,7 @@ def test_gpu_section_pairs_each_setting_with_fp32_seed_by_seed_with_its_standard
             "0.75 | 0.100 |") in section
     assert backward_page.gpu_section({"finetune": cpt}) == []  # nothing to pair with
     assert backward_page.gpu_summary(results) == [
-        "- On one Some GPU, 3 seeds per setting (default errors; [docs/backward.md](docs/backward.md)), points "
+        "- On one Some GPU, 3 seeds per setting (default errors; [docs/backward.md](backward.md)), points "
         "against FP32 of the same seed, ± standard error: CPT 4-8/8 -1.33 ± 0.33."]
 
 
