@@ -102,6 +102,7 @@ def test_an_edit_through_data_unfreezes_a_loaded_layer(tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
     layer = model.bert.encoder.layer[0].attention.self.query
     assert layer.frozen_codes(8) is not None
+    assert "cpt_frozen_fingerprint" in dict(layer.named_buffers())  # moves with the model (.to("cuda"))
     before = _logits(model, batch)
     layer.weight.data[0, 0] += 0.0  # the same values: still frozen
     assert layer.frozen_codes(8) is not None and torch.equal(_logits(model, batch), before)

@@ -200,3 +200,25 @@ def test_a_steady_gpu_step_copies_nothing_from_the_host():
     assert step(model) == plain_copies
     set_precision(model, 5, 8)
     assert 0 < step(model) - plain_copies < layers
+
+
+def test_a_loaded_checkpoint_moved_to_the_gpu_keeps_its_frozen_codes(tmp_path):
+    """A packed checkpoint loaded on the CPU and moved with ``.to("cuda")``: the weights' values are unchanged, so
+    the layers keep computing with the stored codes (the fingerprint of the master weight moves with the model)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_cpt import quantize_model, save_quantized, set_precision
+
+    model, _, _ = FAMILIES["bert"]()
+    quantize_model(model, CPTConfig())
+    set_precision(model, 8, 8)
+    save_quantized(model, tmp_path, 8, model_card=False)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    batch = {k: v for k, v in _data("text-cls", "bert", 8, seed=3).items() if k != "labels"}
+    with torch.no_grad():
+        expected = loaded(**batch).logits
+    loaded.cuda()
+    assert all(layer.frozen_codes(8) is not None for _, layer in quant_layers(loaded))
+    with torch.no_grad():
+        got = loaded(**{k: v.cuda() for k, v in batch.items()}).logits.cpu()
+    assert float((got - expected).abs().max() / expected.abs().max()) <= TOLERANCE

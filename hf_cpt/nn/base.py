@@ -41,6 +41,7 @@ def input_features(layer: nn.Module) -> int:
 
 # Buffers of a layer frozen to a checkpoint's codes (`QuantLayerMixin.freeze_weight`); never in state_dict.
 FROZEN_CODES, FROZEN_SCALE, FROZEN_ZERO_POINT = "cpt_frozen_codes", "cpt_frozen_scale", "cpt_frozen_zero_point"
+FROZEN_FINGERPRINT = "cpt_frozen_fingerprint"  # `weight_fingerprint` of the master weight the codes belong to
 
 # "none": weights only (embeddings, an output head tied to them): inputs and errors stay full precision.
 ACTIVATION_GRANULARITIES = ("tensor", "token", "none")
@@ -142,12 +143,13 @@ class QuantLayerMixin:
         self.register_buffer(FROZEN_CODES, codes, persistent=False)
         self.register_buffer(FROZEN_SCALE, scale, persistent=False)
         self.register_buffer(FROZEN_ZERO_POINT, zero_point, persistent=False)
-        self.__dict__["_frozen"] = (int(bits), weakref.ref(self.weight), self.weight._version,
-                                    weight_fingerprint(self.weight))
+        # a buffer, so that it moves with the model (``model.to("cuda")``: the same values, still frozen)
+        self.register_buffer(FROZEN_FINGERPRINT, weight_fingerprint(self.weight), persistent=False)
+        self.__dict__["_frozen"] = (int(bits), weakref.ref(self.weight), self.weight._version)
 
     def unfreeze_weight(self) -> None:
         self.__dict__.pop("_frozen", None)
-        for name in (FROZEN_CODES, FROZEN_SCALE, FROZEN_ZERO_POINT):
+        for name in (FROZEN_CODES, FROZEN_SCALE, FROZEN_ZERO_POINT, FROZEN_FINGERPRINT):
             self._buffers.pop(name, None)
 
     def frozen_codes(self, bits: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -155,9 +157,9 @@ class QuantLayerMixin:
         frozen = self.__dict__.get("_frozen")
         if frozen is None or bits is None or bits != frozen[0]:
             return None
-        _, weight_ref, version, fingerprint = frozen
+        _, weight_ref, version = frozen
         if (weight_ref() is not self.weight or self.weight._version != version
-                or not torch.equal(weight_fingerprint(self.weight), fingerprint)):
+                or not torch.equal(weight_fingerprint(self.weight), self._buffers[FROZEN_FINGERPRINT])):
             self.unfreeze_weight()  # trained or replaced since loading: the master weight is the truth again
             return None
         return self._buffers[FROZEN_CODES], self._buffers[FROZEN_SCALE], self._buffers[FROZEN_ZERO_POINT]
