@@ -172,6 +172,8 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
     if config.runtime.recompute_activation_inputs:
         report.recomputing = [name for name, module in _beside_quantized_layers(model, config)
                               if convert_activation(module)]
+    if config.quantize_adapters:  # adapters loaded later with plain peft (``PeftModel.from_pretrained``)
+        model.register_load_state_dict_post_hook(_QuantizeLoadedAdapters(config))
     if any(p.device.type == "cpu" for p in model.parameters()):
         native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)
@@ -300,6 +302,19 @@ def quantize_adapters(model: nn.Module, config: CPTConfig | None = None) -> Quan
         if _is_candidate_layer(module) and _is_adapter(name):
             _convert_layer(name, module, config, precision, report, output_head_names(model))
     return report
+
+
+class _QuantizeLoadedAdapters:
+    """A load_state_dict post-hook on a model quantized with ``quantize_adapters=True``: peft loads adapters
+    (``PeftModel.from_pretrained``, ``load_adapter``) by creating float ``lora_A`` / ``lora_B`` layers and loading
+    their weights through ``load_state_dict``; after that, they are quantized as the run quantized them."""
+
+    def __init__(self, config: CPTConfig) -> None:
+        self.config = config
+
+    def __call__(self, model: nn.Module, incompatible_keys) -> None:
+        if is_quantized(model):
+            quantize_adapters(model, self.config)
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:

@@ -180,8 +180,8 @@ def test_trl_sft_trainer_with_the_callback_trains_says_how_to_save_and_the_saved
 def test_adapters_added_after_quantize_model_are_quantized_and_reload_with_peft_exactly(tmp_path):
     """The documented order (`quantize_model` with ``quantize_adapters=True``, then ``get_peft_model``, then the
     Trainer): the run starts by quantizing the adapters, which train at the schedule's bits; saved with peft's own
-    ``save_pretrained`` and loaded with ``PeftModel.from_pretrained`` onto the quantized base, `quantize_adapters`
-    makes the loaded model compute what the trained one does."""
+    ``save_pretrained`` and loaded with ``PeftModel.from_pretrained`` onto the quantized base, the adapters are
+    quantized as they load, and the loaded model computes what the trained one does, bit for bit."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import BertForSequenceClassification, TrainingArguments
 
@@ -210,10 +210,12 @@ def test_adapters_added_after_quantize_model_are_quantized_and_reload_with_peft_
     with model.disable_adapter():
         assert _relative(_logits(model, batch), expected) > 1e-3  # the adapters trained
 
-    model.save_pretrained(tmp_path / "adapter")  # plain peft
+    model.save_pretrained(tmp_path / "adapter")  # plain peft, both ways
     loaded = PeftModel.from_pretrained(base(), tmp_path / "adapter")
-    assert quantize_adapters(loaded, config).quantized == [
-        name for name, module in loaded.named_modules() if name.endswith(("lora_A.default", "lora_B.default"))]
+    adapters = [module for name, module in loaded.named_modules()
+                if name.endswith(("lora_A.default", "lora_B.default"))]
+    assert len(adapters) == 8 and all(isinstance(module, QuantLayerMixin) for module in adapters)
+    assert quantize_adapters(loaded, config).quantized == []  # nothing left to do
     set_precision(loaded, None)
     assert torch.equal(_logits(loaded.eval(), batch), expected)
 

@@ -154,3 +154,15 @@ def test_the_schedule_and_the_config_refuse_the_same_short_runs():
     with pytest.raises(ValueError, match="num_cycles=8 gives cycles shorter than one step for a run of 4"):
         CPTConfig(schedule="RR", num_cycles=8).check_total_steps(4)
     assert get_schedule("RR", total_steps=8, num_cycles=8).num_cycles == 8
+
+
+def test_a_config_pickles_with_its_parts_and_runtime():
+    """Configs cross process boundaries (multiprocessing, a pickled model's hooks): every part, the generated
+    `ScheduleOptions` included, and the runtime settings come back equal."""
+    import pickle
+
+    config = CPTConfig(bits_min=3, grad_bits_min=4, grad_schedule="cpt", error_granularity="token",
+                       integer_matmul=False)
+    copied = pickle.loads(pickle.dumps(config))
+    assert copied == config and copied.schedule_options == config.schedule_options
+    assert copied.runtime == config.runtime and copied.runtime.integer_matmul is False

@@ -61,7 +61,7 @@ def _schedule_options_class() -> type:
     specs = [(name, hints[name], dataclasses.field(default=fields[name].default, metadata=fields[name].metadata))
              for name in SCHEDULE_OPTIONS]
     return dataclasses.make_dataclass("ScheduleOptions", specs, frozen=True, namespace={
-        "__module__": "hf_cpt.config.parts",
+        "__module__": __name__,  # where it is importable by name: a pickled config finds its class
         "__doc__": "Schedule details: rounding of the smooth schedule, the delayed start's precision, the error "
                    "bits' own schedule (validated with the rest of the schedule by `CPTConfig`)."})
 
