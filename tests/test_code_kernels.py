@@ -197,3 +197,26 @@ def test_kernels_run_on_torchs_team_else_on_one_thread_unless_told_and_refuse_a_
         monkeypatch.setenv(native.THREADS_VARIABLE, bad)
         with pytest.raises(ValueError, match="HF_CPT_NATIVE_THREADS must be a positive integer"):
             native.threads()
+
+
+def test_kernels_built_with_openmp_run_on_the_one_runtime_torch_loaded(tmp_path):
+    """Where the compiler takes -fopenmp, the kernels are built with it and their libgomp is the one torch loaded (one
+    OpenMP runtime in the process: no second team competing for the cores); `hf-cpt env` says so."""
+    import subprocess
+
+    from hf_cpt.diagnostics.environment import environment_report
+
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(void) { int n = 0;\n#pragma omp parallel reduction(+:n)\n n += 1; return n; }\n")
+    openmp = subprocess.run([compiler, "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(tmp_path / "p.so")],
+                            capture_output=True).returncode == 0
+    assert native.load("code_kernels") is not None
+    assert native._on_openmp_team is openmp
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) <= 1, runtimes
+    expected = "on torch's OpenMP team" if openmp else "POSIX threads"
+    assert environment_report()["threads"].endswith(f"(a C kernel's: {native.threads()}, {expected})")

@@ -88,6 +88,13 @@ def _version(distribution: str) -> str:
         return "not installed"
 
 
+def _kernel_threads(native) -> str:
+    """The threads a C kernel splits its rows over here, and on which (a kernel library loaded to know)."""
+    if native.load("code_kernels") is None:
+        return "none: the torch formulas run"
+    return f"{native.threads()}, " + ("on torch's OpenMP team" if native._on_openmp_team else "POSIX threads")
+
+
 def environment_report() -> dict[str, str]:
     """``hf-cpt env``'s lines: what each setting is on this machine and what it means for a CPT run."""
     import torch
@@ -123,6 +130,6 @@ def environment_report() -> dict[str, str]:
         "hf_cpt": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
         "accelerate": _version("accelerate"), "python": platform.python_version(),
         "platform": platform.platform(), "accelerator": accelerator, "CPU products": products,
-        "C kernels": kernels, "threads": f"{torch.get_num_threads()} (a C kernel's: {native.threads()})",
+        "C kernels": kernels, "threads": f"{torch.get_num_threads()} (a C kernel's: {_kernel_threads(native)})",
         "memory allocator": memory,
     }
