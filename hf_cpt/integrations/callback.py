@@ -36,7 +36,6 @@ COST_REPORT_FILE = "cpt_cost_report.json"
 ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
 # Also in each Trainer checkpoint: the cost meter's totals, so a resumed run reports the whole run's cost.
 COST_STATE_FILE = "cpt_cost_state.json"
-# And the layers that multiply codes for the activations they feed, so a resumed run computes as it did.
 
 
 class CPTCallback(TrainerCallback):
