@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 
@@ -45,6 +46,17 @@ def check_choice(owner: str, field: str, value: Any, choices: tuple) -> None:
     """Raise `ConfigError` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ConfigError(owner, field, f"must be one of {choices}, got {value!r}.")
+
+
+def plain_numbers(settings: Any) -> None:
+    """Turn the integral and real numbers of other types in a frozen dataclass's fields (``numpy.int64(4)``, as
+    arrays hand them out) into Python ints and floats, in place: validated like any int, written to JSON alike."""
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if isinstance(value, bool) or type(value) in (int, float) or not isinstance(value, numbers.Real):
+            continue
+        plain = int(value) if isinstance(value, numbers.Integral) else float(value)
+        object.__setattr__(settings, field.name, plain)
 
 
 def is_int(value: Any) -> bool:

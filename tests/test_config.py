@@ -166,3 +166,19 @@ def test_a_config_pickles_with_its_parts_and_runtime():
     copied = pickle.loads(pickle.dumps(config))
     assert copied == config and copied.schedule_options == config.schedule_options
     assert copied.runtime == config.runtime and copied.runtime.integer_matmul is False
+
+
+def test_numbers_of_any_integral_or_real_type_become_python_numbers():
+    """``numpy.int64(4)`` (what arrays and sweeps hand out) is an int like any other: validated, equal to the config
+    of plain ints, and written to JSON (a run's cost report holds the config) without an error at the end of a run."""
+    import json
+
+    import numpy as np
+
+    config = CPTConfig(bits_min=np.int64(4), bits_max=np.int32(8), num_cycles=np.int64(2), delay=np.float32(0.25),
+                       grad_bits=np.uint8(8), prt_steps_per_precision=np.int16(3))
+    assert config == CPTConfig(bits_min=4, bits_max=8, num_cycles=2, delay=0.25, grad_bits=8, prt_steps_per_precision=3)
+    assert type(config.bits_min) is int and type(config.delay) is float
+    assert json.loads(json.dumps(config.to_dict()))["bits_min"] == 4
+    with pytest.raises(ValueError, match="bits_min"):
+        CPTConfig(bits_min=np.float64(4.5))

@@ -332,3 +332,31 @@ def test_static_and_fp32_baselines_through_the_same_config(tiny_bert, tmp_path):
     assert costs["fp32"]["cost_vs_fp32"] == 1.0
     assert costs["static"]["cost_vs_static"] == 1.0
     assert costs["cpt"]["gbitops"] < costs["static"]["gbitops"] < costs["fp32"]["gbitops"]
+
+
+def test_the_cost_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write that fails half-way (a full disk, a value JSON cannot hold) leaves the earlier report as it was and no
+    partial file."""
+    import json
+    import types
+
+    import hf_cpt.integrations.callback as callback_module
+    from hf_cpt import CPTCallback, CPTConfig
+
+    callback = CPTCallback(CPTConfig())
+    callback.meter = types.SimpleNamespace(remove=lambda: None)
+    monkeypatch.setattr(callback, "cost_report", lambda: {"steps": 1})
+    monkeypatch.setattr(callback_module, "format_cost_report", lambda report: "report")
+    (tmp_path / "cpt_cost_report.json").write_text('{"earlier": true}')
+
+    def half_a_dump(report, f, **kwargs):
+        f.write('{"steps": ')
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(callback_module.json, "dump", half_a_dump)
+    args, state = types.SimpleNamespace(output_dir=str(tmp_path)), types.SimpleNamespace(is_world_process_zero=True)
+    with pytest.raises(OSError, match="No space left"):
+        callback.on_train_end(args, state, None)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "cpt_cost_report.json").read_text()) == {"earlier": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpt_cost_report.json"]

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..numerics.errors import ErrorQuantization
 from ..runtime import RuntimeSettings
-from ..utils import ConfigError, callable_name
+from ..utils import ConfigError, callable_name, plain_numbers
 from .parts import (
     PART_FIELDS,
     ActivationConfig,
@@ -101,6 +101,7 @@ class CPTConfigMethods:
     """What `CPTConfig` does with its fields."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         self.validate()
 
     def validate(self) -> None:

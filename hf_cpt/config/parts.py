@@ -23,7 +23,7 @@ from ..schedules import (
     check_schedule_name,
     steps_after_delay,
 )
-from ..utils import ConfigError, check_choice, is_int, is_number, setting
+from ..utils import ConfigError, check_choice, is_int, is_number, plain_numbers, setting
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class ScheduleConfig:
     grad_bits_min: int | None = setting(None, "Lower bound of the error bits when grad_schedule is set (bits).")
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         owner = type(self).__name__
         if self.bits_min != "auto":
             _bits(owner, "bits_min", self.bits_min)
@@ -173,6 +174,7 @@ class ActivationConfig:
     ema_init: str = setting("zeros", "Start of the running activation range: 'zeros' (CPT code) or 'first_batch'.")
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         owner = type(self).__name__
         check_choice(owner, "quant_scheme", self.quant_scheme, QUANT_SCHEMES)
         if not is_int(self.rotation_seed) or self.rotation_seed < 0:
@@ -217,6 +219,7 @@ class ModuleSelection:
     )
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         owner = type(self).__name__
         if self.attention_bits is not None:
             _bits(owner, "attention_bits", self.attention_bits)
@@ -263,6 +266,7 @@ class RangeTestConfig:
     )
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         owner = type(self).__name__
         _bits(owner, "start_bits", self.start_bits)
         if not is_int(self.steps_per_precision) or self.steps_per_precision < 1:
@@ -304,6 +308,7 @@ class EvaluationConfig:
     )
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         owner = type(self).__name__
         if isinstance(self.eval_bits, str):
             check_choice(owner, "eval_bits", self.eval_bits, EVAL_PRECISIONS)

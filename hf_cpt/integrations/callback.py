@@ -237,8 +237,14 @@ class CPTCallback(TrainerCallback):
                     "whose save_model does (docs/clients.md).", bits, bits)
             if args.output_dir:
                 os.makedirs(args.output_dir, exist_ok=True)
-                with open(os.path.join(args.output_dir, COST_REPORT_FILE), "w") as f:
-                    json.dump(report, f, indent=2)
+                path = os.path.join(args.output_dir, COST_REPORT_FILE)
+                try:  # whole or not at all: written beside, then renamed over an earlier report
+                    with open(path + ".partial", "w") as f:
+                        json.dump(report, f, indent=2)
+                    os.replace(path + ".partial", path)
+                finally:
+                    if os.path.exists(path + ".partial"):
+                        os.remove(path + ".partial")
         self.meter.remove()
 
     def cost_report(self) -> dict[str, Any]:
