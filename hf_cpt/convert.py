@@ -94,6 +94,16 @@ def matches_any(name: str, patterns: list[str] | None) -> str | None:
     return None
 
 
+def _check_patterns(model: nn.Module, config: CPTConfig) -> None:
+    """Every module pattern of ``config`` names a module of ``model``: a typo is an error, before any work."""
+    names = [name for name, _ in model.named_modules() if name]
+    for field_name in ("target_modules", "include_modules", "exclude_modules"):
+        for pattern in getattr(config, field_name) or ():
+            if not any(matches_any(name, [pattern]) for name in names):
+                raise ValueError(f"CPTConfig.{field_name}: the pattern {pattern!r} matches no module of "
+                                 f"{type(model).__name__} (its modules are named like {names[:3]} ... {names[-2:]}).")
+
+
 def output_head_names(model: nn.Module) -> set[str]:
     """Names of the modules that form the output head, found generically."""
     names_by_id = {id(module): name for name, module in model.named_modules()}
@@ -155,6 +165,7 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
     config = config or CPTConfig()
     if is_quantized(model):
         raise ValueError(f"{type(model).__name__} is already CPT-quantized; call hf_cpt.dequantize_model first.")
+    _check_patterns(model, config)
     heads = output_head_names(model)
     precision = PrecisionState.from_settings(config)
     report = QuantizationReport()

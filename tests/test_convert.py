@@ -145,3 +145,23 @@ def test_quantizing_a_model_from_outside_transformers_does_not_load_transformers
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.stdout.split() == ["False", "True"], result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("field,value,problem", [
+    ("target_modules", 5, "must be a list of module-name patterns, got 5"),
+    ("exclude_modules", ["*"], "pattern '\\*' is no regular expression"),
+])
+def test_module_patterns_that_are_no_patterns_are_refused_naming_the_field(field, value, problem):
+    with pytest.raises(ValueError, match=f"CPTConfig.{field}.*{problem}"):
+        CPTConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["target_modules", "include_modules", "exclude_modules"])
+def test_a_module_pattern_that_matches_nothing_is_an_error_before_any_layer_changes(tiny_bert, field):
+    """A typo in a pattern would otherwise quantize (or keep) silently other layers than meant."""
+    before = [type(m) for m in tiny_bert.modules()]
+    with pytest.raises(ValueError, match=f"CPTConfig.{field}: the pattern 'qeury' matches no module of "
+                                         "BertForSequenceClassification"):
+        quantize_model(tiny_bert, CPTConfig(**{field: ["qeury"]}))
+    assert [type(m) for m in tiny_bert.modules()] == before  # nothing converted
+    quantize_model(tiny_bert, CPTConfig(**{field: ["query"]}))  # a dotted suffix names modules

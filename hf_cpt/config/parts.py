@@ -8,6 +8,7 @@ error part is `hf_cpt.numerics.errors.ErrorQuantization`, which the layers read 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -234,10 +235,16 @@ class ModuleSelection:
             if isinstance(value, str):
                 object.__setattr__(self, name, [value])
             elif value is not None:
-                if not all(isinstance(p, str) for p in value):
-                    raise ConfigError(type(self).__name__, name, f"must be a list of module-name patterns, got "
-                                                                 f"{value!r}.")
+                if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+                    raise ConfigError(owner, name, f"must be a list of module-name patterns, got {value!r}.")
                 object.__setattr__(self, name, list(value))
+            for pattern in getattr(self, name) or ():
+                try:
+                    re.compile(pattern)
+                except re.error as error:
+                    raise ConfigError(owner, name, f"pattern {pattern!r} is no regular expression ({error}); a pattern "
+                                      "is a module's name, a dotted suffix of it or a regular expression (a glob's "
+                                      "'*' is '.*').") from None
 
 
 @dataclass(frozen=True)
