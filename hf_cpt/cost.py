@@ -1,26 +1,9 @@
-"""Training cost in bit operations (docs/method.md §7).
+"""Training cost in bit operations (docs/method.md §7, the formulas).
 
-Each quantized GEMM or convolution with ``MACs`` forward multiply-accumulates costs, per step,
-``MACs * (b_w * b_a + b_e * b_w + b_e * b_a)``: the forward product, the input gradient and the
-weight gradient. Layers in full precision count at 32 bits, and so does a weight-only
-quantized head tied to quantized embeddings (its inputs and errors are full precision); an embedding
-lookup has no MACs. MACs are measured from the real input
-shapes of each layer's forward pass, so any batch size or sequence length is counted exactly.
-
-The two attention products (``Q Kᵀ`` and ``P V``) of a model that runs the ``"cpt"`` attention
-function (`hf_cpt.nn.attention`) are counted the same way: at the step's bits (or the fixed
-``attention_bits``) when ``quantize_attention`` is on, else at 32 bits; their errors at the error bits
-(32 with ``attention_errors=False``). Models whose attention the
-library cannot see (the `QuantizationReport` says so) leave it out of every total.
-
-A rotated layer (docs/method.md, "Rotation") also rotates its input and weight in full precision,
-forward and backward: each rotated value costs the transform's additions at 32 bit operations and
-its multiplications (dense factors only) at 32 x 32; this is counted apart as ``rotation_bitops`` and
-included in the totals (and in the static counterfactual, which would rotate too).
-
-An activation's input recomputed from codes in backward (`hf_cpt.nn.recompute`) is a forward product run again:
-its MACs count once more at ``b_w * b_a`` (and in the static counterfactual at its bits; a plain FP32 run keeps the
-input and recomputes nothing).
+Each quantized GEMM or convolution costs ``MACs * (b_w * b_a + b_e * b_w + b_e * b_a)`` a step (forward, input
+gradient, weight gradient), full-precision layers 32 bits; MACs are measured from each layer's real input shapes.
+The attention products count the same way when the model runs the ``"cpt"`` attention function; rotations count
+apart (``rotation_bitops``, in the totals); an activation input recomputed from codes counts its product again.
 """
 
 from __future__ import annotations

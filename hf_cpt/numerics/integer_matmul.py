@@ -1,23 +1,10 @@
-"""Products of quantized operands computed on their integer codes (docs/method.md, "Integer products").
+"""Products of quantized operands computed on their integer codes (docs/method.md §2, "Integer products").
 
-A fake-quantized operand is ``codes * scale + minimum`` with uint8 codes. Shifted by the middle code ``h`` of its
-range (``2^(b-1)`` at ``b`` bits), the codes ``c - h`` fit int8 and ``a = s_a (c_a - h_a) + z_a`` with ``z_a = m_a +
-h_a s_a``, the middle of the range. The product of two operands, with ``a``'s range per row (or one for the
-tensor) and ``b``'s per column (or one), is then one integer matrix product and rank-one terms:
-
-``A B = s_a s_b (a' b') + s_a (a' 1) z_b + z_a (1 b') s_b + K z_a z_b``
-
-with ``K`` the reduced size. ``a' b'`` is exact (int32 sums), so the result is the product of the very values the
-float path multiplies, rounded in float32 a few times instead of once per term; centring the codes keeps the
-terms near the size of the result (a roughly symmetric range has ``z`` near 0), so the float32 combination loses
-little. On a CPU with int8 dot-product instructions (VNNI, AMX) it runs several times as fast as a float32 GEMM.
-Without them an int8 GEMM is far slower, and the codes go through the float32 GEMM instead, whose sums are exact
-where a bound proves it (`_float_gemm_on_codes`). The scales, rank-one terms and bias are applied in one native pass
-(`code_kernels.code_product_native`).
-Ranges along the reduced dimension (a per-channel weight scale in an input gradient) do not factor out of the sum:
-those products stay in floating point.
-
-This module knows nothing about layers.
+With the codes centred on their middle code (int8), ``A B = s_a s_b (a' b') + s_a (a' 1) z_b + z_a (1 b') s_b
++ K z_a z_b``: one integer product (exact int32 sums) and rank-one terms, applied in one native pass. An int8 GEMM
+where the CPU has int8 dot products; else the float32 GEMM of the centred codes where a bound proves its sums exact
+(`_float_gemm_on_codes`), or float64. Ranges along the reduced dimension stay in floating point. Knows nothing of
+layers.
 """
 
 from __future__ import annotations

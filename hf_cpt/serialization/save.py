@@ -1,30 +1,10 @@
-"""Quantized checkpoints of CPT models: packed export, portable export, model card.
+"""Quantized checkpoints of CPT models: packed export, portable export, model card (docs/checkpoints.md).
 
-A CPT run ends with FP32 master weights that work at its top precision. `save_quantized` writes them
-as a *packed* checkpoint that `transformers` loads back (after ``import hf_cpt``) into the same CPT
-layers, with outputs equal to the in-memory fake-quantized model at the same precision:
-
-* every CPT layer's weight becomes integer codes at ``bits`` (one per byte for 5-8 bits, two per byte
-  for 1-4 bits) plus a per-output-channel scale and zero point (the raw float channel minimum, as in
-  docs/method.md §2), so that ``weight = codes * scale + zero_point`` reproduces, bit for bit, the weight
-  the layer computes with at ``bits``;
-  A rotated layer's codes are those of ``Q(W R)``, the weight it computes with;
-* every CPT layer's activation range (the EMA ``act_min`` / ``act_max`` used in eval mode) and its
-  activation scheme (per-token, rotation seed) are stored;
-* weights that trained in FP32 (embeddings unless ``CPTConfig(quantize_embeddings=True)``, the kept
-  output head, excluded layers) are stored exactly in their training dtype by default, so the loaded
-  model reproduces the trained one. Rounding them at export (``float_weight_bits="auto"`` or a
-  bit-width) is an explicit, lossy option: the export then measures what it changed
-  (`hf_cpt.serialization.export.measure_rounding`) and says so in ``config.json`` and the model card;
-* biases, normalization layers and buffers are stored unchanged.
-
-``config.json`` carries a ``quantization_config`` with ``quant_method: "cpt"`` (see
-`hf_cpt.CPTQuantizationConfig`). Packed tensors have names plain layers lack
-(``<layer>.weight_packed``, ``.weight_scale``, ``.weight_zero_point``, ``.act_min``, ``.act_max``),
-and one *guard* tensor (``<first CPT layer>.weight``, an empty uint8 tensor) makes a plain
-``transformers`` load without ``import hf_cpt`` stop with a size-mismatch error instead of loading a
-wrong float model. `export_portable` writes instead float weights snapped to the grid that load
-anywhere. Layout details: ``docs/checkpoints.md``.
+`save_quantized` writes a *packed* checkpoint that transformers loads back (after ``import hf_cpt``) into the same
+CPT layers, computing what the in-memory model computes at ``bits``: each CPT layer's weight as integer codes with a
+per-channel scale and zero point (``Q(W R)``'s for a rotated layer), its activation range and scheme; weights that
+trained in FP32 exactly, unless a lossy ``float_weight_bits`` is asked for (measured, and said in ``config.json`` and
+the model card). A guard tensor stops a load without hf_cpt. `export_portable` writes a plain float checkpoint.
 """
 
 
