@@ -793,3 +793,31 @@ def test_a_model_with_reused_weight_codes_pickles_and_its_copy_keeps_none():
     copied = torch.load(buffer, weights_only=False)
     assert copied[0].cpt_precision.reused_weights.epoch is None and not copied[0].cpt_precision.reused_weights._entries
     assert torch.equal(copied(x), reusing(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme", ["auto", "paper", "per-token", "rotated"])
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_a_model_whose_weights_are_half_precision_trains_and_evaluates_under_every_scheme(family, scheme, dtype):
+    """Weights in bf16 / fp16 (no autocast): a training step, then evaluation forwards in the weights' dtype, close to
+    the same model in float32 (a rotation and restored codes compute in float32 and are cast back)."""
+    from transformers import BertForSequenceClassification, GPT2LMHeadModel
+
+    from .helpers import tiny_bert_config, tiny_gpt2_config
+
+    torch.manual_seed(0)
+    full = (BertForSequenceClassification(tiny_bert_config()) if family == "bert"
+            else GPT2LMHeadModel(tiny_gpt2_config()))
+    half = copy.deepcopy(full).to(dtype)
+    ids = torch.randint(5, 128, (2, 10))
+    outputs = []
+    for model in (full, half):
+        quantize_model(model, CPTConfig(quant_scheme=scheme))
+        set_precision(model, 8, 8)
+        model.train()
+        model(input_ids=ids).logits.float().sum().backward()
+        model.eval()
+        with torch.no_grad():
+            outputs.append(model(input_ids=ids).logits)
+    assert outputs[1].dtype == dtype and torch.isfinite(outputs[1]).all()
+    assert float((outputs[1].float() - outputs[0]).abs().max() / outputs[0].abs().max()) < 0.1

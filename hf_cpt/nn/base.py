@@ -247,7 +247,7 @@ class QuantLayerMixin:
         )
         if bits is None and not quantize_backward:
             return super().forward(x)  # exactly the original layer
-        weight = self.weight
+        weight, input_dtype = self.weight, x.dtype
         training_products = self.training and torch.is_grad_enabled()
         x_range = weight_range = (None, None)  # None: the operand is used as it is
         x_quantized = None  # the input quantized already (shared with sibling layers), else None
@@ -296,7 +296,8 @@ class QuantLayerMixin:
             weight = weight_quantized[0]
         elif weight_range[0] is not None:
             weight = quantize_ste(weight, *weight_range, bits)
-        return self.compute(x, weight)
+        # the plain layer's dtypes: a rotation or restored codes compute in float32 (bf16 / fp16 weights, no autocast)
+        return self.compute(x.to(input_dtype), weight.to(self.weight.dtype))
 
     def _weight_reuse_key(self, bits: torch.Tensor, training: bool) -> tuple | None:
         """What besides the epoch must stay unchanged for this forward to reuse the weight's codes
