@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import CPTConfig
 from .nn.attention import attention_support, install_attention, uninstall_attention
-from .nn.base import QuantLayerMixin, input_features
+from .nn.base import NONFINITE_INPUTS, QuantLayerMixin, input_features
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.precision import PrecisionState
 from .nn.recompute import convert_activation, restore_activation
@@ -336,6 +336,20 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     for module in model.modules():
         restore_activation(module)
     return model
+
+
+def nonfinite_inputs(model: nn.Module) -> dict[str, int]:
+    """The quantized layers whose training inputs held a NaN or inf since the last call, with how many forwards did
+    (their running ranges skipped those); the counts start again (one host read for the whole model)."""
+    layers = [(name, layer) for name, layer in quant_layers(model) if NONFINITE_INPUTS in layer._buffers]
+    if not layers:
+        return {}
+    counts = torch.stack([layer._buffers[NONFINITE_INPUTS].to("cpu", non_blocking=True) for _, layer in layers])
+    if not bool(counts.any()):
+        return {}
+    for _, layer in layers:
+        layer._buffers[NONFINITE_INPUTS].zero_()
+    return {name: int(count) for (name, _), count in zip(layers, counts.tolist()) if count}
 
 
 def activation_ranges(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -360,3 +360,46 @@ def test_the_cost_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert json.loads((tmp_path / "cpt_cost_report.json").read_text()) == {"earlier": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpt_cost_report.json"]
+
+
+def test_a_nan_input_never_reaches_a_running_range_and_stops_the_trainer_at_its_step(tmp_path):
+    """One NaN in one training batch: the per-tensor layers' running ranges skip it (a NaN range would quantize every
+    later input, eval and export included, to NaN), count it, and the Trainer integration stops the run at that step
+    naming the layers, instead of training on."""
+    from transformers import BertForSequenceClassification, TrainingArguments
+
+    from hf_cpt import CPTTrainer, quantize_model, set_precision
+    from hf_cpt.convert import nonfinite_inputs, quant_layers
+
+    from .helpers import tiny_bert_config
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(tiny_bert_config())
+    config = CPTConfig(quant_scheme="paper", schedule="static", fidelity_threshold=None)
+    quantize_model(model, config)
+    set_precision(model, 8, 8)
+    model.train()
+    embeds = torch.randn(2, 6, model.config.hidden_size)
+    model(inputs_embeds=embeds)
+    ranges = {name: (layer.act_min.clone(), layer.act_max.clone()) for name, layer in quant_layers(model)}
+    assert nonfinite_inputs(model) == {}
+    embeds[1, 2, 3] = float("nan")
+    model(inputs_embeds=embeds)
+    counts = nonfinite_inputs(model)
+    assert counts and all(value == 1 for value in counts.values())
+    assert nonfinite_inputs(model) == {}  # read once, then counted afresh
+    for name, layer in quant_layers(model):
+        assert torch.isfinite(layer.act_min) and torch.isfinite(layer.act_max), name
+        if name in counts:
+            assert (layer.act_min, layer.act_max) == ranges[name]  # skipped, not absorbed
+
+    rows = [{"inputs_embeds": torch.randn(6, model.config.hidden_size), "labels": torch.tensor(i % 2)}
+            for i in range(8)]
+    rows[5]["inputs_embeds"][0, 0] = float("inf")  # the second batch of 4
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, report_to=[],
+                             save_strategy="no", use_cpu=True, dataloader_drop_last=True)
+    trainer = CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args, cpt_config=config,
+                         train_dataset=rows)
+    with pytest.raises(ValueError, match=r"hf_cpt: at step 2 the training inputs of \d+ quantized layer\(s\) held "
+                                         r"NaN or inf \(first: bert\.encoder\.layer\.0\.attention\.self\.query"):
+        trainer.train()

@@ -1,34 +1,10 @@
-"""Precision range test (docs/method.md §6): find the lowest precision at which training makes progress.
+"""Precision range test (docs/method.md §6, both modes): the lowest precision at which training makes progress.
 
-The CPT paper picks ``bits_min`` with a short test in the first cycle: start at a low precision (2
-bits), raise it one bit at a time after a few training iterations each, and watch the training
-accuracy (or loss) averaged over consecutive iterations; the first precision at which it improves by
-more than a threshold is ``bits_min``. ``bits_max`` stays the precision of the static baseline.
-
-`precision_range_test` runs it on any quantized model and any iterable of batches (dicts for
-transformers models, ``(inputs, labels)`` pairs otherwise);
-`hf_cpt.integrations.range_test.run_precision_range_test_for_trainer`
-runs it at the start of a `transformers.Trainer` run for ``CPTConfig(bits_min="auto")``.
-
-Two modes, chosen with ``restore_weights``:
-
-- ``True`` (default): every precision trains from the *same* starting weights on the *same* batches
-  with the same random numbers, and weights, buffers, optimizer state and RNG are restored afterwards.
-  Each precision is judged by how far its own training gets beyond the untrained model (the mean
-  metric of the last ``window`` iterations against the untrained model's metric on the first
-  ``window`` batches). The real run then starts from the original weights with the chosen bound, as
-  if ``bits_min`` had been given, and none of the test's 2-bit iterations reach the model: the
-  follow-up study finds that low precision early in training can cost accuracy for good (a
-  critical-period effect), so the test must not inflict it. The price is that the test's
-  iterations are extra work (reported as ``steps`` and ``gbitops``).
-- ``False``: the paper's way. Training simply continues through the precisions, one optimizer
-  throughout, and a precision is judged against the previous one (its window mean minus the previous
-  precision's window mean; the untrained model before the first). Cheaper (the iterations are real
-  training), but the model keeps whatever the lowest precisions did to it.
-
-Improvements are absolute for accuracy (in ``[0, 1]``) and relative for the loss
-(``(reference - loss) / |reference|``). If no precision up to ``max_bits`` passes the threshold, the
-result says so (``found=False``) and proposes ``max_bits``.
+`precision_range_test` runs it on any quantized model and any iterable of batches (dicts for transformers models,
+``(inputs, labels)`` pairs otherwise); `hf_cpt.integrations.range_test.run_precision_range_test_for_trainer` runs it
+at the start of a Trainer run for ``CPTConfig(bits_min="auto")``. ``restore_weights=True`` (default) judges every
+precision from the same start and restores weights, optimizer and random state; ``False`` trains through them, as
+the paper does.
 """
 
 from __future__ import annotations

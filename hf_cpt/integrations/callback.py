@@ -19,6 +19,7 @@ from ..convert import (
     find_precision_state,
     is_quantized,
     load_activation_ranges,
+    nonfinite_inputs,
     quantize_adapters,
 )
 from ..cost import CostMeter
@@ -67,6 +68,7 @@ class CPTCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs):
         """What happens at the start of a run, in order."""
         self.precision = self._precision_of(model)
+        nonfinite_inputs(model)  # the counts start with the run (those of a model built on the meta device hold junk)
         if self.config.quantize_adapters:  # adapters added after quantize_model (the documented order)
             added = quantize_adapters(model, self.config).quantized
             if added and state.is_world_process_zero:
@@ -168,9 +170,16 @@ class CPTCallback(TrainerCallback):
         # The step's micro-batches are done: their weight codes go before the optimizer's temporaries arrive.
         self.precision.reused_weights.end_step()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model: nn.Module | None = None, **kwargs):
         self.precision.reused_weights.end_step()  # the optimizer has changed the weights (an evaluation may follow)
         self.meter.end_step(self.bits, self.grad_bits)
+        nonfinite = nonfinite_inputs(model) if model is not None else {}
+        if nonfinite:  # a data bug: the ranges skipped it, but the step's loss and gradients hold it
+            raise ValueError(
+                f"hf_cpt: at step {state.global_step} the training inputs of {len(nonfinite)} quantized layer(s) held "
+                f"NaN or inf (first: {next(iter(nonfinite))}; forwards per layer: {nonfinite}). Their activation "
+                "ranges skipped them, but this step's loss and gradients hold them: check the batch and the model "
+                "before the first of these layers.")
 
     # -- logging ------------------------------------------------------------------------------
     def log_values(self, logs: dict[str, Any]) -> dict[str, float]:

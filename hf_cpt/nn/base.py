@@ -42,6 +42,7 @@ def input_features(layer: nn.Module) -> int:
 # Buffers of a layer frozen to a checkpoint's codes (`QuantLayerMixin.freeze_weight`); never in state_dict.
 FROZEN_CODES, FROZEN_SCALE, FROZEN_ZERO_POINT = "cpt_frozen_codes", "cpt_frozen_scale", "cpt_frozen_zero_point"
 FROZEN_FINGERPRINT = "cpt_frozen_fingerprint"  # `weight_fingerprint` of the master weight the codes belong to
+NONFINITE_INPUTS = "cpt_nonfinite_inputs"  # a layer's count of training inputs with a NaN or inf
 
 # "none": weights only (embeddings, an output head tied to them): inputs and errors stay full precision.
 ACTIVATION_GRANULARITIES = ("tensor", "token", "none")
@@ -86,6 +87,8 @@ class QuantLayerMixin:
         device = self.weight.device
         self.register_buffer("act_min", torch.zeros((), device=device), persistent=False)
         self.register_buffer("act_max", torch.zeros((), device=device), persistent=False)
+        # training forwards whose input had a NaN or inf, which the running range skipped (`nonfinite_inputs`)
+        self.register_buffer(NONFINITE_INPUTS, torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.__dict__["_act_range_initialized"] = False
         self.__dict__["cpt_rotation_seed"] = rotation_seed
         self.__dict__["_rotation_kinds"] = ()
@@ -126,20 +129,15 @@ class QuantLayerMixin:
             self.__dict__.pop(key, None)
         for index in range(len(self.__dict__.pop("_rotation_kinds", ()))):
             self._buffers.pop(f"rotation_factor_{index}", None)
-        for name in ("act_min", "act_max", "rotation_signs"):
+        for name in ("act_min", "act_max", "rotation_signs", NONFINITE_INPUTS):
             self._buffers.pop(name, None)
 
     # -- frozen codes: a loaded layer computes with the codes it was exported with (docs/checkpoints.md) --
     def freeze_weight(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> None:
-        """Compute with these codes (``[C, K]`` uint8, in the rotated basis when rotated) whenever the layer
-        evaluates at ``bits``, until its master weight changes: an optimizer step, an in-place edit, and an edit
-        through ``weight.data`` too (peft's LoRA merge: it moves no version counter), which `weight_fingerprint`
-        sees.
-
-        Loading a checkpoint freezes every CPT layer to its stored codes: the loaded model then computes with
-        the very weight the trained one did, instead of re-deriving it from the float master (``Q(W R)`` of a
-        master rebuilt as ``Q(W R) R^T`` differs from the stored codes by float rounding).
-        """
+        """Compute with these codes (``[C, K]`` uint8, rotated basis) whenever the layer evaluates at ``bits``, until
+        its master weight changes in any way (`weight_fingerprint` sees edits through ``.data``, such as peft's LoRA
+        merge): a loaded model computes with the very weight the trained one did (``Q(W R)`` of a master rebuilt
+        as ``Q(W R) R^T`` differs from the stored codes by float rounding)."""
         self.register_buffer(FROZEN_CODES, codes, persistent=False)
         self.register_buffer(FROZEN_SCALE, scale, persistent=False)
         self.register_buffer(FROZEN_ZERO_POINT, zero_point, persistent=False)
@@ -230,13 +228,17 @@ class QuantLayerMixin:
     @torch.no_grad()
     def _update_activation_range(self, minimum: torch.Tensor, maximum: torch.Tensor) -> None:
         precision = self.cpt_precision
+        # A NaN or inf input is counted (read once a step by the Trainer integration), never absorbed for good.
+        finite = torch.isfinite(minimum) & torch.isfinite(maximum)
+        self._buffers[NONFINITE_INPUTS].add_((~finite).to(torch.int64))
         if precision.activation_ema_init == "first_batch" and not self._act_range_initialized:
-            self.act_min.copy_(minimum)
-            self.act_max.copy_(maximum)
+            new_min, new_max = minimum, maximum
         else:
             momentum = precision.activation_momentum
-            self.act_min.mul_(momentum).add_(minimum * (1 - momentum))
-            self.act_max.mul_(momentum).add_(maximum * (1 - momentum))
+            new_min = self.act_min * momentum + minimum * (1 - momentum)
+            new_max = self.act_max * momentum + maximum * (1 - momentum)
+        self.act_min.copy_(torch.where(finite, new_min, self.act_min))
+        self.act_max.copy_(torch.where(finite, new_max, self.act_max))
         self.__dict__["_act_range_initialized"] = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,9 @@
 """Activation inputs recomputed from codes in backward (docs/method.md §2, "Recomputed activation inputs").
 
-An activation such as GELU keeps its input for its backward: the float output of the quantized layer before it,
-a full-size float32 tensor per layer (24 MiB per layer of BERT-base at batch 16x128). A product on integer codes
-(`hf_cpt.numerics.integer_matmul`) is exact by construction: the same codes give the same output bit for bit, and
-the layer keeps those codes for its own backward anyway. So a layer whose product ran on codes tags its output with
-a `RecomputableOutput` (references to the codes, no copy), an activation converted here keeps that instead of its
-input, and its backward recomputes the input and differentiates the activation as autograd would: the same
-gradient bit for bit, for one more product on codes per layer and step (the cost meter counts it).
-
-Activations are converted in place, like the layers (same object, ``isinstance`` holds, no state). One that is fed
-anything else (a normalization's output, an edited tensor, a float product) runs as before. Which layers multiply
-codes is `integer_matmul`'s choice (docs/method.md §2, "Integer products").
+A product on integer codes is exact, and its layer keeps the codes anyway: so it tags its output with a
+`RecomputableOutput` (references to the codes), and an activation converted here (in place, like the layers) keeps
+that instead of its float input and recomputes the input in backward: the same gradient bit for bit, for one more
+product on codes per layer and step (the cost meter counts it). Any other input runs the activation as before.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from transformers.quantizers.base import HfQuantizer
 
 from ..convert import dequantize_model
 from ..nn.attention import install_attention
-from ..nn.base import QuantLayerMixin
+from ..nn.base import NONFINITE_INPUTS, QuantLayerMixin
 from ..nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, weight_channel_dim
 from ..nn.precision import PrecisionState
 from ..numerics.fake_quant import dequantize_codes
@@ -155,6 +155,8 @@ class CPTHfQuantizer(HfQuantizer):
         layers = {name: model.get_submodule(name) for name in config.cpt_layer_names()}
         for name, layer in layers.items():
             layer.__dict__["cpt_precision"] = precision
+            if NONFINITE_INPUTS in layer._buffers:  # a buffer the loader materializes with no values
+                layer._buffers[NONFINITE_INPUTS].zero_()
             if config.stores_rotations and name in config.quantized_modules:
                 for buffer in layer.rotation_buffer_names():
                     if layer.get_buffer(buffer).device.type == "meta":
