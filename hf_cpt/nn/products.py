@@ -173,7 +173,7 @@ class QuantizedProducts(torch.autograd.Function):
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
         ctx.save_for_backward(*x_saved, *weight_saved)
-        output = layer.compute(x_value, weight_value)
+        output = layer.compute(x_value.to(x.dtype), weight_value.to(weight.dtype))  # a rotation computes in float32
         return output
 
     @staticmethod
