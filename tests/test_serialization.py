@@ -800,3 +800,19 @@ def test_a_model_card_without_matplotlib_has_no_picture(tmp_path, monkeypatch):
     card = (tmp_path / "README.md").read_text()
     assert "## Precision schedule" in card and "cpt_schedule.png" not in card
     assert not (tmp_path / "cpt_schedule.png").exists()
+
+
+def test_a_run_resumed_with_another_config_is_refused_naming_what_changed(tmp_path):
+    """Resuming a Trainer checkpoint with another CPTConfig would go on at the new bits, with the new numerics and a
+    cost report under the new name: refused before any step, naming each change; the evaluation bits may change."""
+    config = CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False)
+    _trainer(tmp_path, cpt=config, save_strategy="steps", save_steps=2).train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    assert json.load(open(os.path.join(checkpoint, "cpt_run_config.json")))["bits_min"] == 4
+    other = CPTConfig(bits_min=2, bits_max=6, num_cycles=2, fused_error_quantizer=False)
+    with pytest.raises(ValueError, match=r"changes bits_max \(8 -> 6\), bits_min \(4 -> 2\)\. Resume with the run's"):
+        _trainer(tmp_path / "again", cpt=other, save_strategy="no").train(resume_from_checkpoint=checkpoint)
+    allowed = CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False, eval_bits="fp32")
+    resumed = _trainer(tmp_path / "third", cpt=allowed, save_strategy="no")
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.state.global_step == 4

@@ -37,6 +37,9 @@ COST_REPORT_FILE = "cpt_cost_report.json"
 ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
 # Also in each Trainer checkpoint: the cost meter's totals, so a resumed run reports the whole run's cost.
 COST_STATE_FILE = "cpt_cost_state.json"
+# And the run's CPTConfig: a resume with another is refused, but for settings a run may change (`RESUMABLE_CHANGES`).
+RUN_CONFIG_FILE = "cpt_run_config.json"
+RESUMABLE_CHANGES = ("eval_bits", "fidelity_threshold")
 
 
 class CPTCallback(TrainerCallback):
@@ -68,6 +71,8 @@ class CPTCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs):
         """What happens at the start of a run, in order."""
         self.precision = self._precision_of(model)
+        if state.global_step > 0:
+            self._check_resumed_config(args, state)
         nonfinite_inputs(model)  # the counts start with the run (those of a model built on the meta device hold junk)
         if self.config.quantize_adapters:  # adapters added after quantize_model (the documented order)
             added = quantize_adapters(model, self.config).quantized
@@ -133,6 +138,25 @@ class CPTCallback(TrainerCallback):
             if self.meter is not None:
                 with open(os.path.join(checkpoint, COST_STATE_FILE), "w") as f:
                     json.dump(self.meter.totals.state_dict(), f)
+            with open(os.path.join(checkpoint, RUN_CONFIG_FILE), "w") as f:
+                json.dump(self.config.to_dict(), f, default=str)
+
+    def _check_resumed_config(self, args, state) -> None:
+        """Refuse to resume a run with another CPTConfig (before any step): the layers, schedule and cost would
+        silently follow the new one from the middle of the run."""
+        path = self._checkpoint_file(args, state, RUN_CONFIG_FILE)
+        if not os.path.isfile(path):
+            logger.warning("hf_cpt: no %s to resume from; the run's CPTConfig cannot be checked.", path)
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        now = json.loads(json.dumps(self.config.to_dict(), default=str))
+        changed = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
+                   if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES}
+        if changed:
+            raise ValueError(f"hf_cpt: {path} holds the CPTConfig the run trained with; resuming it with another "
+                             f"changes {', '.join(f'{k} ({a!r} -> {b!r})' for k, (a, b) in changed.items())}. Resume "
+                             f"with the run's config (only {', '.join(RESUMABLE_CHANGES)} may change), or start anew.")
 
     def _checkpoint_file(self, args, state, name: str) -> str:
         """The file ``name`` of the checkpoint this run resumes from."""

@@ -19,10 +19,7 @@ Names registered here:
 
 Any schedule takes a delayed start (``delay``: the first fraction of training held at bits_max or in
 full precision; the schedule then runs its cycles over the remaining steps), and a user can pass
-any callable from step to bits, or register a new shape by name.
-
-Everything a schedule costs is computed exactly from its bits at every step with
-`hf_cpt.numerics.bitops.bitops_per_mac` (docs/method.md §7).
+any callable from step to bits, or register a new shape by name. Costs: docs/method.md §7.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""The ``cpt`` quantization method of ``transformers``: load CPT checkpoints with ``from_pretrained``.
+"""The CPT quantization method of transformers: ``from_pretrained`` loads CPT checkpoints (docs/checkpoints.md).
 
-After ``import hf_cpt``, `CPTQuantizationConfig` and `CPTHfQuantizer` are registered under ``quant_method="cpt"``
-as soon as transformers loads its quantizer registry (`hf_cpt.registration`).
-A checkpoint written by `hf_cpt.save_quantized` (packed) or `hf_cpt.export_portable` then loads with
-any ``AutoModelFor....from_pretrained(path)``:
-
-1. before the weights load (model on the meta device), the listed layers become CPT layers
-   (`hf_cpt.nn.layers.convert_layer`) and get buffers named like the packed tensors; the checkpoint's
-   tensor names, shapes and dtypes are checked first, and a missing or mis-shaped tensor raises a
-   ``ValueError`` naming it;
-2. after loading, ``codes * scale + zero_point`` becomes each layer's FP32 ``weight`` (the master
-   weight, trainable), the packed buffers are dropped, and the model evaluates at the exported bits
-   with the stored activation ranges (and quantized attention products, when the run had them); its
-   state dict then has the plain keys again.
-
-Written for transformers 5.x (tested with 5.23) and 4.57+: ``is_serializable`` takes an optional
-argument, ``is_trainable`` / ``is_qat_trainable`` are properties, and both weight-loading hooks are
-defined (abstract in 4.x).
+After ``import hf_cpt`` the method is registered as soon as transformers loads its quantizer registry
+(`hf_cpt.registration`). Before the weights load (meta device) the listed layers become CPT layers, the checkpoint's
+tensor names, shapes and dtypes checked first (a missing or mis-shaped tensor is a ``ValueError`` naming it); after,
+``codes * scale + zero_point`` becomes each layer's FP32 master weight, the layers freeze to the stored codes, and the
+model evaluates at the exported bits with the stored ranges. Written for transformers 5.x and 4.57+.
 """
 
 from __future__ import annotations
