@@ -1,22 +1,22 @@
-"""Model surgery: swap float layers for quantized ones in place, and back.
-
-``quantize_model(model, config)`` converts every supported layer except the excluded ones and
-returns a `QuantizationReport` saying what was converted and what was kept, and why. By default
-(as in the papers) embeddings, normalization layers and the output head stay in FP32.
+"""Model surgery: swap float layers for quantized ones in place, and back. `quantize_model` reports what it
+converted and what it kept, and why; by default (as in the papers) embeddings, norms and the output head stay FP32.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from .config import CPTConfig
+from .config import ActivationConfig, CPTConfig, ModuleSelection
+from .config.parts import PART_FIELDS
 from .nn.attention import attention_support, install_attention, uninstall_attention
 from .nn.base import NONFINITE_INPUTS, QuantLayerMixin, input_features
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
@@ -24,6 +24,7 @@ from .nn.precision import PrecisionState
 from .nn.recompute import convert_activation, restore_activation
 from .numerics import native
 from .numerics.bits import check_bits
+from .numerics.errors import ErrorQuantization
 from .numerics.rotation import can_rotate
 from .utils import model_embeddings
 
@@ -92,6 +93,16 @@ def matches_any(name: str, patterns: list[str] | None) -> str | None:
         if name == pattern or name.endswith("." + pattern) or re.fullmatch(pattern, name):
             return pattern
     return None
+
+
+def layer_settings_changed(model: nn.Module, config: CPTConfig) -> dict[str, tuple[Any, Any]]:
+    """The settings that decide how the layers compute (modules, activations, errors) on which ``config`` differs from
+    the config ``model`` was quantized with: {flat name: (then, now)}; empty for a model loaded from a checkpoint."""
+    used = find_precision_state(model).quantized_with
+    parts = (ModuleSelection, ActivationConfig, ErrorQuantization)
+    names = [flat for part in parts for flat in PART_FIELDS[part].values()]
+    return {} if used is None else {name: (getattr(used, name), getattr(config, name)) for name in names
+                                    if getattr(used, name) != getattr(config, name)}
 
 
 def _check_patterns(model: nn.Module, config: CPTConfig) -> None:
@@ -168,6 +179,7 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
     _check_patterns(model, config)
     heads = output_head_names(model)
     precision = PrecisionState.from_settings(config)
+    precision.quantized_with = config
     report = QuantizationReport()
     for name, module in list(model.named_modules()):
         if _is_candidate_layer(module):
@@ -184,7 +196,7 @@ def quantize_model(model: nn.Module, config: CPTConfig | None = None) -> Quantiz
         report.recomputing = [name for name, module in _beside_quantized_layers(model, config)
                               if convert_activation(module)]
     if config.quantize_adapters:  # adapters loaded later with plain peft (``PeftModel.from_pretrained``)
-        model.register_load_state_dict_post_hook(_QuantizeLoadedAdapters(config))
+        model.register_load_state_dict_post_hook(functools.partial(_quantize_loaded_adapters, config))
     if any(p.device.type == "cpu" for p in model.parameters()):
         native.build_ahead()  # the CPU kernels, built while the run sets up (a new machine; else nothing to do)
     precision.set(None, None)
@@ -315,17 +327,11 @@ def quantize_adapters(model: nn.Module, config: CPTConfig | None = None) -> Quan
     return report
 
 
-class _QuantizeLoadedAdapters:
-    """A load_state_dict post-hook on a model quantized with ``quantize_adapters=True``: peft loads adapters
-    (``PeftModel.from_pretrained``, ``load_adapter``) by creating float ``lora_A`` / ``lora_B`` layers and loading
-    their weights through ``load_state_dict``; after that, they are quantized as the run quantized them."""
-
-    def __init__(self, config: CPTConfig) -> None:
-        self.config = config
-
-    def __call__(self, model: nn.Module, incompatible_keys) -> None:
-        if is_quantized(model):
-            quantize_adapters(model, self.config)
+def _quantize_loaded_adapters(config: CPTConfig, model: nn.Module, incompatible_keys) -> None:
+    """A load_state_dict post-hook (``quantize_adapters=True``): peft loads adapters by creating float ``lora_A`` /
+    ``lora_B`` layers and loading their weights through ``load_state_dict``; then they are quantized as the run's."""
+    if is_quantized(model):
+        quantize_adapters(model, config)
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:

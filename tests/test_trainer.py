@@ -403,3 +403,22 @@ def test_a_nan_input_never_reaches_a_running_range_and_stops_the_trainer_at_its_
     with pytest.raises(ValueError, match=r"hf_cpt: at step 2 the training inputs of \d+ quantized layer\(s\) held "
                                          r"NaN or inf \(first: bert\.encoder\.layer\.0\.attention\.self\.query"):
         trainer.train()
+
+
+def test_a_model_quantized_with_another_config_is_refused_by_the_trainer(tmp_path):
+    """A pre-quantized model keeps the numerics of the config it was quantized with: a CPTTrainer given another is
+    refused, naming the settings (then, now); one that differs only in its schedule is the user's to choose."""
+    from transformers import BertForSequenceClassification, TrainingArguments
+
+    from hf_cpt import CPTTrainer, quantize_model
+
+    from .helpers import tiny_bert_config
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    model = BertForSequenceClassification(tiny_bert_config())
+    quantize_model(model, CPTConfig(quant_scheme="paper", exclude_modules=["pooler"]))
+    with pytest.raises(ValueError, match=r"quantized with another CPTConfig \(\{'exclude_modules': \(\['pooler'\], "
+                                         r"None\), 'quant_scheme': \('paper', 'auto'\)\}"):
+        CPTTrainer(model=model, args=args, cpt_config=CPTConfig())
+    same = CPTConfig(quant_scheme="paper", exclude_modules=["pooler"], bits_min=3, schedule="static")
+    assert CPTTrainer(model=model, args=args, cpt_config=same).cpt_report is None  # kept as it was

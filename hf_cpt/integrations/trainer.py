@@ -15,7 +15,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..config import CPTConfig
-from ..convert import QuantizationReport, find_precision_state, is_quantized, quantize_model
+from ..convert import QuantizationReport, find_precision_state, is_quantized, layer_settings_changed, quantize_model
 from ..numerics.bits import check_bits
 from ..serialization.export import packed_state_dict, portable_state_dict, resolve_export_bits
 from ..serialization.format import MAX_EXPORT_BITS, CheckpointFields, check_export_bits, check_float_weight_bits
@@ -91,8 +91,13 @@ class CPTTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _quantize(self, model: nn.Module) -> QuantizationReport | None:
-        if is_quantized(model):
-            return None  # converted by the user, e.g. before get_peft_model
+        if is_quantized(model):  # converted by the user, e.g. before get_peft_model: with this very numerics
+            changed = layer_settings_changed(model, self.cpt_config)
+            if changed:
+                raise ValueError(f"CPTTrainer: the model was quantized with another CPTConfig ({changed}, as "
+                                 "{name: (then, now)}): its layers would compute by the first while the run records "
+                                 "the second. Quantize it with cpt_config, or pass the model unquantized.")
+            return None
         report = quantize_model(model, self.cpt_config)
         logger.info("%s", report)
         return report
@@ -143,18 +148,10 @@ class CPTTrainer(Trainer):
         return ExportSettings(self.cpt_save_format, self.cpt_save_bits, self.cpt_float_weight_bits)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, **export: Any) -> None:
-        """Save the trained model for use, with its tokenizer / image processor and a model card.
-
-        ``export`` overrides, for this call, the `ExportSettings` that ``cpt_save_format`` / ``cpt_save_bits`` /
-        ``cpt_float_weight_bits`` set: ``save_format``
-        ("packed" by default: a packed CPT checkpoint at ``bits``, default ``cpt_config.bits_max``; "portable":
-        a float export on the same grid; "fp32": the master weights) and ``float_weight_bits``
-        (`hf_cpt.save_quantized`'s). Unless ``save_format`` is given here, a model that cannot be exported
-        (not a transformers ``PreTrainedModel``, e.g. a peft or plain torch model, or a ``schedule="fp32"``
-        run) is saved as "fp32". Checkpoints the Trainer writes itself to resume from (``save_steps``,
-        ``_internal_call=True``) always hold the FP32 master weights with plain keys, so that resuming
-        continues exactly.
-        """
+        """Save the trained model for use, with its tokenizer / image processor and a model card: ``export``
+        overrides the `ExportSettings` for this call ("packed" at ``cpt_config.bits_max`` by default; a model that
+        cannot be exported, e.g. a peft model or an FP32 run, as "fp32"). Checkpoints the Trainer writes to resume
+        from always hold the FP32 master weights with plain keys (docs/checkpoints.md)."""
         if _internal_call and self._cpt_push_export is None:
             with self._cpt_plain_model():
                 super().save_model(output_dir, _internal_call=True)

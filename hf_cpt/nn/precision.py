@@ -65,6 +65,7 @@ class PrecisionState:
         self.reused_weights = ReusedWeights()
         # The bit-width tensors on each accelerator the layers run on: (source id, device) -> [source version, copy].
         self._device_bits: dict[tuple[int, torch.device], list] = {}
+        self.quantized_with = None  # the CPTConfig `quantize_model` converted the model with (None: a loaded model)
 
     @classmethod
     def from_settings(cls, settings) -> PrecisionState:
