@@ -12,6 +12,7 @@ import copy
 import fnmatch
 import json
 import os
+import re
 import textwrap
 
 import pytest
@@ -816,3 +817,16 @@ def test_a_run_resumed_with_another_config_is_refused_naming_what_changed(tmp_pa
     resumed = _trainer(tmp_path / "third", cpt=allowed, save_strategy="no")
     resumed.train(resume_from_checkpoint=checkpoint)
     assert resumed.state.global_step == 4
+
+
+@pytest.mark.parametrize("side_file,damage", [("cpt_cost_state.json", b'{"steps": 2, "bito'),
+                                              ("cpt_activation_ranges.safetensors", b"\x00" * 16)])
+def test_a_damaged_side_file_of_a_resumed_checkpoint_is_named(tmp_path, side_file, damage):
+    """A truncated or corrupt file of hf_cpt's own in a Trainer checkpoint: the resume stops naming it, instead of a
+    json / safetensors error that names nothing."""
+    config = CPTConfig(bits_min=4, bits_max=8, num_cycles=2, fused_error_quantizer=False)
+    _trainer(tmp_path, cpt=config, save_strategy="steps", save_steps=2).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    (checkpoint / side_file).write_bytes(damage)
+    with pytest.raises(ValueError, match=rf"hf_cpt: {re.escape(str(checkpoint / side_file))} cannot be read"):
+        _trainer(tmp_path / "again", cpt=config).train(resume_from_checkpoint=str(checkpoint))

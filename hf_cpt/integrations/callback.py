@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from safetensors.torch import load_file, save_file
@@ -40,6 +41,20 @@ COST_STATE_FILE = "cpt_cost_state.json"
 # And the run's CPTConfig: a resume with another is refused, but for settings a run may change (`RESUMABLE_CHANGES`).
 RUN_CONFIG_FILE = "cpt_run_config.json"
 RESUMABLE_CHANGES = ("eval_bits", "fidelity_threshold")
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _read_side_file(path: str, read: Callable[[str], Any]) -> Any:
+    """``read(path)``; a file of a resumed checkpoint that cannot be read (truncated, corrupt) is named."""
+    try:
+        return read(path)
+    except Exception as error:
+        raise ValueError(f"hf_cpt: {path} cannot be read ({type(error).__name__}: {error}); it belongs to the "
+                         "checkpoint this run resumes from: restore it, or resume from another checkpoint.") from error
 
 
 class CPTCallback(TrainerCallback):
@@ -148,8 +163,7 @@ class CPTCallback(TrainerCallback):
         if not os.path.isfile(path):
             logger.warning("hf_cpt: no %s to resume from; the run's CPTConfig cannot be checked.", path)
             return
-        with open(path) as f:
-            saved = json.load(f)
+        saved = _read_side_file(path, _read_json)
         now = json.loads(json.dumps(self.config.to_dict(), default=str))
         changed = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
                    if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES}
@@ -167,8 +181,7 @@ class CPTCallback(TrainerCallback):
     def _restore_cost(self, args, state) -> None:
         path = self._checkpoint_file(args, state, COST_STATE_FILE)
         if os.path.isfile(path):
-            with open(path) as f:
-                self.meter.totals.load_state_dict(json.load(f))
+            _read_side_file(path, lambda p: self.meter.totals.load_state_dict(_read_json(p)))
         else:
             logger.warning("hf_cpt: no %s to resume from; the cost report covers only the steps after the resume.",
                            path)
@@ -177,9 +190,9 @@ class CPTCallback(TrainerCallback):
         # Resuming: the Trainer restored weights and state; the running ranges come from our own file.
         path = self._checkpoint_file(args, state, ACTIVATION_RANGES_FILE)
         if os.path.isfile(path):
-            load_activation_ranges(model, load_file(path))
+            _read_side_file(path, lambda p: load_activation_ranges(model, load_file(p)))
         else:
-            logger.info("hf_cpt: no %s to resume from; eval-mode activation ranges start afresh.", path)
+            logger.warning("hf_cpt: no %s to resume from; eval-mode activation ranges start afresh.", path)
 
     def on_step_begin(self, args, state, control, **kwargs):
         # This step's micro-batches share one quantized copy of each weight; the last one's backward takes it over.
