@@ -319,11 +319,11 @@ def quantize_adapters(model: nn.Module, config: CPTConfig | None = None) -> Quan
     with ``quantize_adapters=True``; call it after loading adapters onto a quantized base."""
     config = copy.copy(config or CPTConfig())
     config.quantize_adapters = True
-    precision = find_precision_state(model)
+    precision, heads = find_precision_state(model), output_head_names(model)
     report = QuantizationReport()
     for name, module in list(model.named_modules()):
         if _is_candidate_layer(module) and _is_adapter(name):
-            _convert_layer(name, module, config, precision, report, output_head_names(model))
+            _convert_layer(name, module, config, precision, report, heads)
     return report
 
 
@@ -345,13 +345,14 @@ def dequantize_model(model: nn.Module) -> nn.Module:
 
 
 def nonfinite_inputs(model: nn.Module) -> dict[str, int]:
-    """The quantized layers whose training inputs held a NaN or inf since the last call, with how many forwards did
-    (their running ranges skipped those); the counts start again (one host read for the whole model)."""
-    layers = [(name, layer) for name, layer in quant_layers(model) if NONFINITE_INPUTS in layer._buffers]
+    """{layer: training forwards whose input held a NaN or inf (its running range skipped them)} since the last call."""
+    layers = [(name, layer) for name, layer in quant_layers(model)  # per-token layers keep no running range
+              if NONFINITE_INPUTS in layer._buffers and layer.cpt_granularity != "token"]
     if not layers:
         return {}
-    counts = torch.stack([layer._buffers[NONFINITE_INPUTS].to("cpu", non_blocking=True) for _, layer in layers])
-    if not bool(counts.any()):
+    device = layers[0][1]._buffers[NONFINITE_INPUTS].device
+    counts = torch.stack([layer._buffers[NONFINITE_INPUTS].to(device) for _, layer in layers])
+    if not bool(counts.any()):  # one host read a step, on the device the counts live on
         return {}
     for _, layer in layers:
         layer._buffers[NONFINITE_INPUTS].zero_()
