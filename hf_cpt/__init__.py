@@ -32,6 +32,7 @@ _EXPORTS = {
     "CostMeter": "cost",
     "bitops_per_mac": "numerics.bitops",
     "relative_cost": "numerics.bitops",
+    "export_compressed_tensors": "serialization.compressed_tensors",
     "export_portable": "serialization.save",
     "save_quantized": "serialization.save",
     "output_fidelity": "diagnostics.fidelity",

@@ -220,61 +220,6 @@ def test_adapters_added_after_quantize_model_are_quantized_and_reload_with_peft_
     assert torch.equal(_logits(loaded.eval(), batch), expected)
 
 
-def test_a_portable_export_loads_in_lm_eval_and_transformers_without_hf_cpt(tmp_path):
-    """A trained Llama-style model exported portable: in a fresh process that never imports hf_cpt, transformers'
-    ``from_pretrained`` and lm-eval's ``HFLM`` load it (no quantization_config for them to refuse) and compute the
-    float model whose weights are the trained ones on the 8-bit grid."""
-    from hf_cpt import export_portable
-    from hf_cpt.convert import dequantize_model
-    from hf_cpt.nn.base import QuantLayerMixin
-
-    from .helpers import build_word_tokenizer
-
-    tokenizer = build_word_tokenizer(WORDS, str(tmp_path))
-    tokenizer.bos_token, tokenizer.eos_token = "[CLS]", "[SEP]"  # lm-eval's prefix token
-    model = _tiny_llama(len(tokenizer))
-    quantize_model(model, CPTConfig())
-    set_precision(model, 8, 8)
-    ids = tokenizer([" ".join(WORDS[i:i + 6]) for i in range(8)], return_tensors="pt")["input_ids"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(3):
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    export_portable(model, tmp_path / "portable", 8, processing_class=tokenizer, model_card=False)
-    snapped = model
-    for layer in snapped.modules():
-        if isinstance(layer, QuantLayerMixin):
-            with torch.no_grad():
-                layer.weight.copy_(layer.quantized_weight(8))
-    dequantize_model(snapped).eval()
-    requests = [("the cat sat", " on the mat"), ("a big dog", " ran quickly")]
-    path = str(tmp_path / "portable")
-    code = (
-        "import json, sys, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "from lm_eval.api.instance import Instance\n"
-        "from lm_eval.models.huggingface import HFLM\n"
-        f"plain = AutoModelForCausalLM.from_pretrained({path!r})\n"
-        f"lm = HFLM(pretrained={path!r}, device='cpu', batch_size=2)\n"
-        f"requests = [Instance('loglikelihood', {{}}, pair, i) for i, pair in enumerate({requests!r})]\n"
-        "got = [value for value, _ in lm.loglikelihood(requests)]\n"
-        "tokens = [[lm.tok_encode(c), lm.tok_encode(c + x)] for c, x in (r.args for r in requests)]\n"
-        "print(json.dumps({'got': got, 'tokens': tokens, 'hf_cpt': any(m.startswith('hf_cpt') for m in sys.modules),\n"
-        "                  'plain': type(plain.model.layers[0].mlp.up_proj).__name__}))\n"
-    )
-    result = run_python(["-c", code], check=True)
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    expected = []  # the log-likelihood of each continuation under the trained weights on the grid, lm-eval's tokens
-    for context_ids, whole in out["tokens"]:
-        sequence = context_ids + whole[len(context_ids):]  # as lm-eval pairs them: the continuation cut off the whole
-        with torch.no_grad():
-            logprobs = torch.log_softmax(snapped(input_ids=torch.tensor([sequence[:-1]])).logits.float(), -1)[0]
-        expected.append(sum(float(logprobs[i - 1, sequence[i]]) for i in range(len(context_ids), len(sequence))))
-    assert out["hf_cpt"] is False and out["plain"] == "Linear"
-    assert out["got"] == pytest.approx(expected, abs=1e-4)
-
-
 def test_a_reader_without_hf_cpt_names_it_first_and_an_older_cpt_file_still_loads(tmp_path):
     """transformers (and lm-eval, which asks transformers for the config) print the quant_method in the first line
     they print about a packed checkpoint: it names hf-cpt and the fix, before any load report. A file written before

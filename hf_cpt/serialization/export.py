@@ -244,6 +244,23 @@ def _main_output(outputs: Any) -> torch.Tensor:
     return logits if logits is not None else outputs[0]
 
 
+def output_change(before: Any, after: Any, source: str) -> dict[str, Any]:
+    """How far ``after`` (a model output) is from ``before``: the max relative change of the main output
+    (``max |new - old| / max |old|``), the share of predictions (argmax of the last dimension) that flip, the loss
+    change when both have a loss, and where the inputs came from."""
+    old, new = _main_output(before).float(), _main_output(after).float()
+    effect = {
+        "inputs": source,
+        "examples": int(old.shape[0]),
+        "max_relative_output_change": float((new - old).abs().max() / old.abs().max().clamp_min(1e-12)),
+        "flipped_predictions": float((old.argmax(-1) != new.argmax(-1)).float().mean()),
+    }
+    loss_before, loss_after = getattr(before, "loss", None), getattr(after, "loss", None)
+    if loss_before is not None and loss_after is not None:
+        effect["loss_change"] = float(loss_after - loss_before)
+    return effect
+
+
 @torch.no_grad()
 def measure_rounding(
     model: nn.Module, plan: ExportPlan, inputs: dict[str, torch.Tensor] | None = None
@@ -251,9 +268,7 @@ def measure_rounding(
     """What rounding the FP32-trained weights of ``plan`` changes in the model's output at ``plan.bits``.
 
     Compares the in-memory model evaluated at the export bits with the same model after the rounding, on
-    ``inputs`` (a batch of evaluation data; default: fixed random valid inputs). Returns the max relative
-    output change (``max |new - old| / max |old|``), the share of predictions (argmax of the last
-    dimension) that flip, the loss change when the batch has labels, and where the inputs came from.
+    ``inputs`` (a batch of evaluation data; default: fixed random valid inputs): `output_change`.
     """
     source = "evaluation batch" if inputs is not None else "random valid inputs"
     inputs = dict(inputs) if inputs is not None else _default_inputs(model)
@@ -274,18 +289,8 @@ def measure_rounding(
         for name, module in plan.float_packed.items():
             module.weight.copy_(originals[name])
         model.train(was_training)
-    old, new = _main_output(before).float(), _main_output(after).float()
-    flips = (old.argmax(-1) != new.argmax(-1)).float()
-    effect = {
-        "inputs": source,
-        "examples": int(old.shape[0]),
-        "max_relative_output_change": float((new - old).abs().max() / old.abs().max().clamp_min(1e-12)),
-        "flipped_predictions": float(flips.mean()),
-        "rounded_modules": dict(plan.float_bits),
-    }
-    loss_before, loss_after = getattr(before, "loss", None), getattr(after, "loss", None)
-    if loss_before is not None and loss_after is not None:
-        effect["loss_change"] = float(loss_after - loss_before)
+    effect = output_change(before, after, source)
+    effect["rounded_modules"] = dict(plan.float_bits)
     if effect["flipped_predictions"] > 0:
         logger.warning(
             "hf_cpt: rounding the weights trained in FP32 (float_weight_bits) flips %.1f%% of the predictions on "

@@ -34,7 +34,7 @@ QUANT_METHODS = (QUANT_METHOD, "cpt")
 # 4: `attention_bits` (attention products at a fixed bit-width), which an older reader would ignore.
 FORMAT_VERSION = 4
 SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
-CHECKPOINT_FORMATS = ("packed", "portable")
+CHECKPOINT_FORMATS = ("packed", "portable", "compressed-tensors")
 MIN_EXPORT_BITS = 1
 MAX_EXPORT_BITS = 8
 
@@ -83,12 +83,12 @@ class CheckpointFields:
     bits: int  # precision of the stored weights and activations, 1..8
     quantized_modules: list[str]  # the CPT layers
     format_version: int = FORMAT_VERSION
-    checkpoint_format: str = "packed"  # or "portable" (float weights on the grid)
+    checkpoint_format: str = "packed"  # or "portable" (float weights on the grid), or "compressed-tensors"
     float_weight_bits: Any = "auto"  # the export option for weights that trained in FP32
     float_packed_modules: dict[str, int] = field(default_factory=dict)  # FP32-trained weights stored as codes
     shared_weights: dict[str, str] = field(default_factory=dict)  # tied weights: {module: module it shares with}
     guard_tensor: str | None = None  # packed only: the tensor that stops a load without hf_cpt
-    activation_ranges: dict[str, list[float]] | None = None  # portable only: {layer: [min, max]}
+    activation_ranges: dict[str, list[float]] | None = None  # not packed: {layer: [min, max]}
     # What further training of the loaded model uses:
     activation_momentum: float = 0.9
     activation_ema_init: str = "zeros"
@@ -102,6 +102,7 @@ class CheckpointFields:
     # Format 2: {layer: [activation granularity, rotation seed or null]}; absent layers are per tensor, unrotated.
     layer_schemes: dict[str, list] = field(default_factory=dict)
     rounding_effect: dict[str, Any] | None = None  # a lossy export: what rounding the FP32-trained weights changed
+    export_effect: dict[str, Any] | None = None  # compressed-tensors: layers it runs in float, measured change
     quantized_attention: str | None = None  # granularity of the attention products; null: full precision
     # Format 3: the implementation the trained model's "cpt" attention function wrapped ("sdpa" / "eager");
     # null: the model ran its own attention. The loaded model is routed the same way.

@@ -168,17 +168,28 @@ def _activation_text(fields: CheckpointFields) -> str:
 
 def _exactness_section(fields: CheckpointFields) -> list[str]:
     """Whether the checkpoint reproduces the trained model, and what a lossy export changed (measured)."""
-    effect = fields.rounding_effect
-    if not fields.float_packed_modules:
+    if fields.checkpoint_format == "portable":
+        return ["## Exactness", "", "Not the trained model's computation: the weights are the trained ones on the "
+                f"{fields.bits}-bit grid, but activations and attention products are not quantized.", ""]
+    effect = fields.export_effect if not fields.packed else fields.rounding_effect
+    if fields.packed and not fields.float_packed_modules:
         return ["## Exactness", "", "This checkpoint is **exact**: loaded with `import hf_cpt`, it reproduces the "
                 f"trained model evaluated at {fields.bits} bits: the layers compute with the stored codes, "
                 "rotations and activation ranges, and attention runs through the same function (max relative output "
                 "difference at most 1e-5; 0 in hf-cpt's tests).", ""]
-    lines = ["## Exactness: a lossy export", "", "Weights that trained in FP32 were **rounded after training** "
-             f"(`float_weight_bits={fields.float_weight_bits!r}`), so this checkpoint does not reproduce the "
-             "trained model exactly."]
-    if effect:
-        lines += ["Measured at export on "
+    if fields.packed:
+        lines = ["## Exactness: a lossy export", "", "Weights that trained in FP32 were **rounded after training** "
+                 f"(`float_weight_bits={fields.float_weight_bits!r}`), so this checkpoint does not reproduce the "
+                 "trained model exactly."]
+    else:
+        float_layers = effect.get("float_layers", {})
+        lines = ["## Exactness", "", "Layers in the format's int8 scheme compute what the trained layers compute, to "
+                 "float rounding (a rounding tie can still flip an activation code). "
+                 + (f"{sum(map(len, float_layers.values()))} CPT layer(s) run in float here: "
+                    + "; ".join(f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''} ({reason})"
+                                for reason, names in float_layers.items()) + "." if float_layers else "")]
+    if effect and "examples" in effect:
+        lines += ["Measured at export against the trained model on "
                   f"{effect['examples']} examples ({effect['inputs']}):", ""]
         rows = [("max relative output change", effect["max_relative_output_change"]),
                 ("predictions that flip", f"{100 * effect['flipped_predictions']:.1f}%")]
@@ -211,6 +222,10 @@ def _intro_section(model_name: str, fields: CheckpointFields | None) -> list[str
             f"{intro} and stored as a{'n' if fields.bits == 8 else ''} **{fields.bits}-bit packed CPT checkpoint**: "
             "integer weights, a per-channel scale and zero point, and the activation ranges, in safetensors."
         ]
+    if fields.checkpoint_format == "compressed-tensors":
+        return lines + [f"{intro} and exported in the **compressed-tensors** format (`int-quantized`): "
+                        f"{fields.bits}-bit integer weights per output channel with their inputs' quantization, which "
+                        "transformers runs without hf-cpt (the CPT settings: `cpt_config.json`)."]
     return lines + [f"{intro} and exported in the **portable** format: a plain float checkpoint whose quantized "
                     f"layers' weights are snapped to the {fields.bits}-bit grid (the CPT settings: `cpt_config.json`)."]
 
@@ -228,6 +243,9 @@ def _loading_section(model: nn.Module, fields: CheckpointFields | None, repo_id:
             f"Loading needs hf-cpt: {INSTALL_HINT}, then `import hf_cpt` before `from_pretrained` "
             "(it registers the `cpt` quantization method with transformers)."
         )
+    elif fields.checkpoint_format == "compressed-tensors":
+        lines.append("transformers loads it with the compressed-tensors package (`pip install compressed-tensors`), "
+                     "without hf-cpt.")
     else:
         lines.append(
             "Any reader of transformers checkpoints loads it, without hf-cpt, as a float model (weights on the "
@@ -251,7 +269,8 @@ def _loading_section(model: nn.Module, fields: CheckpointFields | None, repo_id:
 
 def _format_section(fields: CheckpointFields) -> list[str]:
     rows = [
-        ("quant_method", fields.quant_method),
+        ("quant_method", fields.quant_method if fields.packed else "none (a plain float checkpoint)"
+         if fields.checkpoint_format == "portable" else "compressed-tensors (int-quantized, float zero points)"),
         ("format_version", fields.format_version),
         ("checkpoint_format", fields.checkpoint_format),
         ("bits (weights and input activations)", fields.bits),

@@ -81,6 +81,11 @@ def write_checkpoint(
         return
     with plain_model(model):
         model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
+    write_settings_file(save_directory, fields)
+
+
+def write_settings_file(save_directory: str, fields: CheckpointFields) -> None:
+    """The CPT settings of an export without a CPT ``quantization_config``, beside its weights."""
     with open(os.path.join(save_directory, PORTABLE_SETTINGS_FILE), "w") as f:
         json.dump(fields.to_dict(), f, indent=2)
 
