@@ -58,9 +58,7 @@ def schedules_table(schedules: Sequence[PrecisionSchedule], grad_bits: int | Non
         return ""
     bits_max = schedules[0].bits_max
     grad = "FP32" if grad_bits is None else f"{grad_bits}"
-    header = (
-        f"| schedule | mean bits | cost vs static {bits_max}/{grad} | cost vs FP32 | cost group | description |"
-    )
+    header = f"| schedule | mean bits | cost vs static {bits_max}/{grad} | cost vs FP32 | cost group | description |"
     lines = [header, "|---|---:|---:|---:|---|---|"]
     for schedule in schedules:
         lines.append(
@@ -125,19 +123,8 @@ def _schedules_command(args: argparse.Namespace, parser: argparse.ArgumentParser
     if unknown:
         parser.error(f"unknown schedule(s) {unknown}; choose from {sorted(available_schedules())}")
     try:
-        schedules = [
-            get_schedule(
-                name,
-                args.bits_min,
-                args.bits_max,
-                args.steps,
-                args.cycles,
-                rounding=args.rounding,
-                delay=args.delay,
-                delay_precision=args.delay_precision,
-            )
-            for name in names
-        ]
+        schedules = [get_schedule(name, args.bits_min, args.bits_max, args.steps, args.cycles, rounding=args.rounding,
+            delay=args.delay, delay_precision=args.delay_precision) for name in names]
         for schedule in schedules:
             schedule.static_grad_bits(args.grad_bits)  # validates --grad-bits
     except ValueError as error:

@@ -1,13 +1,9 @@
 """`RuntimeSettings`: how a machine runs CPT's numerics, never what they are.
 
-These switches choose among engine paths that compute the same method (the same codes, ranges and errors; a product
-on integer codes equals the float product up to float rounding): whether CPU products run on int8 codes, whether
-activations recompute their input from codes, whether large errors are quantized by one fused kernel. A `CPTConfig`
-carries them in its ``runtime`` part for the model it quantizes; they are not written into checkpoints or model
-cards, and a loaded model takes the loading process's defaults.
-
-``HF_CPT_INT8_DOT`` (``1`` / ``0``) forces the int8 dot-product path on or off whatever the CPU reports, so that
-both paths can be tested on any machine (`hf_cpt.backends.cpu.int8_dot_products`).
+These switches choose among engine paths that compute the same method (a product on integer codes equals the float
+product up to float rounding). A `CPTConfig` carries them in its ``runtime`` part; they are not written into
+checkpoints or model cards. ``HF_CPT_INT8_DOT`` (``1`` / ``0``) forces the int8 dot-product path on or off whatever
+the CPU reports, so that both paths are tested on any machine (`hf_cpt.backends.cpu.int8_dot_products`).
 """
 
 from __future__ import annotations

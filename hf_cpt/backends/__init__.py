@@ -1,16 +1,11 @@
 """Backends: which kernels compute CPT's numerics on a device (docs/architecture.md, "Backends").
 
-The layers (`hf_cpt.nn`) ask `backend_for(device)` for an operand's codes (`Backend.operand`), the values rebuilt
-from them (`Backend.restore`), an error's quantization (`Backend.error`), a product on codes
-(`Backend.code_product`) and whether products on codes are the fast path there (`Backend.products_on_codes`); no
-device or instruction-set check sits in `hf_cpt.nn`.
-
-- ``reference`` (`hf_cpt.backends.reference`): the torch formulas that define the numerics; every device without a
-  backend of its own runs it, and tests compare every fast path with it.
-- ``cpu`` (`hf_cpt.backends.cpu`): the native C kernels, products on int8 codes where the CPU has int8 dot products.
-
-A new backend (a ``cuda`` one with Triton kernels) is a `Backend` subclass in a folder of its own, registered for
-its device type with `register_backend`: nothing outside that folder changes.
+The layers ask `backend_for(device)` for an operand's codes, the values rebuilt from them, an error's quantization, a
+product on codes and whether such products are the fast path there; no device or instruction-set check sits in
+`hf_cpt.nn`. ``reference``: the torch formulas that define the numerics, run on every device without a backend of its
+own, and what tests compare every fast path with. ``cpu``: the native C kernels, with products on int8 codes where
+the CPU has int8 dot products. A new backend is a `Backend` subclass in a folder of its own, registered with
+`register_backend`.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ from .parts import (
     auto_cycles,
 )
 
-__all__ = [
-    "AUTO_MAX_CYCLES", "AUTO_STEPS_PER_CYCLE", "EMA_INITS", "EVAL_PRECISIONS", "QUANT_SCHEMES", "ActivationConfig",
-    "CPTConfig", "EvaluationConfig", "ModuleSelection", "RangeTestConfig", "ScheduleConfig", "ScheduleOptions",
-    "auto_cycles", "flat_settings",
-]
+__all__ = ["AUTO_MAX_CYCLES", "AUTO_STEPS_PER_CYCLE", "EMA_INITS", "EVAL_PRECISIONS", "QUANT_SCHEMES",
+    "ActivationConfig", "CPTConfig", "EvaluationConfig", "ModuleSelection", "RangeTestConfig", "ScheduleConfig",
+    "ScheduleOptions", "auto_cycles", "flat_settings"]

@@ -1,16 +1,11 @@
 """`CPTConfig`: every setting of a Cyclic Precision Training run, validated up front.
 
-The top level holds what a user chooses: the bit-widths, the schedule and its cycles, the delayed start, the eval
-precision, which modules (and whether embeddings, attention products and adapters) are quantized, the fidelity
-check. The method's numerics options live in nested parts (``activations``, ``errors``, ``schedule_options``,
-``range_test``), engine switches in ``runtime`` (`hf_cpt.runtime.RuntimeSettings`: not written into checkpoints
-or model cards). Each field is declared once, with its default and help text, in the typed part it belongs to
-(`hf_cpt.config.parts`); each part checks its own fields.
-
-Flat keyword arguments still work and are routed to their part (``CPTConfig(error_granularity="token")`` sets
-``config.errors.granularity``; reading ``config.error_granularity`` reads it back), so the recipes' ``--cpt_*``
-flags are made from `flat_settings`. `to_dict` writes the flat names (the format checkpoints and cost reports
-have always used) without the runtime part; `from_dict` reads it back. Named recipes: `CPTConfig.from_recipe`.
+The top level holds a user's choices (bits, schedule, cycles, delayed start, eval precision, which modules are
+quantized, the fidelity check); the method's numerics options live in nested parts (``activations``, ``errors``,
+``schedule_options``, ``range_test``), engine switches in ``runtime`` (never saved). Each field is declared once, in
+the typed part it belongs to (`hf_cpt.config.parts`), which checks it. Flat keyword arguments are routed to their part
+(``CPTConfig(error_granularity="token")`` sets ``config.errors.granularity``), and `to_dict` / `from_dict` use those
+flat names, the format checkpoints and cost reports have always used. Named recipes: `CPTConfig.from_recipe`.
 """
 
 from __future__ import annotations
@@ -89,8 +84,7 @@ def _top_level_specs() -> list[tuple[str, Any, dataclasses.Field]]:
         hints = typing.get_type_hints(part)
         for own in dataclasses.fields(part):
             if only is None or own.name == only:
-                specs.append((own.name, hints[own.name],
-                              dataclasses.field(default=own.default, metadata=own.metadata)))
+                specs.append((own.name, hints[own.name], dataclasses.field(default=own.default, metadata=own.metadata)))
     for name, cls, default, help_text in NESTED_PARTS:
         specs.append((name, cls, dataclasses.field(default=default, metadata={"help": help_text},
                                                    repr=name != "runtime", compare=name != "runtime")))

@@ -258,14 +258,10 @@ class RangeTestConfig:
         "Precision range test: improvement that marks bits_min (accuracy: absolute, loss: relative decrease); "
         "default 0.05 for accuracy, 0.1 for loss."
     )
-    metric: str = setting(
-        "loss",
-        "Precision range test metric: 'loss' (any model) or 'accuracy' (classification logits)."
-    )
-    window: int | None = setting(
-        None,
-        "Precision range test: iterations averaged per precision (default: a quarter of them)."
-    )
+    metric: str = setting("loss",
+        "Precision range test metric: 'loss' (any model) or 'accuracy' (classification logits).")
+    window: int | None = setting(None,
+        "Precision range test: iterations averaged per precision (default: a quarter of them).")
     restore_weights: bool = setting(
         True,
         "Precision range test: restore weights, optimizer and RNG after each precision (True) or keep training "
@@ -304,10 +300,8 @@ class RangeTestConfig:
 class EvaluationConfig:
     """The precision of eval mode and the fidelity check at the start of training."""
 
-    eval_bits: int | str = setting(
-        "max",
-        "Evaluation precision: 'max' (bits_max), 'current' (schedule), 'fp32' or a bit-width."
-    )
+    eval_bits: int | str = setting("max",
+        "Evaluation precision: 'max' (bits_max), 'current' (schedule), 'fp32' or a bit-width.")
     fidelity_threshold: float | None = setting(
         0.8,
         "At the start of training, warn when the model's output at bits_min on the first batch has a cosine "

@@ -1,12 +1,9 @@
-"""What on this machine decides a CPT run's speed and memory, as ``hf-cpt env`` prints it: the library versions, the
-accelerator, how the layers multiply on this CPU, whether the C kernels can build, the threads, and the memory
-allocator the process runs on.
+"""What on this machine decides a CPT run's speed and memory, as ``hf-cpt env`` prints it: library versions, the
+accelerator, how the layers multiply on this CPU, whether the C kernels build, the threads, and the memory allocator.
 
-The allocator matters on CPU. glibc's malloc serves blocks below its mmap threshold, which rises with the first large
-frees, from its heap, where freed holes stay resident: a step's peak there follows the order of allocations as much
-as the memory in use, and what the quantized layers keep less (their inputs' codes, a byte a value, in place of
-float copies) can vanish from it. Under jemalloc or tcmalloc, preloaded, the bench's peaks followed the memory in use,
-the plain model's and the quantized one's (docs/benchmarks.md, "The allocator").
+The allocator matters on CPU: glibc's heap keeps freed holes resident, so a step's peak follows the order of
+allocations as much as the memory in use; under jemalloc or tcmalloc, preloaded, the bench's peaks followed the
+memory in use (docs/benchmarks.md, "The allocator").
 """
 
 from __future__ import annotations
@@ -126,10 +123,7 @@ def environment_report() -> dict[str, str]:
         memory += f": {ALLOCATOR_HINT}; " + (
             "installed here: " + ", ".join(f"LD_PRELOAD={path}" for path in installed.values()) if installed else
             "none is installed in " + ", ".join(LIBRARY_FOLDERS))
-    return {
-        "hf_cpt": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
-        "accelerate": _version("accelerate"), "python": platform.python_version(),
-        "platform": platform.platform(), "accelerator": accelerator, "CPU products": products,
-        "C kernels": kernels, "threads": f"{torch.get_num_threads()} (a C kernel's: {_kernel_threads(native)})",
-        "memory allocator": memory,
-    }
+    return {"hf_cpt": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
+        "accelerate": _version("accelerate"), "python": platform.python_version(), "platform": platform.platform(),
+        "accelerator": accelerator, "CPU products": products, "C kernels": kernels,
+        "threads": f"{torch.get_num_threads()} (a C kernel's: {_kernel_threads(native)})", "memory allocator": memory}

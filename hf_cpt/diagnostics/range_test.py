@@ -245,11 +245,10 @@ class _Run:
     def result(self, max_bits: int) -> PrecisionRangeResult:
         self.meter = CostMeter(self.model, max_bits, self.grad_bits)
         s = self.settings
-        return PrecisionRangeResult(
-            bits_min=max_bits, found=False, metric=s.metric, threshold=s.resolved_threshold, start_bits=s.start_bits,
-            max_bits=max_bits, grad_bits=self.grad_bits, steps_per_precision=s.steps_per_precision,
-            window=s.resolved_window, restore_weights=s.restore_weights, baseline=float("nan"),
-        )
+        return PrecisionRangeResult(bits_min=max_bits, found=False, metric=s.metric, threshold=s.resolved_threshold,
+            start_bits=s.start_bits, max_bits=max_bits, grad_bits=self.grad_bits,
+            steps_per_precision=s.steps_per_precision, window=s.resolved_window, restore_weights=s.restore_weights,
+            baseline=float("nan"))
 
     def untrained_score(self) -> float:
         self.model.train()

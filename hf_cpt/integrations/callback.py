@@ -223,10 +223,8 @@ class CPTCallback(TrainerCallback):
         """The CPT values to add to a training log entry (none for evaluation logs)."""
         if self.meter is None or not any(k == "loss" or k.startswith("train_") for k in logs):
             return {}
-        values = {
-            "cpt/bits": float(self.bits) if self.bits is not None else 32.0,
-            "cpt/grad_bits": float(self.grad_bits) if self.grad_bits is not None else 32.0,
-        }
+        values = {"cpt/bits": float(self.bits) if self.bits is not None else 32.0,
+            "cpt/grad_bits": float(self.grad_bits) if self.grad_bits is not None else 32.0}
         values.update(self.meter.totals.as_logs())
         if any(k.startswith("train_") for k in logs):  # the run's final summary: the full cost report
             values["cpt/static_gbitops"] = self.meter.totals.static_bitops / 1e9

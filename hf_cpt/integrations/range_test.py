@@ -45,20 +45,10 @@ def run_precision_range_test_for_trainer(
             "CPTConfig(bits_min='auto') needs the Trainer's train_dataloader for the precision range test."
         )
     test = config.range_test
-    result = precision_range_test(
-        model,
-        train_dataloader,
-        start_bits=test.start_bits,
-        max_bits=config.bits_max,
-        steps_per_precision=test.steps_per_precision,
-        threshold=test.threshold,
-        metric=test.metric,
-        window=test.window,
-        optimizer=optimizer,
-        grad_bits=config.grad_bits,
-        restore_weights=test.restore_weights,
-        max_grad_norm=getattr(args, "max_grad_norm", None) or None,
-    )
+    result = precision_range_test(model, train_dataloader, start_bits=test.start_bits, max_bits=config.bits_max,
+        steps_per_precision=test.steps_per_precision, threshold=test.threshold, metric=test.metric, window=test.window,
+        optimizer=optimizer, grad_bits=config.grad_bits, restore_weights=test.restore_weights,
+        max_grad_norm=getattr(args, "max_grad_norm", None) or None)
     logger.warning("%s", result)
     if output_dir and getattr(state, "is_world_process_zero", True):
         os.makedirs(output_dir, exist_ok=True)

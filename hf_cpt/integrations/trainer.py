@@ -196,10 +196,9 @@ class CPTTrainer(Trainer):
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None, **kwargs) -> None:
         """Write the CPT model card (README.md) into ``args.output_dir``: settings, schedule, cost, metrics."""
         if not isinstance(self._cpt_unwrapped(), PreTrainedModel):  # peft or plain torch models: Trainer's card
-            return super().create_model_card(
-                language=language, license=license, tags=tags, model_name=model_name, finetuned_from=finetuned_from,
-                tasks=tasks, dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args,
-            )
+            return super().create_model_card(language=language, license=license, tags=tags, model_name=model_name,
+                finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags, dataset=dataset,
+                dataset_args=dataset_args)
         if not self.is_world_process_zero():
             return
         output_dir, fields = self._cpt_last_export
@@ -296,29 +295,14 @@ class CPTTrainer(Trainer):
                 logger.warning("hf_cpt: no cost figures in the model card (%s).", error)
         total_steps = self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
         args = self.args
-        hyperparameters = {
-            "learning_rate": args.learning_rate,
-            "train_batch_size": args.per_device_train_batch_size,
+        hyperparameters = {"learning_rate": args.learning_rate, "train_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "optimizer": str(getattr(args.optim, "value", args.optim)),
             "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-            "num_train_epochs": args.num_train_epochs,
-            "max_steps": total_steps,
-            "seed": args.seed,
-        }
-        write_model_card(
-            output_dir,
-            self._cpt_unwrapped(),
-            fields,
-            cpt_config=self.cpt_config,
-            total_steps=total_steps,
-            schedule=callback.schedule,
-            grad_schedule=getattr(callback, "grad_schedule", None),
+            "num_train_epochs": args.num_train_epochs, "max_steps": total_steps, "seed": args.seed}
+        write_model_card(output_dir, self._cpt_unwrapped(), fields, cpt_config=self.cpt_config, total_steps=total_steps,
+            schedule=callback.schedule, grad_schedule=getattr(callback, "grad_schedule", None),
             model_name=card.pop("model_name", None) or os.path.basename(os.path.abspath(output_dir)),
-            cost_report=cost_report,
-            eval_metrics=eval_metrics_from_log_history(self.state.log_history),
-            repo_id=getattr(self, "hub_model_id", None),
-            training_hyperparameters=hyperparameters,
-            precision_profile=self.cpt_precision_profile,
-            **card,
-        )
+            cost_report=cost_report, eval_metrics=eval_metrics_from_log_history(self.state.log_history),
+            repo_id=getattr(self, "hub_model_id", None), training_hyperparameters=hyperparameters,
+            precision_profile=self.cpt_precision_profile, **card)

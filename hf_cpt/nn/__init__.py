@@ -15,9 +15,7 @@ from .layers import (
 )
 from .precision import PrecisionState
 
-__all__ = [
-    "ACTIVATION_GRANULARITIES", "QUANT_EMBEDDING_CLASSES", "QUANT_LAYER_CLASSES", "PrecisionState", "QuantConv2d",
-    "QuantEmbedding", "QuantLayerMixin", "QuantLinear", "attention_support", "convert_layer",
+__all__ = ["ACTIVATION_GRANULARITIES", "QUANT_EMBEDDING_CLASSES", "QUANT_LAYER_CLASSES", "PrecisionState",
+    "QuantConv2d", "QuantEmbedding", "QuantLayerMixin", "QuantLinear", "attention_support", "convert_layer",
     "find_attention_quantizer", "input_features", "install_attention", "register_quant_layer", "restore_layer",
-    "rotation_buffers", "uninstall_attention", "weight_channel_dim",
-]
+    "rotation_buffers", "uninstall_attention", "weight_channel_dim"]

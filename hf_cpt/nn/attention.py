@@ -1,22 +1,12 @@
 """The attention products in low precision, through transformers' attention interface (docs/method.md §8).
 
-A model that dispatches attention through ``AttentionInterface`` (BERT, GPT-2, Llama-style models,
-ViT in current transformers) computes ``softmax(Q Kᵀ · scale + mask) V`` in a function chosen by
-``config._attn_implementation``. `install_attention` registers ``"cpt"`` there (with the eager
-additive mask) and switches the model to it; no module is rewritten. The function:
-
-* with quantization on (``CPTConfig(quantize_attention=True)``), fake-quantizes Q and K before
-  ``Q Kᵀ`` and the probabilities P and V before ``P V`` at the forward bits (or at a fixed
-  ``attention_bits`` while the layers are quantized), and quantizes the
-  error of both products at the error bits on the backward pass (the follow-up study's BERT code;
-  ``attention_errors=False`` keeps those errors in full precision). In training both products keep
-  their operands for backward as uint8 codes (`QuantizedMatmul`), not float copies.
-  Ranges are each batch's own: per tensor (the paper's scheme) or, with per-token activations, per
-  row of Q, K and P and per channel of V (scales never vary along a product's reduced dimension);
-* always counts the forward MACs of both products while training, so that the cost meter prices
-  them (at the forward bits when quantized, else at 32 bits).
-
-Dropout on the probabilities and grouped key/value heads behave as in the eager implementation.
+`install_attention` registers ``"cpt"`` in ``AttentionInterface`` (BERT, GPT-2, Llama-style models, ViT) and switches
+the model to it; no module is rewritten. With ``CPTConfig(quantize_attention=True)`` the function fake-quantizes Q
+and K before ``Q Kᵀ`` and P and V before ``P V`` (at the forward bits or a fixed ``attention_bits``), over each
+batch's own ranges (per tensor, or per row of Q, K, P and per channel of V with per-token activations), keeps the
+operands for backward as uint8 codes (`QuantizedMatmul`) and quantizes both products' errors (unless
+``attention_errors=False``). It always counts both products' MACs for the cost meter. Dropout and grouped key/value
+heads behave as in the eager implementation.
 """
 
 from __future__ import annotations

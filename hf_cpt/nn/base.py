@@ -284,12 +284,10 @@ class QuantLayerMixin:
             if self.quantizes_inputs:
                 x, x_range, x_quantized = self._prepared_input(x, rotation, bits, training_products, integer)
         if training_products:
-            return QuantizedProducts.apply(
-                x, *x_range, weight, *weight_range, self.bias, self, bits, precision.compact_codes,
-                precision.error_bits(weight.device) if quantize_backward else None,
+            return QuantizedProducts.apply(x, *x_range, weight, *weight_range, self.bias, self, bits,
+                precision.compact_codes, precision.error_bits(weight.device) if quantize_backward else None,
                 precision.errors.for_activations(self.cpt_granularity), rotated_weight, weight_rotation, x_quantized,
-                weight_quantized, integer,
-            )
+                weight_quantized, integer)
         if x_quantized is not None:
             x = x_quantized[0]
         elif x_range[0] is not None:

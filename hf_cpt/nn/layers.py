@@ -51,8 +51,7 @@ def _matmul_on_codes(x: tuple, weight: tuple, bits: torch.Tensor, transposed_wei
 
     weight_codes = weight_codes.t() if transposed_weight else weight_codes
     out = backend_for(codes.device).code_product((rows, per_row(scale), per_row(minimum)),
-                                                 (weight_codes, weight_scale.reshape(1, -1),
-                                                  weight_minimum.reshape(1, -1)), bits, bias)
+        (weight_codes, weight_scale.reshape(1, -1), weight_minimum.reshape(1, -1)), bits, bias)
     return out.view(*codes.shape[:-1], out.shape[-1])
 
 
@@ -80,8 +79,7 @@ class QuantConv2d(QuantLayerMixin, nn.Conv2d):
     def input_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self._direct_gradients():
             return super().input_gradient(error, x, weight)
-        return torch.nn.grad.conv2d_input(x.shape, weight, error, self.stride, self.padding, self.dilation,
-                                          self.groups)
+        return torch.nn.grad.conv2d_input(x.shape, weight, error, self.stride, self.padding, self.dilation, self.groups)
 
     def weight_gradient(self, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self._direct_gradients():
@@ -94,9 +92,8 @@ class QuantConv2d(QuantLayerMixin, nn.Conv2d):
         values as `input_gradient` and `weight_gradient`, in less time than two calls)."""
         if not self._direct_gradients():
             return None
-        grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
-            error, x, weight, None, _pair(self.stride), _pair(self.padding), _pair(self.dilation), False, [0, 0],
-            self.groups, [True, True, False])
+        grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(error, x, weight, None, _pair(self.stride),
+            _pair(self.padding), _pair(self.dilation), False, [0, 0], self.groups, [True, True, False])
         return grad_x, grad_weight
 
 

@@ -111,26 +111,17 @@ def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype,
 
 
 class QuantizedProducts(torch.autograd.Function):
-    """A quantized layer's GEMM in training (docs/method.md §2).
+    """A quantized layer's GEMM in training (docs/method.md §2, §3).
 
-    Forward: the input and weight fake-quantized over the given ranges (an operand without a range is used
-    as it is; an input quantized already, shared with sibling layers, comes as ``x_quantized``), then the
-    layer's product. Saved for backward: only the operands a needed gradient reads (the
-    input for the weight gradient, the weight for the input gradient, as autograd itself does), each as the
-    integer codes of its quantized values (uint8 with its scale and minimum, up to 8 bits), not a float
-    copy, rebuilt bit for bit in backward. A weight the layer quantized itself (reused within an optimizer step)
-    comes as ``weight_quantized``: (its value, its codes). An input its producer keeps anyway (`kept_by_producer`)
-    is saved as that tensor and quantized again in backward: the same elementwise function of the same values,
-    range and bits, so the same operand bit for bit, and no copy.
-    With ``integer`` (decided by `QuantLayerMixin.forward`: 8 bits or fewer, both operands quantized, a layer with
-    `compute_on_codes`), the forward product runs on the operands' integer codes (`hf_cpt.numerics.integer_matmul`)
-    and the fake-quantized floats are never formed; an operand given quantized then comes as (None, its codes).
-    Backward: straight-through for both operands; with error bits (``grad_bits``, a tensor never modified afterwards:
-    `PrecisionState.error_bits`), the error is quantized once and each
-    product takes the quantized or the full-precision error as ``errors.products`` says (the bias gradient
-    follows the weight gradient). The products run in the error's dtype, as autograd's own backward would
-    under autocast. A rotated layer passes ``W R`` computed once outside autograd, and its weight gradient is
-    rotated back here (`_weight_gradient`), not by autograd through a second rotation of the weight.
+    Forward: the input and weight fake-quantized over the given ranges (an operand without a range is used as it is; an
+    input shared with sibling layers comes as ``x_quantized``, a weight reused within an optimizer step as
+    ``weight_quantized``), then the product; with ``integer`` (`QuantLayerMixin.forward` decides), the product runs on
+    the operands' integer codes (`hf_cpt.numerics.integer_matmul`). Saved for backward: only the operands a needed
+    gradient reads, as uint8 codes rebuilt bit for bit, or the tensor their producer keeps (`kept_by_producer`).
+    Backward: straight-through for both operands; with error bits (``grad_bits``, a tensor never modified afterwards),
+    the error is quantized once and each product takes the quantized or full-precision error as ``errors.products``
+    says, in the error's dtype. A rotated layer passes ``W R`` computed outside autograd; its weight gradient is
+    rotated back here (`_weight_gradient`).
     """
 
     @staticmethod

@@ -114,8 +114,7 @@ def _recomputed_class(float_class: type, name: str | None = None, **attributes) 
 
 # float activation class -> its recomputing class
 RECOMPUTED_ACTIVATION_CLASSES: dict[type, type] = {
-    float_class: _recomputed_class(float_class) for float_class in dict.fromkeys(_activation_classes())
-}
+    float_class: _recomputed_class(float_class) for float_class in dict.fromkeys(_activation_classes())}
 
 
 def convert_activation(module: nn.Module) -> bool:

@@ -1,12 +1,9 @@
 """One quantized copy of each weight per optimizer step (docs/method.md §3, "One quantized weight per optimizer step").
 
-A weight changes only at optimizer steps, so the micro-batches of one step (gradient accumulation) and the batches
-of one evaluation can compute with the codes the first forward rounded it to. `ReusedWeights` holds them, one entry
-per layer, for one epoch, which the Trainer integration advances at every step's start (`begin_step`), before its
-optimizer step and at its end (`end_step`); a new epoch drops every entry, and with no epoch (outside the Trainer)
-nothing is kept. A step's last forward (``last_forward``) hands each entry over to the backward that reads it instead
-of keeping it: codes kept past it would add a byte per weight to the end of the backward, where a model with a
-large vocabulary peaks. This module knows nothing about quantization.
+A weight changes only at optimizer steps, so the micro-batches of one step and the batches of one evaluation compute
+with the codes the first forward rounded it to. `ReusedWeights` holds them for one epoch, which the Trainer
+integration advances (`begin_step`, `end_step`); outside the Trainer nothing is kept. A step's last forward hands each
+entry over to the backward that reads it, so no code outlives the backward's peak. Knows nothing of quantization.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Sibling layers that read one input (a BERT or Llama attention's query, key and value projections, a gated
-MLP's gate and up projections) rotate and quantize it once (docs/method.md §3, "Shared inputs").
+"""Sibling layers that read one input (an attention's query, key and value projections, a gated MLP's gate and up
+projections) rotate and quantize it once (docs/method.md §3, "Shared inputs").
 
-With per-token ranges, what a layer does to its input depends on the input, the rotation (a function of the
-feature count and the seed), the bit-width and nothing of the layer itself. The first layer to see an input
-keeps its rotated copy (in CPU training a stand-in), ranges and quantized value here; the next ones reuse them, so
-the same values feed every product (no recomputation that could round differently), the backward keeps one copy
-of the codes, and the input gradients of the siblings meet at the one rotated tensor and are rotated back once.
-
-One entry per model, replaced at every new input and dropped when the input is freed, so at most one input's
-rotated and quantized copies are held beyond their layers. This module knows nothing of the Trainer.
+With per-token ranges, what a layer does to its input depends only on the input, the rotation, and the bits. The
+first layer to see an input keeps its rotated copy, ranges and quantized value here and the next ones reuse them: the
+same values feed every product, the backward keeps one copy of the codes, and the siblings' input gradients are
+rotated back once. One entry per model, dropped when the input is freed. Knows nothing of the Trainer.
 """
 
 from __future__ import annotations

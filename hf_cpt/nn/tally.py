@@ -1,12 +1,8 @@
 """`Tally`: a count kept by forward passes, eager or compiled, that never makes ``torch.compile`` recompile.
 
-Adding to a Python integer attribute inside a graph that dynamo traces makes dynamo guard on that integer's value:
-the next call, which finds it larger, fails the guard and compiles the graph again, until dynamo's limit of
-recompilations, after which it runs the frame eagerly without saying so. A loop that counts the MACs of every
-forward (the cost meter, the attention function) would recompile at every call that does not follow a reset: every
-micro-batch of an accumulated step, every step of a loop outside the Trainer. While dynamo traces, a `Tally` adds
-to a 0-d tensor instead, an operation of the graph whose value is no guard; in eager mode it adds to a Python
-integer, at no cost. This module knows nothing about quantization.
+Adding to a Python integer inside a traced graph makes dynamo guard on its value, so every later call recompiles
+(until dynamo silently falls back to eager). While dynamo traces, a `Tally` adds to a 0-d tensor instead (no
+guard); in eager mode to a Python integer. Used by the cost meter and the attention function's MAC counts.
 """
 
 from __future__ import annotations

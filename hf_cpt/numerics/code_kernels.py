@@ -1,17 +1,11 @@
 """Quantization codes in one pass on CPU (docs/method.md §2, "Codes in one pass").
 
-`fake_quant.quantization_codes` and `restore_compact` as torch formulas make five full-size float32 passes to
-get an operand's codes and two more to rebuild its values; the native kernel (``code_kernels.c``, built once per
-machine by `hf_cpt.numerics.native`) reads the operand once and writes its uint8 codes (and, when asked, its
-fake-quantized values), with the same float32 arithmetic in the same order: the same codes and values bit for bit.
-It serves float32, contiguous CPU tensors outside a compiled graph whose range is one value for the tensor, per
-leading index (per row, per token, per output channel of a ``[out, in]`` weight) or per trailing index (per column
-of a ``[in, out]`` weight); anything else keeps the torch formula (these functions return None). The same library
-takes a token's or an output channel's min and max in one pass (`ranges_native`), turns a product on codes'
-sums into its float32 result in one pass (`code_product_native`), and makes the float32 operands of a product on
-codes through the float32 GEMM with their sums in one pass (`centred_codes_native`).
-
-This module knows nothing about layers.
+The native kernel (``code_kernels.c``, built once per machine by `hf_cpt.numerics.native`) reads an operand once and
+writes its uint8 codes (and, when asked, its fake-quantized values) with the torch formula's float32 arithmetic in
+the same order: the same codes and values bit for bit. It serves float32, contiguous CPU tensors outside a compiled
+graph with one range per tensor, per leading or per trailing index; anything else keeps the torch formula (these
+functions return None). Also: per-row min and max (`ranges_native`), a product on codes' float32 result from its
+sums (`code_product_native`) and the operands of the float32 GEMM on codes (`centred_codes_native`).
 """
 
 from __future__ import annotations

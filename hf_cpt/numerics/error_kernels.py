@@ -1,13 +1,8 @@
 """The fused error quantizers: stochastic rounding of an error tensor in one kernel (docs/method.md §2).
 
-One formula per (ranges, grid): the grid of each row (or of the tensor), counter-based noise from a hash of
-(element index, seed), clamp and round. It runs as the plain formula inside a compiled model, as a
-``torch.compile`` kernel on an accelerator, and on CPU as a native C kernel (``error_kernels.c``, built
-once per machine by `hf_cpt.numerics.native`): the same values bit for bit on every path, since the noise
-depends only on the index and the seed. The native kernel spares a CPU run the compiler stack (a stall of
-several seconds on the first step, its memory, torch's CUDA probe warning) and runs faster than the compiled one.
-
-This module knows nothing about layers, schedules or the Trainer.
+One formula per (ranges, grid), with counter-based noise from a hash of (element index, seed): the plain formula
+inside a compiled model, a ``torch.compile`` kernel on an accelerator, a native C kernel on CPU (``error_kernels.c``,
+which spares a CPU run the compiler stack's stall and memory); the same values bit for bit on every path.
 """
 
 from __future__ import annotations

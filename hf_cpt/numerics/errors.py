@@ -1,13 +1,9 @@
 """Quantization of errors, the output gradients of the backward pass (docs/method.md §2).
 
-Errors use stochastic rounding (uniform noise in [-1/2, 1/2) added before the clamp), which is
-unbiased inside the range, over one range per error tensor as in the CPT paper, or one range per
-row (token) with ``granularity="token"``; on the min/max grid (the paper) or a zero-centred one
-(``range="symmetric"``); optionally in a rotated basis, and with nearest rounding.
-`ErrorQuantization` says which, and for which backward products. Large tensors go through one
-fused kernel with counter-based (hashed) noise (`hf_cpt.numerics.error_kernels`).
-
-This module knows nothing about layers, schedules or the Trainer.
+Stochastic rounding (uniform noise in [-1/2, 1/2) before the clamp, unbiased inside the range) over one range per
+error tensor as in the CPT paper, or per row (``granularity="token"``); on the min/max grid or a zero-centred one
+(``range="symmetric"``); or nearest rounding. `ErrorQuantization` says which, for which backward products. Large
+tensors go through one fused kernel with hashed noise (`hf_cpt.numerics.error_kernels`). Knows nothing of layers.
 """
 
 from __future__ import annotations
@@ -51,10 +47,8 @@ class ErrorQuantization:
         "per row in layers with per-token activations, per tensor in the others, e.g. Conv2d and every layer "
         "under quant_scheme='paper'; docs/backward.md)."
     )
-    rounding: str = setting(
-        "stochastic",
-        "Rounding of the quantized errors: 'stochastic' (unbiased, the CPT paper) or 'nearest'."
-    )
+    rounding: str = setting("stochastic",
+        "Rounding of the quantized errors: 'stochastic' (unbiased, the CPT paper) or 'nearest'.")
     products: str = setting(
         "both",
         "Backward products that use the quantized error: 'both' (the CPT paper), 'input' (the input gradient; the "

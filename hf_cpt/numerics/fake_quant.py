@@ -1,13 +1,9 @@
 """Fake quantization of weights and activations (docs/method.md §2): asymmetric min/max uniform quantization.
 
-``Q(x) = s * round(clamp((x - m) / s, 0, 2^b - 1)) + m`` with ``s = max((M - m) / (2^b - 1), 1e-8)``.
-Weights and input activations use deterministic rounding (round half to even) and are bit-exact
-with that formula; the forward quantizers pass gradients straight through. Errors: `hf_cpt.numerics.errors`.
-On CPU the compact codes (and the values beside them) come from one native pass where it serves the call
-(`hf_cpt.numerics.code_kernels`), the same values bit for bit.
-
-Bits are 0-d tensors so that a changing bit-width never makes ``torch.compile`` re-trace.
-This module knows nothing about layers, schedules or the Trainer.
+``Q(x) = s * round(clamp((x - m) / s, 0, 2^b - 1)) + m`` with ``s = max((M - m) / (2^b - 1), 1e-8)``, round half to
+even, bit-exact with that formula; the forward quantizers pass gradients straight through. On CPU the codes come
+from one native pass where it serves (`hf_cpt.numerics.code_kernels`), the same values bit for bit. Bits are 0-d
+tensors so that a changing bit-width never makes ``torch.compile`` re-trace. Errors: `hf_cpt.numerics.errors`.
 """
 
 from __future__ import annotations

@@ -80,8 +80,7 @@ def _centred_values(codes: torch.Tensor, middle_code: torch.Tensor, per_column: 
     ``[M, K]`` codes, of each column of ``[K, N]`` ones), in one native pass where it serves (a weight's transposed
     view as the Linear passes it, read as its rows)."""
     transposed = per_column and codes.t().is_contiguous()
-    native = centred_codes_native(codes.t() if transposed else codes, int(middle_code),
-                                  per_column and not transposed)
+    native = centred_codes_native(codes.t() if transposed else codes, int(middle_code), per_column and not transposed)
     if native is not None:
         values, sums, squares = native
         return (values.t() if transposed else values), sums, squares

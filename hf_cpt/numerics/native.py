@@ -1,12 +1,8 @@
 """Native CPU kernels: the package's C sources, built once per machine into a cached shared library.
 
-A small C file builds in a fraction of a second with the system's C compiler (the one ``torch.compile`` needs
-on CPU too), with none of the compiler stack's import time, memory or first-call stall. The library is cached
-under ``$HF_CPT_CACHE`` (default ``~/.cache/hf_cpt``), keyed by the source, the flags and the CPU (the build
-targets the machine it runs on), and reused by every later process, which then needs no compiler. Without a compiler, or
-when the build fails, `load` returns None and the caller keeps its other path.
-
-This module knows nothing about quantization.
+Built in a fraction of a second with the system's C compiler (the one ``torch.compile`` needs on CPU too), cached
+under ``$HF_CPT_CACHE`` (default ``~/.cache/hf_cpt``) keyed by the source, the flags and the CPU, and reused by later
+processes. Without a compiler, or when the build fails, `load` returns None and the caller keeps its other path.
 """
 
 from __future__ import annotations

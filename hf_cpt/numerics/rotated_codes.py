@@ -1,13 +1,8 @@
 """A rotated input's per-token codes in one pass on CPU (docs/method.md §3, "Rotation with its codes").
 
-A rotated layer's training forward on CPU reads ``x R`` only for its per-token range and codes (the product reads the
-values made from them). Made step by step, ``x R`` is written out whole (`Rotation.apply`), read for its ranges and
-read again for its codes (`hf_cpt.numerics.code_kernels`). The native kernel (``rotation_kernels.c``,
-``hf_cpt_rotate_codes``) rotates one row into a scratch row that stays in cache, takes its min and max, and writes its
-codes (and the fake-quantized values) from there: the same rotation, ranges, scales, codes and values bit for bit, with
-``x R`` never written to memory.
-
-This module knows nothing about layers.
+The native kernel (``hf_cpt_rotate_codes`` in ``rotation_kernels.c``) rotates each row into a scratch row that stays
+in cache, takes its min and max and writes its codes (and fake-quantized values) from there: the same values bit for
+bit as rotating, ranging and quantizing step by step, with ``x R`` never written to memory. Knows nothing of layers.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Fixed orthogonal rotations of a layer's input features (docs/method.md, "Rotation").
 
-Pretrained transformers carry a few feature channels hundreds of times larger than the rest; a quantization range set
-by them leaves the other values almost no levels. Rotating the input features by an orthogonal ``R`` (``x -> x R``,
-``W -> W R``, so ``x R (W R)^T = x W^T``) spreads each outlier over every channel before quantizing (QuaRot, SpinQuant).
-
-``R = diag(s) (H_1 ⊗ H_2 ⊗ ...) / sqrt(d)`` with random signs ``s`` and small Hadamard factors (entries ±1): a power of
-two split into factors of at most `MAX_FACTOR`, and for feature sizes with an odd part (384 = 12 x 32, 1536 = 12 x 128,
-3072 = 12 x 256) a Paley Hadamard matrix of order ``q + 1`` (``q`` a prime, ``q = 3 mod 4``). An odd part with no such
-matrix gets a dense random orthogonal factor. The rotation is applied over its factors (the trailing ones merged into
-one block of at most 256, each other factor on its own axis: far fewer operations per value than ``d`` for a dense
-matrix) and is a deterministic function of ``(d, seed)``, so a reloaded checkpoint rebuilds the same one (packed
-checkpoints also store the tensors, so a loaded layer computes with its very rotation). Every tensor is built on an
-explicit CPU device (transformers builds models on the meta device before loading weights). Knows nothing of layers.
+Rotating the input features by an orthogonal ``R`` (``x -> x R``, ``W -> W R``, so ``x R (W R)^T = x W^T``) spreads a
+pretrained transformer's outlier channels over every channel before quantizing (QuaRot, SpinQuant). ``R = diag(s)
+(H_1 ⊗ H_2 ⊗ ...) / sqrt(d)``: random signs and small Hadamard factors (powers of two up to `MAX_FACTOR`; a Paley
+factor of order ``q + 1`` for an odd part such as 384 = 12 x 32; else a dense random orthogonal factor), applied
+factor by factor, a deterministic function of ``(d, seed)`` built on the CPU (packed checkpoints also store the
+tensors). Knows nothing of layers.
 """
 
 from __future__ import annotations
@@ -362,12 +356,8 @@ def get_rotation(
     if device.type == "meta":
         raise ValueError("a rotation needs real tensors: build it on the device the weights will live on, not 'meta'")
     source = _float64_rotation(features, seed)
-    return Rotation(
-        features,
-        source.signs.to(device=device, dtype=dtype, copy=True),
-        tuple(f.to(device=device, dtype=dtype, copy=True) for f in source.factors),
-        source.kinds,
-    )
+    return Rotation(features, source.signs.to(device=device, dtype=dtype, copy=True),
+        tuple(f.to(device=device, dtype=dtype, copy=True) for f in source.factors), source.kinds)
 
 
 def rotation_shapes(features: int) -> list[tuple[int, ...]]:

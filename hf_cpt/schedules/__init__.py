@@ -19,8 +19,6 @@ from .shapes import (
     unregister_schedule,
 )
 
-__all__ = [
-    "DELAY_PRECISIONS", "FOLLOW_UP_SCHEDULES", "ROUNDING_MODES", "PrecisionSchedule", "ScheduleShape",
-    "available_schedules", "check_schedule_name", "cost_group", "get_schedule",
-    "progressive_shape", "register_schedule", "steps_after_delay", "training_precision", "unregister_schedule",
-]
+__all__ = ["DELAY_PRECISIONS", "FOLLOW_UP_SCHEDULES", "ROUNDING_MODES", "PrecisionSchedule", "ScheduleShape",
+    "available_schedules", "check_schedule_name", "cost_group", "get_schedule", "progressive_shape",
+    "register_schedule", "steps_after_delay", "training_precision", "unregister_schedule"]

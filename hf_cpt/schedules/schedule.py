@@ -196,19 +196,11 @@ class PrecisionSchedule:
 
     def summary(self, grad_bits: GradBits = 8) -> dict[str, Any]:
         """Mean bits, costs and group of the run, as the CLI prints them."""
-        return {
-            "schedule": self.name,
-            "bits_min": self.bits_min,
-            "bits_max": self.bits_max,
-            "total_steps": self.total_steps,
-            "num_cycles": self.num_cycles,
-            "delay": self.delay,
-            "mean_bits": self.mean_bits(),
-            "cost_vs_static": self.cost_vs_static(grad_bits),
-            "cost_vs_fp32": self.relative_cost(grad_bits),
-            "cost_group": self.cost_group,
-            "steps_at_bits": {("fp32" if k is None else str(k)): v for k, v in self.steps_at_bits().items()},
-        }
+        return {"schedule": self.name, "bits_min": self.bits_min, "bits_max": self.bits_max,
+            "total_steps": self.total_steps, "num_cycles": self.num_cycles, "delay": self.delay,
+            "mean_bits": self.mean_bits(), "cost_vs_static": self.cost_vs_static(grad_bits),
+            "cost_vs_fp32": self.relative_cost(grad_bits), "cost_group": self.cost_group,
+            "steps_at_bits": {("fp32" if k is None else str(k)): v for k, v in self.steps_at_bits().items()}}
 
     def __repr__(self) -> str:
         delay = f", delay {self.delay:g} at {self.delay_precision}" if self.delay else ""
@@ -272,6 +264,5 @@ def get_schedule(
     >>> s(0), round(s.mean_bits(), 2), s.cost_group
     (3, 3.8, 'small')
     """
-    return PrecisionSchedule(
-        name, bits_min, bits_max, total_steps, num_cycles, rounding, delay=delay, delay_precision=delay_precision
-    )
+    return PrecisionSchedule(name, bits_min, bits_max, total_steps, num_cycles, rounding, delay=delay,
+        delay_precision=delay_precision)

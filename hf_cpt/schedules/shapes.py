@@ -1,25 +1,11 @@
-"""Precision schedules: the bit-width of every optimizer step (docs/method.md §5).
+"""Precision schedules: the bits of every optimizer step (docs/method.md §5), the one place a schedule name is defined.
 
-A schedule is a *shape*, ``level(z, k, lo, hi) -> S`` giving the smooth precision at position ``z``
-of cycle ``k``, plus a rule for the cycle length. ``PrecisionSchedule`` rounds it into bits. This
-table is the one place the project defines what a schedule name means.
-
-Names registered here:
-
-- ``cpt``: the CPT paper's Eq. 1, a cosine rise from bits_min to bits_max in every cycle,
-  ``T = total_steps / N``.
-- ``cpt-triangular`` and ``cpt-cosine-anneal``: the two other cyclic patterns of the CPT paper's
-  ablation (its Table 6), also with ``T = total_steps / N``. The paper gives no formula for them;
-  see `triangular_wave` and `cosine_anneal` for how they are read here.
-- ``CR``, ``CT``, ``LR``, ``LT``, ``ER``, ``ET-V``, ``ET-H``, ``RR``, ``RT-V``, ``RT-H``: the ten
-  schedules of the follow-up study (Wolfe & Kyrillidis), with its code's ``T = int(total / n) + 1``.
-- ``progressive``: a linear ramp from bits_min to bits_max over the first half of training, then
-  held at bits_max (the progressive schedule of the CPT paper's Sec. 3.1, after Fu et al. 2020).
-- ``static`` (bits_max throughout) and ``fp32`` (full precision throughout): the baselines.
-
-Any schedule takes a delayed start (``delay``: the first fraction of training held at bits_max or in
-full precision; the schedule then runs its cycles over the remaining steps), and a user can pass
-any callable from step to bits, or register a new shape by name. Costs: docs/method.md §7.
+A schedule is a *shape*, ``level(z, k, lo, hi) -> S`` (the smooth precision at position ``z`` of cycle ``k``), plus a
+rule for the cycle length; `PrecisionSchedule` rounds it into bits. Registered here: ``cpt`` (the CPT paper's Eq. 1,
+``T = total_steps / N``) and its ablation's ``cpt-triangular`` / ``cpt-cosine-anneal``; the ten schedules of the
+follow-up study (Wolfe & Kyrillidis; ``T = int(total / n) + 1`` as in its code); ``progressive``; the baselines
+``static`` and ``fp32``. Each shape's ``description`` says what it is. Any schedule takes a delayed start
+(``delay``), a user can pass any callable from step to bits or register a new shape by name. Costs: docs/method.md §7.
 """
 
 from __future__ import annotations
@@ -131,12 +117,9 @@ def progressive_shape(ramp_fraction: float = 0.5) -> ScheduleShape:
     """
     if not (isinstance(ramp_fraction, numbers.Real) and 0 < ramp_fraction <= 1):
         raise ValueError(f"ramp_fraction must be in (0, 1], got {ramp_fraction!r}.")
-    return ScheduleShape(
-        lambda z, k, lo, hi: linear_growth(z, lo, hi) if k == 0 else hi,
+    return ScheduleShape(lambda z, k, lo, hi: linear_growth(z, lo, hi) if k == 0 else hi,
         lambda total_steps, num_cycles: total_steps * ramp_fraction,
-        f"linear ramp bits_min -> bits_max over the first {ramp_fraction:.0%} of training, then held",
-        cyclic=False,
-    )
+        f"linear ramp bits_min -> bits_max over the first {ramp_fraction:.0%} of training, then held", cyclic=False)
 
 
 @dataclass(frozen=True)
@@ -220,10 +203,8 @@ def check_schedule_name(owner: str, field: str, value) -> None:
                                         "callable step -> bits.")
 
 
-register_schedule(
-    "cpt",
-    ScheduleShape(repeated(cosine_growth), cpt_cycle_length, "CPT paper: cosine rise from min to max in every cycle"),
-)
+register_schedule("cpt",
+    ScheduleShape(repeated(cosine_growth), cpt_cycle_length, "CPT paper: cosine rise from min to max in every cycle"))
 register_schedule(
     "cpt-triangular",
     ScheduleShape(
@@ -237,13 +218,11 @@ register_schedule(
     ),
 )
 register_schedule("progressive", progressive_shape(0.5))
-register_schedule(
-    "static", ScheduleShape(lambda z, k, lo, hi: hi, cpt_cycle_length, "bits_max throughout", cyclic=False)
-)
+register_schedule("static",
+    ScheduleShape(lambda z, k, lo, hi: hi, cpt_cycle_length, "bits_max throughout", cyclic=False))
 register_schedule("fp32", ScheduleShape(None, cpt_cycle_length, "full precision throughout", cyclic=False))
 
-_FOLLOW_UP = {
-    "CR": (repeated(cosine_growth), "cosine, repeated"),
+_FOLLOW_UP = {"CR": (repeated(cosine_growth), "cosine, repeated"),
     "CT": (triangular(cosine_decay, cosine_growth), "cosine, triangular"),
     "LR": (repeated(linear_growth), "linear, repeated"),
     "LT": (triangular(linear_decay, linear_growth), "linear, triangular"),
@@ -252,8 +231,7 @@ _FOLLOW_UP = {
     "ET-H": (triangular(exponential_decay_horizontal, exponential_growth), "exponential, triangular, horizontal flip"),
     "RR": (repeated(rex_growth), "REX, repeated"),
     "RT-V": (triangular(rex_decay_vertical, rex_growth), "REX, triangular, vertical flip"),
-    "RT-H": (triangular(rex_decay_horizontal, rex_growth), "REX, triangular, horizontal flip"),
-}
+    "RT-H": (triangular(rex_decay_horizontal, rex_growth), "REX, triangular, horizontal flip")}
 FOLLOW_UP_SCHEDULES = tuple(_FOLLOW_UP)
 for _name, (_level, _what) in _FOLLOW_UP.items():
     register_schedule(_name, ScheduleShape(_level, followup_cycle_length, f"follow-up study: {_what}"))

@@ -92,12 +92,10 @@ def compressed_tensors_state_dict(
             for i, (kind, names) in enumerate(groups.items())
         },
     }
-    fields = CheckpointFields(
-        bits=bits, quantized_modules=list(plan.quantized), checkpoint_format="compressed-tensors",
-        float_weight_bits=None, activation_ranges={n: [float(m.act_min), float(m.act_max)]
-                                                   for n, m in plan.quantized.items()},
-        export_effect={"float_layers": float_layers}, **settings,
-    )
+    fields = CheckpointFields(bits=bits, quantized_modules=list(plan.quantized), checkpoint_format="compressed-tensors",
+        float_weight_bits=None,
+        activation_ranges={n: [float(m.act_min), float(m.act_max)] for n, m in plan.quantized.items()},
+        export_effect={"float_layers": float_layers}, **settings)
     return {key: value.contiguous() for key, value in state_dict.items()}, quantization_config, fields
 
 

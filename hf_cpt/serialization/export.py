@@ -208,17 +208,10 @@ def packed_state_dict(
                 state_dict[f"{name}.{buffer}"] = module.get_buffer(buffer).detach().float().cpu().clone()
     state_dict[f"{plan.guard}.weight"] = torch.zeros(0, dtype=torch.uint8)
     state_dict[REQUIRES_HF_CPT] = torch.zeros(0, dtype=torch.uint8)
-    fields = CheckpointFields(
-        bits=bits,
-        quantized_modules=list(plan.quantized),
-        checkpoint_format="packed",
-        float_weight_bits=float_weight_bits,
-        float_packed_modules=dict(plan.float_bits),
-        shared_weights=dict(plan.shared),
-        guard_tensor=f"{plan.guard}.weight",
-        rounding_effect=rounding_effect,
-        **_model_settings(model, cpt_config),
-    )
+    fields = CheckpointFields(bits=bits, quantized_modules=list(plan.quantized), checkpoint_format="packed",
+        float_weight_bits=float_weight_bits, float_packed_modules=dict(plan.float_bits),
+        shared_weights=dict(plan.shared), guard_tensor=f"{plan.guard}.weight", rounding_effect=rounding_effect,
+        **_model_settings(model, cpt_config))
     return state_dict, fields
 
 
@@ -249,12 +242,9 @@ def output_change(before: Any, after: Any, source: str) -> dict[str, Any]:
     (``max |new - old| / max |old|``), the share of predictions (argmax of the last dimension) that flip, the loss
     change when both have a loss, and where the inputs came from."""
     old, new = _main_output(before).float(), _main_output(after).float()
-    effect = {
-        "inputs": source,
-        "examples": int(old.shape[0]),
+    effect = {"inputs": source, "examples": int(old.shape[0]),
         "max_relative_output_change": float((new - old).abs().max() / old.abs().max().clamp_min(1e-12)),
-        "flipped_predictions": float((old.argmax(-1) != new.argmax(-1)).float().mean()),
-    }
+        "flipped_predictions": float((old.argmax(-1) != new.argmax(-1)).float().mean())}
     loss_before, loss_after = getattr(before, "loss", None), getattr(after, "loss", None)
     if loss_before is not None and loss_after is not None:
         effect["loss_change"] = float(loss_after - loss_before)
@@ -315,14 +305,8 @@ def portable_state_dict(
         snapped = layer.quantized_weight(bits)
         state_dict[f"{name}.weight"] = snapped.to(layer.weight.dtype)
         ranges[name] = [float(layer.act_min), float(layer.act_max)]
-    fields = CheckpointFields(
-        bits=bits,
-        quantized_modules=list(plan.quantized),
-        checkpoint_format="portable",
-        float_weight_bits=None,
-        activation_ranges=ranges,
-        **_model_settings(model, cpt_config),
-    )
+    fields = CheckpointFields(bits=bits, quantized_modules=list(plan.quantized), checkpoint_format="portable",
+        float_weight_bits=None, activation_ranges=ranges, **_model_settings(model, cpt_config))
     return state_dict, fields
 
 

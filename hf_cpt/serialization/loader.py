@@ -97,9 +97,8 @@ class CPTHfQuantizer(HfQuantizer):
             channels = weight.shape[weight_channel_dim(module)]
             values = weight.numel() // max(channels, 1)
             device = weight.device
-            module.register_buffer(
-                PACKED, torch.empty(channels, packed_row_bytes(values, bits), dtype=torch.uint8, device=device)
-            )
+            module.register_buffer(PACKED,
+                torch.empty(channels, packed_row_bytes(values, bits), dtype=torch.uint8, device=device))
             module.register_buffer(SCALE, torch.empty(channels, dtype=torch.float32, device=device))
             module.register_buffer(ZERO_POINT, torch.empty(channels, dtype=torch.float32, device=device))
             module.__dict__["_cpt_weight_shape"] = tuple(weight.shape)

@@ -80,16 +80,9 @@ def auto_class_name(model: nn.Module) -> str:
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     class_name = type(model).__name__
-    preferred = [
-        "AutoModelForCausalLM",
-        "AutoModelForSequenceClassification",
-        "AutoModelForImageClassification",
-        "AutoModelForTokenClassification",
-        "AutoModelForQuestionAnswering",
-        "AutoModelForMaskedLM",
-        "AutoModelForSeq2SeqLM",
-        "AutoModel",
-    ]
+    preferred = ["AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoModelForImageClassification",
+        "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModelForMaskedLM",
+        "AutoModelForSeq2SeqLM", "AutoModel"]
     others = sorted(n for n in dir(modeling_auto) if n.startswith("AutoModel") and n not in preferred)
     for name in preferred + others:
         auto_cls = getattr(transformers, name, None) or getattr(modeling_auto, name, None)
@@ -121,16 +114,9 @@ def eval_metrics_from_log_history(log_history: list[dict[str, Any]]) -> dict[str
     return metrics
 
 
-_COST_LABELS = {
-    "gbitops": "GBitOPs spent",
-    "static_gbitops": "GBitOPs at static bits_max",
-    "fp32_gbitops": "GBitOPs in FP32",
-    "cost_vs_static": "cost vs static bits_max",
-    "cost_vs_fp32": "cost vs FP32",
-    "steps": "optimizer steps",
-    "steps_at_bits": "steps at each precision",
-    "bits_min": "bits_min trained with",
-}
+_COST_LABELS = {"gbitops": "GBitOPs spent", "static_gbitops": "GBitOPs at static bits_max",
+    "fp32_gbitops": "GBitOPs in FP32", "cost_vs_static": "cost vs static bits_max", "cost_vs_fp32": "cost vs FP32",
+    "steps": "optimizer steps", "steps_at_bits": "steps at each precision", "bits_min": "bits_min trained with"}
 
 
 def _front_matter(tags: list[str], metadata: dict[str, Any]) -> list[str]:
@@ -288,10 +274,8 @@ def _format_section(fields: CheckpointFields) -> list[str]:
             f"{len(names)} as {b}-bit codes per row ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
             for b, names in sorted(by_bits.items())
         )
-        rows.append((
-            "weights trained in FP32 (embeddings, head)",
-            f"{text}, rounded at export (lossy, see below)" if stored else "stored exactly (float)",
-        ))
+        rows.append(("weights trained in FP32 (embeddings, head)",
+            f"{text}, rounded at export (lossy, see below)" if stored else "stored exactly (float)"))
     return ["## Checkpoint format", ""] + _table(("field", "value"), rows) + _exactness_section(fields)
 
 
@@ -389,9 +373,8 @@ def write_model_card(
             schedule_plot = SCHEDULE_PLOT_NAME
         except ImportError:  # matplotlib is optional (the `plot` extra): the card goes without its picture
             logger.info("hf_cpt: matplotlib is not installed; the model card has no schedule picture.")
-    text = render_model_card(
-        model, fields, cpt_config=cpt_config, total_steps=total_steps, schedule_plot=schedule_plot, **card
-    )
+    text = render_model_card(model, fields, cpt_config=cpt_config, total_steps=total_steps, schedule_plot=schedule_plot,
+        **card)
     path = os.path.join(save_directory, MODEL_CARD_NAME)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)

@@ -161,6 +161,4 @@ def _finish_export(model, save_directory, fields, cpt_config, processing_class, 
 def checkpoint_size(path: str | os.PathLike) -> int:
     """Bytes of the weight files (``*.safetensors``) in a checkpoint directory."""
     path = os.fspath(path)
-    return sum(
-        os.path.getsize(os.path.join(path, name)) for name in os.listdir(path) if name.endswith(".safetensors")
-    )
+    return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path) if name.endswith(".safetensors"))
