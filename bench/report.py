@@ -495,6 +495,37 @@ def pretrained_page(results: dict) -> str:
 
 
 
+SCHEME_LABELS = {"per-token": "per-token", "paper": "paper (per tensor, running range)",
+                 "auto": "default (rotated per token)"}
+
+
+def exports_section(results: dict) -> list[str]:
+    """docs/clients.md: what each export of the fine-tuned MiniLM computes, against the trained model at 8 bits."""
+    rows = results["schemes"]
+    first = next(iter(rows.values()))
+    lines = [f"all-MiniLM-L6-v2 fine-tuned {first['steps']} steps on MNLI (CPT 6-8/8), exported at 8 bits; "
+             f"{first['eval_pairs']} held-out pairs (`python bench/exports.py`, `bench/results/exports.json`). "
+             "Change: the max relative change of the logits against the trained model at 8 bits.", "",
+             "| scheme | trained accuracy | export | accuracy | change | predictions flipped | layers in float |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for scheme, row in rows.items():
+        floats = "; ".join(f"{count} ({why.split(':')[0]})" for why, count in row["float_layers"].items()) or "none"
+        for export in ("packed", "compressed-tensors", "portable"):
+            figures = row[export]
+            lines.append(
+                f"| {SCHEME_LABELS.get(scheme, scheme)} | {100 * row['trained_accuracy']:.1f}% | {export} | "
+                f"{100 * figures['accuracy']:.1f}% | {figures['max_relative_change']:.2g} | "
+                f"{100 * figures['flipped_predictions']:.1f}% | "
+                + (f"{floats} of {row['cpt_layers']}" if export == "compressed-tensors" else
+                   "all (inputs not quantized)" if export == "portable" else "none") + " |")
+    worst = max((row["max_layer_change_in_format"] for row in rows.values()
+                 if row["max_layer_change_in_format"] is not None), default=None)
+    if worst is not None:
+        lines += ["", f"Layers the format holds: at most {worst:.2g} relative change of a layer's output on its own "
+                  "input (a rounding tie flips one code; see above)."]
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=os.path.join(HERE, "results"), help="the folder of the JSON files")
@@ -563,6 +594,9 @@ def main() -> None:
     allocators = results_page.load(args.results, "allocators.json")
     if allocators:
         replace_block(os.path.join(args.docs, "performance.md"), "allocators-summary", allocators_summary(allocators))
+    exports = results_page.load(args.results, "exports.json")
+    if exports:
+        replace_block(os.path.join(args.docs, "clients.md"), "exports", exports_section(exports))
     counts = results_page.load(args.results, "op_counts.json")
     if counts:
         replace_block(os.path.join(args.docs, "performance.md"), "op-counts", op_counts_summary(counts))

@@ -17,6 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..config import CPTConfig
 from ..convert import QuantizationReport, find_precision_state, is_quantized, layer_settings_changed, quantize_model
 from ..numerics.bits import check_bits
+from ..serialization.compressed_tensors import check_compressed_tensors, write_compressed_tensors
 from ..serialization.export import packed_state_dict, portable_state_dict, resolve_export_bits
 from ..serialization.format import MAX_EXPORT_BITS, CheckpointFields, check_export_bits, check_float_weight_bits
 from ..serialization.model_card import eval_metrics_from_log_history, write_model_card
@@ -25,13 +26,14 @@ from .callback import CPTCallback
 
 logger = logging.getLogger(__name__)
 
-SAVE_FORMATS = ("packed", "portable", "fp32")
+SAVE_FORMATS = ("packed", "portable", "compressed-tensors", "fp32")
 
 
 @dataclass(frozen=True)
 class ExportSettings:
     """What `CPTTrainer.save_model` and `push_to_hub` write: "packed" (integer CPT checkpoint), "portable" (float
-    weights on the grid, loads anywhere) or "fp32" (the FP32 master weights); the export precision (None: the
+    weights on the grid, loads anywhere), "compressed-tensors" (`hf_cpt.export_compressed_tensors`) or "fp32" (the
+    FP32 master weights); the export precision (None: the
     run's ``bits_max``) and the storage of weights trained in FP32 (None: exact; "auto" or a bit-width rounds
     them, measured: `hf_cpt.save_quantized`)."""
 
@@ -42,6 +44,8 @@ class ExportSettings:
     def __post_init__(self) -> None:
         if self.save_format not in SAVE_FORMATS:
             raise ValueError(f"save_format must be one of {SAVE_FORMATS}, got {self.save_format!r}.")
+        if self.save_format == "compressed-tensors":
+            check_compressed_tensors()
         check_export_bits("bits", self.bits, allow_none=True)
         check_float_weight_bits(self.float_weight_bits)
 
@@ -258,10 +262,13 @@ class CPTTrainer(Trainer):
         if save_format == "packed":
             inputs = self._cpt_measure_inputs(model) if float_weight_bits is not None else None
             state_dict, fields = packed_state_dict(model, bits, float_weight_bits, self.cpt_config, inputs)
-        else:
+        elif save_format == "portable":
             state_dict, fields = portable_state_dict(model, bits, self.cpt_config)
         os.makedirs(output_dir, exist_ok=True)
-        write_checkpoint(model, output_dir, state_dict, fields)
+        if save_format == "compressed-tensors":
+            fields = write_compressed_tensors(model, output_dir, bits, self.cpt_config, self._cpt_measure_inputs(model))
+        else:
+            write_checkpoint(model, output_dir, state_dict, fields)
         processing_class = self.processing_class
         if processing_class is None:
             processing_class = getattr(self.data_collator, "tokenizer", None)

@@ -37,7 +37,7 @@ def _arguments(bits: int, **extra: Any) -> dict[str, Any]:
     return {"num_bits": bits, "type": "int", "symmetric": False, "zp_dtype": "torch.float32", **extra}
 
 
-def _float_reason(layer: QuantLayerMixin, shared: bool) -> str | None:
+def _float_reason(layer: QuantLayerMixin, shared: bool, input_rank: int | None) -> str | None:
     """Why a CPT layer runs in float in this format (None: it keeps its codes there); weight-only layers are exact."""
     if not layer.quantizes_inputs:
         return None if isinstance(layer, nn.Linear) and not shared else ""
@@ -47,16 +47,44 @@ def _float_reason(layer: QuantLayerMixin, shared: bool) -> str | None:
         return f"{type(layer).__name__} is not an nn.Linear: float, inputs not quantized"
     if shared:
         return "shares its weight with another module: float, inputs not quantized"
+    if layer.cpt_granularity == "token" and input_rank == 2:
+        return "2-D inputs, which the format quantizes per tensor, not per token: float, inputs not quantized"
     return None
 
 
+def _watch_inputs(layers: dict[str, nn.Module], record: Any) -> list:
+    """Forward pre-hooks that call ``record(name, input)`` and leave the inputs as they are."""
+    def watcher(name: str) -> Any:
+        def hook(_: nn.Module, args: tuple) -> None:
+            record(name, args[0])
+        return hook
+    return [layer.register_forward_pre_hook(watcher(name)) for name, layer in layers.items()]
+
+
+@torch.no_grad()
+def _input_ranks(model: nn.Module, layers: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The rank of each layer's input on ``inputs`` (a per-token layer's 2-D input is per tensor in the format)."""
+    ranks: dict[str, int] = {}
+    hooks = _watch_inputs(layers, lambda name, x: ranks.setdefault(name, x.dim()))
+    was_training = model.training
+    try:
+        model.eval()(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    return ranks
+
+
 def compressed_tensors_state_dict(
-    model: nn.Module, bits: int, cpt_config: CPTConfig | None = None
+    model: nn.Module, bits: int, cpt_config: CPTConfig | None = None, inputs: dict[str, torch.Tensor] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], CheckpointFields]:
-    """(state dict, the format's ``quantization_config``, `CheckpointFields`) of ``model`` at ``bits``."""
+    """(state dict, the format's ``quantization_config``, `CheckpointFields`) of ``model`` at ``bits``; ``inputs``
+    (default: random valid inputs) show the rank of each layer's input."""
     _check_model(model)
     check_export_bits("bits", bits)
     plan = plan_export(model, bits, float_weight_bits=None)
+    ranks = _input_ranks(model, plan.quantized, inputs if inputs is not None else _default_inputs(model))
     with torch.device("meta"):  # the keys a plain model of this class loads
         plain_keys = set(type(model)(model.config).state_dict())
     state_dict = {key: value for key, value in model.state_dict().items() if key in plain_keys}
@@ -65,7 +93,7 @@ def compressed_tensors_state_dict(
     float_layers: dict[str, list[str]] = {}  # why -> the CPT layers
     half = 2 ** (bits - 1)
     for name, layer in plan.quantized.items():
-        reason = _float_reason(layer, name in shared)
+        reason = _float_reason(layer, name in shared, ranks.get(name))
         if reason is not None:
             state_dict[f"{name}.weight"] = layer.quantized_weight(bits).to(layer.weight.dtype)
             if reason:
@@ -111,8 +139,7 @@ def measure_export(
     loaded = type(model).from_pretrained(save_directory, dtype=parameter.dtype).to(parameter.device).eval()
     layers = {name: model.get_submodule(name) for name in fields.quantized_modules}
     seen: dict[str, torch.Tensor] = {}
-    hooks = [layer.register_forward_pre_hook(lambda _, args, n=name: seen.setdefault(n, args[0]))
-             for name, layer in layers.items()]
+    hooks = _watch_inputs(layers, seen.setdefault)
     was_training = model.training
     model.eval()
     try:
@@ -131,29 +158,18 @@ def measure_export(
     return effect
 
 
-def export_compressed_tensors(
-    model: nn.Module,
-    save_directory: str | os.PathLike,
-    bits: int | None = None,
-    *,
-    cpt_config: CPTConfig | None = None,
-    measure_inputs: dict[str, Any] | None = None,
-    processing_class: Any = None,
-    model_card: bool = True,
-    card_info: dict[str, Any] | None = None,
-    **save_kwargs: Any,
-) -> str:
-    """Write a compressed-tensors checkpoint of ``model`` at ``bits`` (default: ``cpt_config.bits_max``) that
-    transformers loads with the ``compressed-tensors`` package and no hf_cpt. The export is loaded back and
-    compared with ``model`` at ``bits`` on ``measure_inputs`` (default: random valid inputs): the figures, with the
-    layers the format runs in float, go into ``cpt_config.json`` and the model card (``export_effect``), and a
-    warning names those layers. Other arguments as `save_quantized`."""
-    if importlib.util.find_spec("compressed_tensors") is None:  # the format's reader: the export loads itself back
-        raise ImportError("export_compressed_tensors needs the compressed-tensors package, as every reader of the "
+def check_compressed_tensors() -> None:
+    """Raise, naming the package, where compressed-tensors (the reader the export loads itself back with) is absent."""
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise ImportError("A compressed-tensors export needs the compressed-tensors package, as every reader of the "
                           "format does: pip install compressed-tensors (or hf-cpt[clients]).")
-    save_directory = os.fspath(save_directory)
-    bits = resolve_export_bits(model, bits, cpt_config)
-    state_dict, quantization_config, fields = compressed_tensors_state_dict(model, bits, cpt_config)
+
+
+def write_compressed_tensors(model: nn.Module, save_directory: str, bits: int, cpt_config: CPTConfig | None = None,
+                             measure_inputs: dict[str, Any] | None = None, **save_kwargs: Any) -> CheckpointFields:
+    """Write the weights, ``config.json`` and ``cpt_config.json`` of the export; measure it (`measure_export`)."""
+    check_compressed_tensors()
+    state_dict, quantization_config, fields = compressed_tensors_state_dict(model, bits, cpt_config, measure_inputs)
     with plain_model(model):
         model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
     config_file = os.path.join(save_directory, "config.json")
@@ -174,5 +190,29 @@ def export_compressed_tensors(
             fields.export_effect["max_relative_output_change"], fields.export_effect["inputs"],
         )
     write_settings_file(save_directory, fields)
+    return fields
+
+
+def export_compressed_tensors(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    bits: int | None = None,
+    *,
+    cpt_config: CPTConfig | None = None,
+    measure_inputs: dict[str, Any] | None = None,
+    processing_class: Any = None,
+    model_card: bool = True,
+    card_info: dict[str, Any] | None = None,
+    **save_kwargs: Any,
+) -> str:
+    """Write a compressed-tensors checkpoint of ``model`` at ``bits`` (default: ``cpt_config.bits_max``) that
+    transformers loads with the ``compressed-tensors`` package and no hf_cpt. The export is loaded back and
+    compared with ``model`` at ``bits`` on ``measure_inputs`` (default: random valid inputs): the figures, with the
+    layers the format runs in float, go into ``cpt_config.json`` and the model card (``export_effect``), and a
+    warning names those layers. Other arguments as `save_quantized`."""
+    check_compressed_tensors()
+    save_directory = os.fspath(save_directory)
+    bits = resolve_export_bits(model, bits, cpt_config)
+    fields = write_compressed_tensors(model, save_directory, bits, cpt_config, measure_inputs, **save_kwargs)
     _finish_export(model, save_directory, fields, cpt_config, processing_class, model_card, card_info)
     return save_directory
