@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 
 import pytest
 
@@ -317,3 +318,29 @@ def test_existing_api_still_works():
     schedule = PrecisionSchedule("cpt", 3, 8, 64000)
     assert schedule.num_cycles == 32 and schedule(0) == 3 and schedule(1999) == 8
     assert "cpt" in repr(schedule)
+
+
+@pytest.mark.parametrize("name", sorted(available_schedules()))
+def test_steps_at_bits_counted_by_cycles_equal_the_step_by_step_count(name):
+    """Every registered shape declares where it turns, so a run's steps at each precision are counted per monotone
+    piece (bisection); the counts equal those of walking every step, at odd lengths, cycle counts, delays and both
+    roundings, and a run of 1e11 steps answers at once."""
+    cases = [(1000, 32, 0.0, "nearest"), (997, 7, 0.1, "ceil"), (5003, 3, 0.0, "ceil"), (96, 64, 0.25, "nearest"),
+             (12_345, 9, 0.05, "nearest")]
+    for total, cycles, delay, rounding in cases:
+        schedule = PrecisionSchedule(name, 3, 8, total, cycles, rounding, delay=delay)
+        walked = dict(Counter(schedule(step) for step in range(total)))
+        assert schedule.steps_at_bits() == walked, (total, cycles, delay, rounding)
+    long = PrecisionSchedule(name, 3, 8, 100_000_000_000, 32)
+    counts = long.steps_at_bits()
+    assert sum(counts.values()) == 100_000_000_000 and long._bits_cache is None  # nothing walked step by step
+
+
+def test_a_shape_without_turns_is_counted_step_by_step():
+    """A registered level function says nothing of its turns: its steps are walked one by one (exact)."""
+    register_schedule("test-wobble", lambda z, k, lo, hi: lo + (hi - lo) * abs(math.sin(7 * math.pi * z)))
+    try:
+        schedule = PrecisionSchedule("test-wobble", 3, 8, 997, 4)
+        assert schedule.steps_at_bits() == dict(Counter(schedule(step) for step in range(997)))
+    finally:
+        unregister_schedule("test-wobble")

@@ -30,13 +30,10 @@ def steps_after_delay(total_steps: int, delay: float) -> int:
 class PrecisionSchedule:
     """The bits of each optimizer step of one run: ``schedule(step) -> int`` (None = full precision).
 
-    ``name`` is a registered schedule name or a callable ``step -> bits`` (integer bits, or smooth
-    bits that are rounded like the named schedules; None for a full-precision step). ``delay`` holds
-    the first ``delay`` fraction of the run at ``delay_precision`` ('max': bits_max, 'fp32': full
-    precision); the schedule then runs its cycles over the remaining steps, so every cycle is whole.
-
-    Costs are exact sums over the run's steps of `hf_cpt.numerics.bitops.bitops_per_mac`; full-precision steps
-    count at 32 bits, forward and backward.
+    ``name`` is a registered schedule name or a callable ``step -> bits`` (integer or smooth bits, rounded like the named
+    schedules; None for a full-precision step). ``delay`` holds the first ``delay`` fraction of the run at
+    ``delay_precision`` ('max' or 'fp32'); the cycles then run over the remaining steps. Costs are exact sums over the
+    run's steps of `hf_cpt.numerics.bitops.bitops_per_mac`, full-precision steps at 32 bits.
     """
 
     def __init__(
@@ -94,6 +91,7 @@ class PrecisionSchedule:
             )
         self.cycle_length = self.shape.cycle_length(self.schedule_steps, self.num_cycles)
         self._bits_cache: tuple | None = None
+        self._counts: Counter | None = None
 
     # -- bits of one step --------------------------------------------------------------------
     def smooth(self, step: int) -> float | None:
@@ -149,14 +147,41 @@ class PrecisionSchedule:
         return self._bits_cache
 
     def steps_at_bits(self) -> dict:
-        """How many steps the run spends at each precision (None: full precision), low to high."""
-        counts = Counter(self.bits_per_step())
-        return dict(sorted(counts.items(), key=lambda kv: MAX_BITS + 1 if kv[0] is None else kv[0]))
+        """How many steps the run spends at each precision (None: full precision), low to high. A shape that
+        declares its ``turns`` is counted in time proportional to the cycles; any other step by step."""
+        if self._counts is None:
+            self._counts = self._count_steps()
+        return dict(sorted(self._counts.items(), key=lambda kv: MAX_BITS + 1 if kv[0] is None else kv[0]))
+
+    def _count_steps(self) -> Counter:
+        counts = Counter({self._bits(0): self.delay_steps} if self.delay_steps else {})
+        if self.shape.turns is None or self.shape.step_fn is not None:
+            counts.update(map(self._bits, range(self.delay_steps, self.total_steps)))
+            return counts
+        # Pieces on which the bits are monotone: between cycle starts and turns. A boundary computed in floats may
+        # be a step off where `_smooth` puts it, so the steps next to each boundary are counted one by one.
+        cuts, cycle = {0, self.schedule_steps}, 0
+        while cycle * self.cycle_length < self.schedule_steps:
+            for z in (0.0, *self.shape.turns):
+                edge = math.ceil((cycle + z) * self.cycle_length)
+                cuts.update(t for t in (edge - 1, edge + 1) if 0 < t < self.schedule_steps)
+            cycle += 1
+        pieces = [(a + self.delay_steps, b + self.delay_steps) for a, b in zip(sorted(cuts), sorted(cuts)[1:])]
+        while pieces:  # bisection: a monotone piece whose ends agree is one precision throughout
+            start, end = pieces.pop()
+            first, last = self._bits(start), self._bits(end - 1)
+            if first == last:
+                counts[first] += end - start
+            elif end - start <= 4:
+                counts.update(map(self._bits, range(start, end)))
+            else:
+                pieces += [(start, (start + end) // 2), ((start + end) // 2, end)]
+        return counts
 
     def mean_bits(self) -> float:
         """Mean forward bits over the run (full-precision steps count as 32)."""
-        bits = self.bits_per_step()
-        return sum(FULL_PRECISION_BITS if b is None else b for b in bits) / len(bits)
+        counts = self.steps_at_bits()
+        return sum((FULL_PRECISION_BITS if b is None else b) * n for b, n in counts.items()) / self.total_steps
 
     def bitops_per_mac(self, grad_bits: GradBits = 8) -> float:
         """Bit products per forward MAC summed over the run (forward + both backward GEMMs)."""
@@ -166,7 +191,7 @@ class PrecisionSchedule:
                 total += bitops_per_mac(*training_precision(bits, grad_bits, step))
             return total
         _check_grad_bits(grad_bits)
-        for bits, count in Counter(self.bits_per_step()).items():
+        for bits, count in self.steps_at_bits().items():
             total += count * bitops_per_mac(*training_precision(bits, grad_bits, 0))
         return total
 

@@ -119,7 +119,8 @@ def progressive_shape(ramp_fraction: float = 0.5) -> ScheduleShape:
         raise ValueError(f"ramp_fraction must be in (0, 1], got {ramp_fraction!r}.")
     return ScheduleShape(lambda z, k, lo, hi: linear_growth(z, lo, hi) if k == 0 else hi,
         lambda total_steps, num_cycles: total_steps * ramp_fraction,
-        f"linear ramp bits_min -> bits_max over the first {ramp_fraction:.0%} of training, then held", cyclic=False)
+        f"linear ramp bits_min -> bits_max over the first {ramp_fraction:.0%} of training, then held", cyclic=False,
+        turns=())
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,9 @@ class ScheduleShape:
     ``level(z, k, lo, hi)`` gives the smooth bits at position ``z`` in ``[0, 1)`` of cycle ``k``;
     ``level=None`` is full precision throughout. ``step_fn`` (instead of ``level``) is a plain
     function of the step, for schedules that ignore the bounds. ``cyclic=False`` marks shapes whose
-    length does not depend on ``num_cycles`` (no check that cycles are at least one step long).
+    length does not depend on ``num_cycles`` (no check that cycles are at least one step long). ``turns``: the
+    positions in a cycle where the level changes direction (``()``: monotone in every cycle); with them a run's
+    steps at each precision are counted in time proportional to its cycles, without them step by step.
     """
 
     level: LevelFn | None  # None: full precision throughout (unless step_fn is set)
@@ -137,6 +140,7 @@ class ScheduleShape:
     description: str = ""
     cyclic: bool = True
     step_fn: StepFn | None = None
+    turns: tuple[float, ...] | None = None
 
 
 _SCHEDULES: dict[str, ScheduleShape] = {}
@@ -203,24 +207,18 @@ def check_schedule_name(owner: str, field: str, value) -> None:
                                         "callable step -> bits.")
 
 
-register_schedule("cpt",
-    ScheduleShape(repeated(cosine_growth), cpt_cycle_length, "CPT paper: cosine rise from min to max in every cycle"))
-register_schedule(
-    "cpt-triangular",
-    ScheduleShape(
-        repeated(triangular_wave), cpt_cycle_length, "CPT paper ablation: linear rise to max and back in every cycle"
-    ),
-)
-register_schedule(
-    "cpt-cosine-anneal",
-    ScheduleShape(
-        repeated(cosine_anneal), cpt_cycle_length, "CPT paper ablation: SGDR-style cosine from max down to min"
-    ),
-)
+register_schedule("cpt", ScheduleShape(repeated(cosine_growth), cpt_cycle_length,
+                                       "CPT paper: cosine rise from min to max in every cycle", turns=()))
+register_schedule("cpt-triangular", ScheduleShape(repeated(triangular_wave), cpt_cycle_length,
+                                                  "CPT paper ablation: linear rise to max and back in every cycle",
+                                                  turns=(0.5,)))
+register_schedule("cpt-cosine-anneal", ScheduleShape(repeated(cosine_anneal), cpt_cycle_length,
+                                                     "CPT paper ablation: SGDR-style cosine from max down to min",
+                                                     turns=()))
 register_schedule("progressive", progressive_shape(0.5))
 register_schedule("static",
-    ScheduleShape(lambda z, k, lo, hi: hi, cpt_cycle_length, "bits_max throughout", cyclic=False))
-register_schedule("fp32", ScheduleShape(None, cpt_cycle_length, "full precision throughout", cyclic=False))
+    ScheduleShape(lambda z, k, lo, hi: hi, cpt_cycle_length, "bits_max throughout", cyclic=False, turns=()))
+register_schedule("fp32", ScheduleShape(None, cpt_cycle_length, "full precision throughout", cyclic=False, turns=()))
 
 _FOLLOW_UP = {"CR": (repeated(cosine_growth), "cosine, repeated"),
     "CT": (triangular(cosine_decay, cosine_growth), "cosine, triangular"),
@@ -234,5 +232,5 @@ _FOLLOW_UP = {"CR": (repeated(cosine_growth), "cosine, repeated"),
     "RT-H": (triangular(rex_decay_horizontal, rex_growth), "REX, triangular, horizontal flip")}
 FOLLOW_UP_SCHEDULES = tuple(_FOLLOW_UP)
 for _name, (_level, _what) in _FOLLOW_UP.items():
-    register_schedule(_name, ScheduleShape(_level, followup_cycle_length, f"follow-up study: {_what}"))
+    register_schedule(_name, ScheduleShape(_level, followup_cycle_length, f"follow-up study: {_what}", turns=()))
 

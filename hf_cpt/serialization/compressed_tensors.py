@@ -1,14 +1,10 @@
 """A compressed-tensors export: the quantized format transformers loads natively (with the ``compressed-tensors``
 package), for readers that never import hf_cpt (docs/clients.md).
 
-A CPT ``nn.Linear`` whose scheme the format holds keeps its trained integer codes per output channel
-(``int-quantized``: int8 ``c - 2^(b-1)``, the scale, and a float zero point ``-m/s - 2^(b-1)`` that puts CPT's
-channel minimum ``m`` on the format's grid), with its inputs quantized as it trained: ``per-token`` layers
-dynamically per token, ``paper`` layers over their stored running range, weight-only layers not at all. Such a
-layer computes what the trained one computes, to float rounding. What the format cannot hold runs in float with the
-weights the trained layer used: rotated layers (transformers applies no compressed-tensors transforms), layers that
-are not ``nn.Linear`` (GPT-2's Conv1D, Conv2d, embeddings: exact when weight-only) and quantized attention
-products. The export loads itself back and records which layers change and by how much (``export_effect``).
+A CPT ``nn.Linear`` whose scheme the format holds keeps its trained int8 codes per output channel, with a float zero
+point that puts CPT's channel minimum on the format's grid, and its input quantization (per token, or over the stored
+running range); it computes what the trained layer computes, to float rounding. What the format cannot hold runs in
+float with the trained weights, and the export measures and names it (``export_effect``).
 """
 
 from __future__ import annotations

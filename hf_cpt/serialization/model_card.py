@@ -39,7 +39,8 @@ def plot_schedule(schedule, path: str, grad_bits: Any = None, export_bits: int |
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    steps = list(range(schedule.total_steps + 1))  # the last step drawn to the end of the run
+    stride = max(1, schedule.total_steps // 4000)  # a picture's worth of steps, not every step of a long run
+    steps = list(range(0, schedule.total_steps, stride)) + [schedule.total_steps]  # the last drawn to the end
 
     def values(fn) -> list[int]:
         bits = [fn(min(step, schedule.total_steps - 1)) for step in steps]
