@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -21,7 +22,7 @@ from ..serialization.compressed_tensors import check_compressed_tensors, write_c
 from ..serialization.export import packed_state_dict, portable_state_dict, resolve_export_bits
 from ..serialization.format import MAX_EXPORT_BITS, CheckpointFields, check_export_bits, check_float_weight_bits
 from ..serialization.model_card import eval_metrics_from_log_history, write_model_card
-from ..serialization.save import plain_model, write_checkpoint
+from ..serialization.save import plain_model, staged_save, write_checkpoint
 from .callback import CPTCallback
 
 logger = logging.getLogger(__name__)
@@ -168,8 +169,9 @@ class CPTTrainer(Trainer):
         save_format = given.get("save_format") or self._cpt_default_save_format(settings.save_format)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if save_format == "fp32":
-            with self._cpt_plain_model():
-                super().save_model(output_dir, _internal_call=True)
+            staged = staged_save(output_dir) if self.args.should_save else contextlib.nullcontext(output_dir)
+            with self._cpt_plain_model(), staged as target:
+                super().save_model(target, _internal_call=True)
             fields = None
         else:
             fields = self._cpt_export(output_dir, save_format, settings.bits, settings.float_weight_bits)
@@ -264,17 +266,18 @@ class CPTTrainer(Trainer):
             state_dict, fields = packed_state_dict(model, bits, float_weight_bits, self.cpt_config, inputs)
         elif save_format == "portable":
             state_dict, fields = portable_state_dict(model, bits, self.cpt_config)
-        os.makedirs(output_dir, exist_ok=True)
-        if save_format == "compressed-tensors":
-            fields = write_compressed_tensors(model, output_dir, bits, self.cpt_config, self._cpt_measure_inputs(model))
-        else:
-            write_checkpoint(model, output_dir, state_dict, fields)
-        processing_class = self.processing_class
-        if processing_class is None:
-            processing_class = getattr(self.data_collator, "tokenizer", None)
-        if processing_class is not None:
-            processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        with staged_save(output_dir) as staging:
+            if save_format == "compressed-tensors":
+                inputs = self._cpt_measure_inputs(model)
+                fields = write_compressed_tensors(model, staging, bits, self.cpt_config, inputs)
+            else:
+                write_checkpoint(model, staging, state_dict, fields)
+            processing_class = self.processing_class
+            if processing_class is None:
+                processing_class = getattr(self.data_collator, "tokenizer", None)
+            if processing_class is not None:
+                processing_class.save_pretrained(staging)
+            torch.save(self.args, os.path.join(staging, TRAINING_ARGS_NAME))
         return fields
 
     def _cpt_measure_inputs(self, model: nn.Module) -> dict | None:

@@ -30,8 +30,8 @@ def steps_after_delay(total_steps: int, delay: float) -> int:
 class PrecisionSchedule:
     """The bits of each optimizer step of one run: ``schedule(step) -> int`` (None = full precision).
 
-    ``name`` is a registered schedule name or a callable ``step -> bits`` (integer or smooth bits, rounded like the named
-    schedules; None for a full-precision step). ``delay`` holds the first ``delay`` fraction of the run at
+    ``name`` is a registered schedule name or a callable ``step -> bits`` (integer or smooth bits, rounded like the
+    named schedules; None for a full-precision step). ``delay`` holds the first ``delay`` fraction of the run at
     ``delay_precision`` ('max' or 'fp32'); the cycles then run over the remaining steps. Costs are exact sums over the
     run's steps of `hf_cpt.numerics.bitops.bitops_per_mac`, full-precision steps at 32 bits.
     """

@@ -22,7 +22,7 @@ from ..config import CPTConfig
 from ..nn.base import QuantLayerMixin
 from .export import _check_model, _default_inputs, _model_settings, output_change, plan_export, resolve_export_bits
 from .format import CheckpointFields, check_export_bits
-from .save import _finish_export, plain_model, write_settings_file
+from .save import _finish_export, plain_model, staged_save, write_settings_file
 
 FORMAT = "int-quantized"
 logger = logging.getLogger(__name__)
@@ -209,6 +209,7 @@ def export_compressed_tensors(
     check_compressed_tensors()
     save_directory = os.fspath(save_directory)
     bits = resolve_export_bits(model, bits, cpt_config)
-    fields = write_compressed_tensors(model, save_directory, bits, cpt_config, measure_inputs, **save_kwargs)
-    _finish_export(model, save_directory, fields, cpt_config, processing_class, model_card, card_info)
+    with staged_save(save_directory) as staging:
+        fields = write_compressed_tensors(model, staging, bits, cpt_config, measure_inputs, **save_kwargs)
+        _finish_export(model, staging, fields, cpt_config, processing_class, model_card, card_info)
     return save_directory

@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +71,45 @@ def plain_model(model: nn.Module) -> Iterator[None]:
 
 
 PORTABLE_SETTINGS_FILE = "cpt_config.json"  # a portable export's CPT settings (`CheckpointFields`)
+# The files of a checkpoint that a new save into the same folder must not leave behind from an older one.
+CHECKPOINT_FILES = re.compile(r"config\.json|(model|pytorch_model).*\.(safetensors|bin)(\.index\.json)?")
+
+
+@contextlib.contextmanager
+def staged_save(save_directory: str) -> Iterator[str]:
+    """Write a checkpoint into a staging folder inside ``save_directory``, then move it in under a lock: the old
+    ``config.json`` (what every reader opens first) is removed first, stale weight files next, the new ``config.json``
+    comes last. An interrupted save leaves the old checkpoint, the new one, or a folder without ``config.json`` that
+    refuses to load; never a mix that loads, and two saves into one folder commit one after the other."""
+    os.makedirs(save_directory, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".hf_cpt-save-{os.getpid()}-", dir=save_directory)
+    try:
+        yield staging
+        folder = os.open(save_directory, os.O_RDONLY)  # locked while the files move in
+        try:
+            with contextlib.suppress(ImportError):  # POSIX; elsewhere saves into one folder are not serialized
+                import fcntl
+
+                fcntl.flock(folder, fcntl.LOCK_EX)
+            for name in os.listdir(save_directory):  # staging folders of saves killed before their end
+                pid = name.split("-")[2] if name.startswith(".hf_cpt-save-") else ""
+                if pid.isdigit() and not os.path.exists(f"/proc/{pid}") and os.path.exists("/proc/self"):
+                    shutil.rmtree(os.path.join(save_directory, name), ignore_errors=True)
+            new = set(os.listdir(staging))
+            old = [name for name in os.listdir(save_directory) if CHECKPOINT_FILES.fullmatch(name)]
+            for name in sorted(old, key=lambda name: name != "config.json"):
+                if name == "config.json" or name not in new:
+                    os.remove(os.path.join(save_directory, name))
+            for name in sorted(new, key=lambda name: name == "config.json"):
+                target = os.path.join(save_directory, name)
+                if os.path.isdir(target) and not os.path.islink(target):
+                    shutil.rmtree(target)
+                os.replace(os.path.join(staging, name), target)
+        finally:
+            os.close(folder)  # and unlocked
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
 
 def write_checkpoint(
     model: nn.Module, save_directory: str, state_dict: dict, fields: CheckpointFields, **save_kwargs
@@ -121,8 +163,9 @@ def save_quantized(
     save_directory = os.fspath(save_directory)
     bits = resolve_export_bits(model, bits, cpt_config)
     state_dict, fields = packed_state_dict(model, bits, float_weight_bits, cpt_config, measure_inputs)
-    write_checkpoint(model, save_directory, state_dict, fields, **save_kwargs)
-    _finish_export(model, save_directory, fields, cpt_config, processing_class, model_card, card_info)
+    with staged_save(save_directory) as staging:
+        write_checkpoint(model, staging, state_dict, fields, **save_kwargs)
+        _finish_export(model, staging, fields, cpt_config, processing_class, model_card, card_info)
     return save_directory
 
 
@@ -146,8 +189,9 @@ def export_portable(
     save_directory = os.fspath(save_directory)
     bits = resolve_export_bits(model, bits, cpt_config)
     state_dict, fields = portable_state_dict(model, bits, cpt_config)
-    write_checkpoint(model, save_directory, state_dict, fields, **save_kwargs)
-    _finish_export(model, save_directory, fields, cpt_config, processing_class, model_card, card_info)
+    with staged_save(save_directory) as staging:
+        write_checkpoint(model, staging, state_dict, fields, **save_kwargs)
+        _finish_export(model, staging, fields, cpt_config, processing_class, model_card, card_info)
     return save_directory
 
 
