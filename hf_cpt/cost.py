@@ -1,9 +1,6 @@
-"""Training cost in bit operations (docs/method.md §7, the formulas).
-
-Each quantized GEMM or convolution costs ``MACs * (b_w * b_a + b_e * b_w + b_e * b_a)`` a step (forward, input
-gradient, weight gradient), full-precision layers 32 bits; MACs are measured from each layer's real input shapes.
-The attention products count the same way when the model runs the ``"cpt"`` attention function; rotations count
-apart (``rotation_bitops``, in the totals); an activation input recomputed from codes counts its product again.
+"""Training cost in bit operations (docs/method.md §7): each quantized GEMM or convolution costs
+``MACs * (b_w * b_a + b_e * b_w + b_e * b_a)`` a step, full precision 32 bits, MACs from the layers' real input shapes;
+the ``"cpt"`` attention products count the same way, rotations apart (``rotation_bitops``), a recomputed input again.
 """
 
 from __future__ import annotations

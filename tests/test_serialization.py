@@ -407,6 +407,70 @@ def _edit_config(path, **changes):
 LAYER = "bert.encoder.layer.1.output.dense"
 
 
+def _flip_a_bit(tensor: torch.Tensor, index: int = 0, bit: int = 3) -> None:
+    """Flip one bit of one float32 value in place (a damaged download or disk)."""
+    tensor.view(-1).view(torch.int32)[index] ^= 1 << bit
+
+
+def test_a_flipped_byte_in_a_scale_or_a_rotation_is_refused_at_load(packed_dir, tmp_path):
+    """The packed file's CPT tensors carry a SHA-256 in quantization_config.digest: a flipped bit in a scale (still
+    finite and positive) or in a rotation factor stops the load, naming what to do."""
+    import shutil
+
+    path, auto_class = packed_dir
+    for key in (f"{LAYER}.weight_scale", f"{LAYER}.rotation_factor_0"):
+        copy_path = tmp_path / key
+        shutil.copytree(path, copy_path)
+        _edit_tensors(copy_path, lambda t, key=key: _flip_a_bit(t[key]))
+        with pytest.raises(ValueError, match="do not match quantization_config.digest"):
+            auto_class.from_pretrained(copy_path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t[f"{LAYER}.weight_scale"].__setitem__(0, float("nan")), "weight_scale' holds NaN or inf"),
+    (lambda t: t[f"{LAYER}.weight_scale"].__setitem__(0, -1.0), "weight_scale' holds a scale <= 0"),
+    (lambda t: t[f"{LAYER}.act_min"].fill_(1e6), "act_max' is below the range's minimum"),
+    (lambda t: t[f"{LAYER}.rotation_signs"].__setitem__(0, 0.5), "rotation_signs' holds signs other than"),
+    (lambda t: next(v for k, v in t.items() if k.startswith(f"{LAYER}.rotation_factor")).__setitem__((0, 0), 3.0),
+     "is not an orthogonal factor"),
+])
+def test_values_no_trained_layer_holds_are_refused_at_load_without_a_digest(packed_dir, damage, message):
+    """Without the digest (a file edited on purpose, or older than format 5), the stored values are still checked:
+    NaN, a scale <= 0, a range upside down, signs other than +-1, a factor that is not orthogonal."""
+    path, auto_class = packed_dir
+    _edit_tensors(path, damage)
+    _edit_config(path, digest=None)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        auto_class.from_pretrained(path)
+
+
+def test_cpt_tensors_the_config_does_not_describe_and_a_bogus_shared_weight_are_refused(packed_dir, tmp_path):
+    """The validator checks both ways: a rotated checkpoint's tensors under a config without its layer schemes (as
+    two saves racing into one folder could leave) and a shared_weights entry that names no packed module."""
+    import shutil
+
+    path, auto_class = packed_dir
+    unrotated = tmp_path / "unrotated"
+    shutil.copytree(path, unrotated)
+    _edit_config(unrotated, layer_schemes={})
+    with pytest.raises(ValueError, match=r"rotation_signs' is a CPT tensor that quantization_config does not describe"):
+        auto_class.from_pretrained(unrotated)
+    _edit_config(path, shared_weights={"classifier": "bert.pooler"})
+    with pytest.raises(ValueError, match=r"shared_weights\['classifier'\] = 'bert.pooler', which is not stored"):
+        auto_class.from_pretrained(path)
+
+
+def test_an_export_refuses_a_model_whose_weights_went_non_finite(tmp_path):
+    """A NaN in a trained weight would be packed as NaN scales: the export stops naming the tensor, before writing."""
+    model, _, _ = calibrated("bert")
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.get_submodule(LAYER).weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=f"{re.escape(LAYER)}.weight_scale' holds NaN or inf"):
+        save_quantized(model, tmp_path / "out", 8, model_card=False)
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
 def test_missing_tensor_is_named(packed_dir):
     path, auto_class = packed_dir
     _edit_tensors(path, lambda t: t.pop(f"{LAYER}.weight_scale"))

@@ -197,7 +197,7 @@ def _as_format_2(source, target) -> None:
     config_file = os.path.join(target, "config.json")
     config = json.load(open(config_file))
     config["quantization_config"]["format_version"] = 2
-    del config["quantization_config"]["attention_routing"]
+    del config["quantization_config"]["attention_routing"], config["quantization_config"]["digest"]
     json.dump(config, open(config_file, "w"))
 
 

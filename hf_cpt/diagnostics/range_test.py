@@ -1,10 +1,5 @@
-"""Precision range test (docs/method.md §6, both modes): the lowest precision at which training makes progress.
-
-`precision_range_test` runs it on any quantized model and any iterable of batches (dicts for transformers models,
-``(inputs, labels)`` pairs otherwise); `hf_cpt.integrations.range_test.run_precision_range_test_for_trainer` runs it
-at the start of a Trainer run for ``CPTConfig(bits_min="auto")``. ``restore_weights=True`` (default) judges every
-precision from the same start and restores weights, optimizer and random state; ``False`` trains through them, as
-the paper does.
+"""Precision range test (docs/method.md §6): the lowest precision at which training makes progress, on any quantized
+model and any iterable of batches; `hf_cpt.integrations.range_test` runs it for ``CPTConfig(bits_min="auto")``.
 """
 
 from __future__ import annotations
@@ -160,27 +155,15 @@ def precision_range_test(
 ) -> PrecisionRangeResult:
     """Find ``bits_min`` by training briefly at ``start_bits``, ``start_bits + 1``, ... ``max_bits``.
 
-    Args:
-        model: a model converted with `hf_cpt.quantize_model` (a plain model is converted for the
-            test with the default `CPTConfig` and restored afterwards).
-        data: an iterable of batches, re-iterated if it runs out: dicts passed as ``model(**batch)``
-            (the loss is ``outputs.loss`` if the model returns one), or ``(inputs, labels)`` pairs
-            passed as ``model(inputs)``.
-        steps_per_precision: training iterations at each precision.
-        threshold: improvement that marks ``bits_min``: absolute for accuracy, a relative decrease
-            for the loss (defaults 0.05 and 0.1).
-        metric: 'accuracy' (argmax of the logits against ``labels``, ignoring -100) or 'loss'.
-        window: how many consecutive iterations are averaged (default: a quarter of them).
-        optimizer: None (Adam, lr 1e-3, fresh for each precision when weights are restored), a
-            function ``params -> optimizer``, or an optimizer over the model's parameters (its state
-            is restored with the weights; its ``initial_lr`` is used if a scheduler set one).
-        loss_fn: ``loss_fn(logits, labels)``, for models that do not return a loss (default:
-            cross-entropy).
-        grad_bits: error precision during the test (None: full-precision backward).
-        restore_weights: see the module docstring; True keeps the model's weights unchanged.
-        max_grad_norm: clip gradients to this norm, as the Trainer does.
-        stop_at_first: stop at the chosen precision (False: measure every precision up to max_bits).
-        cpt_config: how a plain model is converted for the test (default: ``CPTConfig()``).
+    ``model``: converted with `hf_cpt.quantize_model` (a plain model is converted with ``cpt_config``, default
+    ``CPTConfig()``, and restored afterwards). ``data``: batches, re-iterated if they run out: dicts passed as
+    ``model(**batch)`` (the loss is ``outputs.loss`` if there is one) or ``(inputs, labels)`` pairs. ``threshold``: the
+    improvement that marks ``bits_min``, absolute for accuracy (default 0.05), a relative decrease for the loss (0.1),
+    over ``window`` averaged iterations (default: a quarter of ``steps_per_precision``). ``optimizer``: None (Adam, lr
+    1e-3, fresh at each precision), a function ``params -> optimizer`` or an optimizer over the model's parameters.
+    ``loss_fn(logits, labels)`` for models that return no loss (default: cross-entropy). ``restore_weights=True`` judges
+    every precision from the same start and restores weights, optimizer and random state; ``False`` trains through them,
+    as the paper does. ``stop_at_first=False`` measures every precision up to ``max_bits``.
     """
     settings = RangeTestConfig(start_bits, steps_per_precision, threshold, metric, window, restore_weights)
     settings.check_max_bits(check_bits("precision_range_test: max_bits", max_bits))

@@ -1,11 +1,6 @@
-"""The training GEMMs of quantized products (docs/method.md §2): operands fake-quantized in forward, kept for
-backward as integer codes, not float copies.
-
-`QuantizedProducts` is a quantized layer's (used by `QuantLayerMixin.forward`; the layer supplies its product,
-``compute``, and its gradient products): it also quantizes the error once and forms both gradient products.
-`QuantizedMatmul` is the attention's two products (``Q Kᵀ`` and ``P V``, `hf_cpt.nn.attention`), whose errors
-are quantized by their own node. `quantized_input` forms the input operand that sibling layers share
-(`hf_cpt.nn.shared_input`).
+"""The training GEMMs of quantized products (docs/method.md §2): operands fake-quantized in forward, kept for backward
+as integer codes. `QuantizedProducts`: a quantized layer's product and both gradient products from one quantized
+error; `QuantizedMatmul`: the attention's ``Q Kᵀ`` and ``P V``; `quantized_input`: the input sibling layers share.
 """
 
 from __future__ import annotations

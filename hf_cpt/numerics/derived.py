@@ -1,10 +1,8 @@
 """Small tensors derived from another tensor, computed once per value of it (docs/method.md §2, "Operations per step").
 
 A layer's top code ``2^b - 1`` follows from the bit-width tensor, a rotation's transposed factors from the rotation:
-computed at every product, each is a few kernel launches that a GPU pays at every layer of every step. `derived`
-keeps them beside the tensor they come from, until that tensor changes in place (its version counter moves) or is
-freed. Code that torch.compile traces or that runs on fake tensors, inference tensors (no version counter) and tensor
-subclasses compute anew. This module knows nothing about quantization.
+`derived` keeps them beside their source until it changes in place (its version counter moves) or is freed, sparing
+a GPU a few launches per layer and step. Traced code, fake and inference tensors and subclasses compute anew.
 """
 
 from __future__ import annotations

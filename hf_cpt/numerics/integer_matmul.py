@@ -1,10 +1,8 @@
 """Products of quantized operands computed on their integer codes (docs/method.md §2, "Integer products").
 
-With the codes centred on their middle code (int8), ``A B = s_a s_b (a' b') + s_a (a' 1) z_b + z_a (1 b') s_b
-+ K z_a z_b``: one integer product (exact int32 sums) and rank-one terms, applied in one native pass. An int8 GEMM
-where the CPU has int8 dot products; else the float32 GEMM of the centred codes where a bound proves its sums exact
-(`_float_gemm_on_codes`), or float64. Ranges along the reduced dimension stay in floating point. Knows nothing of
-layers.
+With codes centred on their middle code (int8), ``A B = s_a s_b (a' b') + s_a (a' 1) z_b + z_a (1 b') s_b + K z_a z_b``:
+one integer product (exact int32 sums) and rank-one terms, applied in one native pass: an int8 GEMM where the CPU has
+int8 dot products, else the float32 GEMM of the centred codes where a bound proves its sums exact, or float64.
 """
 
 from __future__ import annotations

@@ -36,8 +36,11 @@ from .format import (
     check_export_bits,
     check_float_weight_bits,
     float_storage_bits,
+    is_cpt_tensor,
+    tensor_digest,
 )
 from .packing import pack_codes
+from .validation import check_values
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +209,13 @@ def packed_state_dict(
             state_dict[f"{name}.{ACT_MAX}"] = module.act_max.detach().float().cpu().clone()
             for buffer in module.rotation_buffer_names():  # the very rotation the layer computed with
                 state_dict[f"{name}.{buffer}"] = module.get_buffer(buffer).detach().float().cpu().clone()
+    check_values({key: value for key, value in state_dict.items() if is_cpt_tensor(key)})
     state_dict[f"{plan.guard}.weight"] = torch.zeros(0, dtype=torch.uint8)
     state_dict[REQUIRES_HF_CPT] = torch.zeros(0, dtype=torch.uint8)
     fields = CheckpointFields(bits=bits, quantized_modules=list(plan.quantized), checkpoint_format="packed",
         float_weight_bits=float_weight_bits, float_packed_modules=dict(plan.float_bits),
         shared_weights=dict(plan.shared), guard_tensor=f"{plan.guard}.weight", rounding_effect=rounding_effect,
+        digest=tensor_digest({key: value for key, value in state_dict.items() if is_cpt_tensor(key)}),
         **_model_settings(model, cpt_config))
     return state_dict, fields
 

@@ -8,9 +8,12 @@ This module knows nothing about models, layers or transformers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ..config import EMA_INITS
 from ..nn.base import ACTIVATION_GRANULARITIES
@@ -32,8 +35,9 @@ QUANT_METHODS = (QUANT_METHOD, "cpt")
 # 2: layer_schemes (per-token / rotated layers). 3: packed files also hold each rotated layer's rotation
 # tensors, the attention routing of the trained model (`attention_routing`) and the `REQUIRES_HF_CPT` marker.
 # 4: `attention_bits` (attention products at a fixed bit-width), which an older reader would ignore.
-FORMAT_VERSION = 4
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
+# 5: `digest`, the SHA-256 of the CPT tensors, checked at load.
+FORMAT_VERSION = 5
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 CHECKPOINT_FORMATS = ("packed", "portable", "compressed-tensors")
 MIN_EXPORT_BITS = 1
 MAX_EXPORT_BITS = 8
@@ -43,6 +47,24 @@ SCALE = "weight_scale"
 ZERO_POINT = "weight_zero_point"
 ACT_MIN = "act_min"
 ACT_MAX = "act_max"
+ROTATION_PREFIX = "rotation_"  # a rotated layer's stored rotation: rotation_signs, rotation_factor_<i>
+
+
+def is_cpt_tensor(key: str) -> bool:
+    """Whether a checkpoint key names a tensor of CPT's own (codes, scale, zero point, range, rotation)."""
+    last = key.rsplit(".", 1)[-1]
+    return last in (PACKED, SCALE, ZERO_POINT, ACT_MIN, ACT_MAX) or last.startswith(ROTATION_PREFIX)
+
+
+def tensor_digest(tensors: dict[str, Any]) -> str:
+    """SHA-256 over the names and bytes of ``tensors`` (CPU tensors), in name order."""
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        digest.update(key.encode())
+        digest.update(tensors[key].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 # An empty tensor whose name is the advice a plain transformers load (without `import hf_cpt`) prints in its
 # load report, beside the guard tensor's size mismatch that stops it.
 REQUIRES_HF_CPT = "THIS_CHECKPOINT_NEEDS_hf_cpt: install hf-cpt, then import hf_cpt before from_pretrained"
@@ -109,6 +131,7 @@ class CheckpointFields:
     attention_routing: str | None = None
     # The fixed bit-width of quantized attention products (CPTConfig.attention_bits); null: the model's bits.
     attention_bits: int | None = None
+    digest: str | None = None  # format 5, packed: `tensor_digest` of its CPT tensors (a flipped byte stops the load)
     quant_method: str = QUANT_METHOD
 
     def __post_init__(self) -> None:

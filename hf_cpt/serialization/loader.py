@@ -1,10 +1,8 @@
 """The CPT quantization method of transformers: ``from_pretrained`` loads CPT checkpoints (docs/checkpoints.md).
 
-After ``import hf_cpt`` the method is registered as soon as transformers loads its quantizer registry
-(`hf_cpt.registration`). Before the weights load (meta device) the listed layers become CPT layers, the checkpoint's
-tensor names, shapes and dtypes checked first (a missing or mis-shaped tensor is a ``ValueError`` naming it); after,
-``codes * scale + zero_point`` becomes each layer's FP32 master weight, the layers freeze to the stored codes, and the
-model evaluates at the exported bits with the stored ranges. Written for transformers 5.x and 4.57+.
+Before the weights load (meta device) the listed layers become CPT layers, the checkpoint's tensors checked first (a
+missing or mis-shaped tensor is a ``ValueError`` naming it); after, ``codes * scale + zero_point`` becomes each layer's
+FP32 master weight, the layers freeze to the stored codes and evaluate at the exported bits with the stored ranges.
 """
 
 from __future__ import annotations
@@ -27,10 +25,10 @@ from ..nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_la
 from ..nn.precision import PrecisionState
 from ..numerics.fake_quant import dequantize_codes
 from .export import packed_state_dict, portable_state_dict
-from .format import ACT_MAX, ACT_MIN, PACKED, QUANT_METHODS, REQUIRES_HF_CPT, SCALE, ZERO_POINT
+from .format import ACT_MAX, ACT_MIN, PACKED, QUANT_METHODS, REQUIRES_HF_CPT, SCALE, ZERO_POINT, tensor_digest
 from .packing import packed_row_bytes, unpack_codes
 from .quantization_config import CPTQuantizationConfig
-from .validation import named_module, read_tensor_headers, safetensors_files, validate_checkpoint
+from .validation import check_values, named_module, read_tensor_headers, safetensors_files, validate_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +174,27 @@ class CPTHfQuantizer(HfQuantizer):
                               fixed_bits=config.attention_bits)
         return model
 
+    @staticmethod
+    def _check_stored_tensors(model: nn.Module, config: CPTQuantizationConfig) -> None:
+        """The stored CPT tensors, as loaded: values a trained layer can hold, and the bytes the save wrote."""
+        tensors = {}
+        for name in config.packed_modules():
+            module = model.get_submodule(name)
+            keys = [PACKED, SCALE, ZERO_POINT]
+            if name in config.quantized_modules:
+                rotated = config.stores_rotations and config.layer_scheme(name)[1] is not None
+                keys += [ACT_MIN, ACT_MAX] + (module.rotation_buffer_names() if rotated else [])
+            tensors.update({f"{name}.{key}": module.get_buffer(key) for key in keys})
+        if any(tensor.device.type == "meta" for tensor in tensors.values()):
+            return  # not loaded: named below
+        check_values(tensors)
+        if config.format_version >= 5 and config.digest is not None and tensor_digest(tensors) != config.digest:
+            raise ValueError("hf_cpt: the checkpoint's CPT tensors do not match quantization_config.digest: bytes "
+                             "changed after the save (a damaged download or disk, or an edited file). Download or "
+                             "export it again.")
+
     def _unpack(self, model: nn.Module, config: CPTQuantizationConfig) -> None:
+        self._check_stored_tensors(model, config)
         guard = config.guard_module()
         for name, bits in config.packed_modules().items():
             module = model.get_submodule(name)

@@ -1,10 +1,8 @@
 """Quantized checkpoints of CPT models: packed export, portable export, model card (docs/checkpoints.md).
 
-`save_quantized` writes a *packed* checkpoint that transformers loads back (after ``import hf_cpt``) into the same
-CPT layers, computing what the in-memory model computes at ``bits``: each CPT layer's weight as integer codes with a
-per-channel scale and zero point (``Q(W R)``'s for a rotated layer), its activation range and scheme; weights that
-trained in FP32 exactly, unless a lossy ``float_weight_bits`` is asked for (measured, and said in ``config.json`` and
-the model card). A guard tensor stops a load without hf_cpt. `export_portable` writes a plain float checkpoint.
+`save_quantized` writes a *packed* checkpoint that transformers loads back (after ``import hf_cpt``) into CPT layers
+computing what the in-memory model computes at ``bits``; a guard tensor stops a load without hf_cpt.
+`export_portable` writes a plain float checkpoint. Every save is staged and moved in under a lock (`staged_save`).
 """
 
 
@@ -145,20 +143,14 @@ def save_quantized(
     card_info: dict[str, Any] | None = None,
     **save_kwargs: Any,
 ) -> str:
-    """Write a packed CPT checkpoint of ``model`` at ``bits`` (default: ``cpt_config.bits_max``).
+    """Write a packed CPT checkpoint of ``model`` at ``bits`` (default: ``cpt_config.bits_max``) that reproduces the
+    in-memory model evaluated at ``bits``; load it with ``import hf_cpt`` and ``AutoModelFor....from_pretrained``.
 
-    The checkpoint reproduces the in-memory model evaluated at ``bits``. ``float_weight_bits`` is the
-    storage of the weights that trained in FP32 (embeddings, the kept head, excluded layers): ``None``
-    (default) keeps them exact; rounding them after training is a lossy opt-in: ``"auto"`` stores
-    embedding tables at 8 bits when ``bits > 4`` and at 4 bits when ``bits <= 4`` and other weights at
-    8 bits, an integer picks the bits for all of them. The effect of that rounding is measured on
-    ``measure_inputs`` (a batch of evaluation data; default: random valid inputs) and written into
-    ``config.json`` and the model card. ``processing_class`` (tokenizer, image processor) is saved
-    alongside; ``model_card`` writes ``README.md`` (and the schedule picture when ``cpt_config`` is
-    known); ``card_info`` goes to `write_model_card` (``total_steps``, ``schedule``, ``cost_report``,
-    ``eval_metrics``, ``model_name``, ``repo_id``, ...).
-    Extra keyword arguments go to ``model.save_pretrained`` (e.g. ``max_shard_size``).
-    Load with ``import hf_cpt`` and ``AutoModelFor....from_pretrained(save_directory)``.
+    ``float_weight_bits``: the storage of the weights that trained in FP32 (embeddings, the kept head, excluded layers):
+    ``None`` (default) exact; ``"auto"`` (embeddings at 8 bits above 4-bit exports, else 4; other weights 8) or a
+    bit-width rounds them, a lossy opt-in measured on ``measure_inputs`` (default: random valid inputs) and written into
+    ``config.json`` and the model card. ``processing_class`` is saved alongside; ``model_card`` writes ``README.md``,
+    with ``card_info`` (`write_model_card`'s arguments). Other keyword arguments go to ``model.save_pretrained``.
     """
     save_directory = os.fspath(save_directory)
     bits = resolve_export_bits(model, bits, cpt_config)

@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..nn import (
@@ -17,7 +18,7 @@ from ..nn import (
     rotation_buffers,
     weight_channel_dim,
 )
-from .format import ACT_MAX, ACT_MIN, PACKED, SCALE, ZERO_POINT
+from .format import ACT_MAX, ACT_MIN, PACKED, ROTATION_PREFIX, SCALE, ZERO_POINT, is_cpt_tensor
 from .packing import packed_row_bytes
 from .quantization_config import CPTQuantizationConfig
 
@@ -138,13 +139,38 @@ def as_model_keys(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
     return {rename_source_key(key, renamings, converters)[0]: value for key, value in tensors.items()}
 
 
+def check_values(tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse what no trained layer holds, naming the tensor: non-finite values, a scale that is not positive, a range
+    whose minimum exceeds its maximum, rotation signs other than +-1, a rotation factor that is not orthogonal."""
+    for key, tensor in tensors.items():
+        last, values = key.rsplit(".", 1)[-1], tensor.detach().double()
+        problem = None
+        if last != PACKED and not bool(torch.isfinite(values).all()):
+            problem = "holds NaN or inf"
+        elif last == SCALE and bool((values <= 0).any()):
+            problem = "holds a scale <= 0"
+        elif last == ACT_MAX and f"{key[:-len(ACT_MAX)]}{ACT_MIN}" in tensors:
+            problem = "is below the range's minimum" if bool((tensors[key[:-len(ACT_MAX)] + ACT_MIN] > values).any()) \
+                else None
+        elif last == f"{ROTATION_PREFIX}signs" and not bool((values.abs() == 1).all()):
+            problem = "holds signs other than +1 and -1"
+        elif last.startswith(f"{ROTATION_PREFIX}factor") and values.dim() == 2:
+            gram = values @ values.T
+            scale = gram.diagonal().mean()
+            if not bool(torch.allclose(gram, scale * torch.eye(len(gram), dtype=gram.dtype), atol=1e-4 * float(scale))):
+                problem = "is not an orthogonal factor"
+        if problem is not None:
+            raise ValueError(f"hf_cpt: tensor {key!r} {problem}: the checkpoint is damaged or was not written by "
+                             "hf_cpt; no trained layer holds such values.")
+
+
 def validate_checkpoint(
     model: nn.Module, config: CPTQuantizationConfig, tensors: dict[str, tuple[str, tuple[int, ...]]], where: str = ""
 ) -> None:
     """Raise ``ValueError`` naming every missing, mis-shaped or mistyped tensor of a CPT checkpoint."""
     tensors = as_model_keys(model, tensors)
-    problems = []
-    for key, (dtype, shape) in expected_tensors(model, config).items():
+    problems, expected = [], expected_tensors(model, config)
+    for key, (dtype, shape) in expected.items():
         found = tensors.get(key)
         if found is None:
             problems.append(f"tensor {key!r} is missing (expected {dtype or 'float'} of shape {list(shape)})")
@@ -161,6 +187,12 @@ def validate_checkpoint(
                     f"tensor {key!r} is a plain weight, but quantization_config says {name!r} is stored packed "
                     f"({name}.{PACKED}); the file and config.json do not belong together"
                 )
+    problems += [f"tensor {key!r} is a CPT tensor that quantization_config does not describe (the file and config.json "
+                 "do not belong together)" for key in tensors if is_cpt_tensor(key) and key not in expected]
+    for name, source in config.shared_weights.items():
+        named_module(model, name, "shared_weights")
+        if source not in config.packed_modules():
+            problems.append(f"quantization_config.shared_weights[{name!r}] = {source!r}, which is not stored packed")
     if problems:
         shown = "\n  - ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise ValueError(f"hf_cpt: invalid CPT checkpoint{where}:\n  - {shown}")
