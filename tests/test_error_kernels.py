@@ -1,6 +1,7 @@
 """The fused error quantizers (hf_cpt/numerics/error_kernels.py, error_kernels.c, native.py): one formula, the same
 values on every path (the formula run eagerly, torch.compile, the native C kernel)."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -185,13 +186,39 @@ def test_a_cpu_run_builds_the_native_kernel_once_per_machine_and_loads_no_compil
     assert f"native {everything} compiled [] inductor False" in first.stdout
     assert "No CUDA runtime is found" not in first.stderr
     built = sorted(path.name for path in cache.iterdir())
-    # every package library at once (concurrently: a run needs them all), one per C source
+    # every package library at once (concurrently: a run needs them all), one per C source, beside its digest
     sources = sorted(path.stem for path in Path(native.__file__).parent.glob("*.c"))
-    assert [name.rsplit("-", 1)[0] for name in built] == sources and all(name.endswith(".so") for name in built)
+    libraries = [name for name in built if name.endswith(".so")]
+    assert [name.rsplit("-", 1)[0] for name in libraries] == sources
+    assert sorted(built) == sorted(libraries + [name[:-3] + ".sha256" for name in libraries])
     # A later process on the machine reuses the library: it needs no compiler at all.
     second = _fresh({"HF_CPT_CACHE": str(cache), "CC": str(tmp_path / "no-such-compiler")}, tmp_path)
     assert f"native {everything} compiled []" in second.stdout
     assert sorted(path.name for path in cache.iterdir()) == built
+
+
+_LOAD = "from hf_cpt.numerics import native; print('loaded', native.load('error_kernels') is not None)"
+
+
+@pytest.mark.slow
+def test_a_library_changed_in_the_cache_is_rebuilt_and_a_cache_others_can_write_is_not_used(tmp_path):
+    """Each cached library sits beside the SHA-256 its build recorded: a library whose bytes changed is rebuilt, not
+    loaded. A cache folder another user could write (whoever writes it runs code in every process that loads the
+    kernels) is not used at all: the kernels are off, with a warning naming the folder."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "HF_CPT_CACHE": str(cache)}
+    assert "loaded True" in run_python(["-c", _LOAD], env=env, timeout=300).stdout
+    library = next(cache.glob("error_kernels-*.so"))
+    recorded = library.with_suffix(".sha256").read_text()
+    library.write_bytes(library.read_bytes() + b"tampered")
+    again = run_python(["-c", _LOAD], env=env, timeout=300)
+    assert "loaded True" in again.stdout and "does not match the digest recorded" in again.stderr
+    assert hashlib.sha256(library.read_bytes()).hexdigest() == recorded  # rebuilt: the same bytes as built
+    cache.chmod(0o777)
+    shared = run_python(["-c", _LOAD], env=env, timeout=300)
+    assert "loaded False" in shared.stdout and f"the kernel cache {cache} is writable by another user" in shared.stderr
 
 
 _BUILD_AHEAD = """
@@ -222,7 +249,7 @@ def test_quantize_model_builds_the_kernels_ahead_of_the_first_step(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     assert "started True child True loaded 0" in first.stdout
     sources = sorted(path.stem for path in Path(native.__file__).parent.glob("*.c"))
-    assert sorted(path.name.rsplit("-", 1)[0] for path in cache.iterdir()) == sources
+    assert sorted(path.name.rsplit("-", 1)[0] for path in cache.glob("*.so")) == sources
     again = run_python(["-c", _BUILD_AHEAD], timeout=300, env=env)
     assert "started False child True loaded 0" in again.stdout, again.stderr[-2000:]
 

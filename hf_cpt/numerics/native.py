@@ -53,7 +53,8 @@ def takes(t: torch.Tensor, min_numel: int) -> bool:
 
 
 def cache_dir() -> Path:
-    """Where built libraries live: ``$HF_CPT_CACHE``, else ``$XDG_CACHE_HOME/hf_cpt``, else ``~/.cache/hf_cpt``."""
+    """Where built libraries live: ``$HF_CPT_CACHE``, else ``$XDG_CACHE_HOME/hf_cpt``, else ``~/.cache/hf_cpt``; a
+    folder only this user can write (created so), each library beside the SHA-256 its build recorded."""
     if os.environ.get("HF_CPT_CACHE"):
         return Path(os.environ["HF_CPT_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_cpt"
@@ -75,7 +76,7 @@ def _cpu_signature() -> str:
 def _build(source: Path, target: Path, compiler: str) -> str | None:
     """Compile ``source`` into ``target`` (atomically: concurrent ranks may build the same library);
     the compiler's complaint on failure."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     complaint = None
     # a compiler without OpenMP or -march=native still builds the kernels, on POSIX threads or portable
     for flags in (FLAGS + OPENMP_FLAGS + NATIVE_FLAGS, FLAGS + OPENMP_FLAGS, FLAGS + NATIVE_FLAGS, FLAGS):
@@ -85,6 +86,7 @@ def _build(source: Path, target: Path, compiler: str) -> str | None:
             run = subprocess.run([compiler, *flags, str(source), "-o", str(partial), "-lm"],
                                  capture_output=True, text=True, timeout=120)
             if run.returncode == 0:
+                _digest_file(target).write_text(_file_digest(partial))
                 os.replace(partial, target)
                 return None
             complaint = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}"
@@ -181,6 +183,38 @@ def bind(name: str, entries: dict[str, tuple[list, type | None]]) -> ctypes.CDLL
     return library
 
 
+def _digest_file(library: Path) -> Path:
+    return library.with_suffix(".sha256")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(path: Path) -> bool:
+    """Whether ``path`` is this user's and writable by no one else (a folder or file another user could write would
+    let them run code in every process that loads the kernels)."""
+    if not hasattr(os, "getuid"):
+        return True
+    info = path.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def _verified(target: Path) -> bool:
+    """A cached library whose bytes are those its build recorded; any other (damaged, or a partial copy) is removed,
+    to be rebuilt."""
+    digest = _digest_file(target)
+    if not digest.exists():  # built before digests were recorded
+        logger.info("hf_cpt: %s has no recorded digest; rebuilding it", target)
+    elif _trusted(digest) and digest.read_text().strip() == _file_digest(target):
+        return True
+    else:
+        logger.warning("hf_cpt: %s does not match the digest recorded when it was built; rebuilding it", target)
+    target.unlink(missing_ok=True)
+    _built.pop(target, None)
+    return False
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The shared library built from ``hf_cpt/numerics/<name>.c`` (built on first use, with the package's other
@@ -189,7 +223,13 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
     target = _target(Path(__file__).with_name(f"{name}.c"))
     _wait_for_pending(target)
-    if not target.exists():
+    folder = cache_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _trusted(folder) or (target.exists() and not _trusted(target)):
+        logger.warning("hf_cpt: the kernel cache %s is writable by another user (or not yours); the native kernels "
+                       "are off. Set HF_CPT_CACHE to a folder only you can write.", folder)
+        return None
+    if not target.exists() or not _verified(target):
         compiler = _compiler()
         if compiler is None:
             logger.info("hf_cpt: no C compiler found (set CC); the native %s kernel is off", name)
