@@ -359,6 +359,18 @@ def nonfinite_inputs(model: nn.Module) -> dict[str, int]:
     return {name: int(count) for (name, _), count in zip(layers, counts.tolist()) if count}
 
 
+def check_finite_weights(model: nn.Module, step: int) -> None:
+    """Raise naming the first trained parameter that holds a NaN or inf after optimizer step ``step`` (one host read):
+    the Trainer would go on, its logged loss filtered to a number, with every weight lost."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    if not trained or bool(torch.stack(torch._foreach_norm([p.detach() for _, p in trained])).isfinite().all()):
+        return
+    name = next(name for name, p in trained if not bool(p.detach().isfinite().all()))
+    raise FloatingPointError(f"hf_cpt: after optimizer step {step} the trained parameter {name!r} holds NaN or inf: "
+                             "the loss or its gradients were not finite (the Trainer's logged loss hides it). Stop, "
+                             "lower the learning rate or clip gradients, and resume from the last checkpoint.")
+
+
 def activation_ranges(model: nn.Module) -> dict[str, torch.Tensor]:
     """The running input ranges of every quantized layer, ``{"<layer>.act_min": t, "<layer>.act_max": t}``."""
     ranges = {}

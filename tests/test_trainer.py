@@ -405,6 +405,38 @@ def test_a_nan_input_never_reaches_a_running_range_and_stops_the_trainer_at_its_
         trainer.train()
 
 
+def test_skipped_nonfinite_inputs_are_counted_and_weights_gone_nonfinite_stop_the_run(tmp_path, caplog):
+    """With ``nonfinite_inputs="skip"`` the run goes past a non-finite input (one warning, a count in the logs);
+    when the weights themselves go non-finite (here the inf's gradient, or a learning rate that overflows) the
+    Trainer integration stops the run at that step naming the parameter, where the Trainer would log a filtered
+    loss and train on."""
+    import logging
+
+    from transformers import BertForSequenceClassification, TrainingArguments
+
+    from hf_cpt import CPTTrainer
+
+    from .helpers import tiny_bert_config
+
+    config = CPTConfig(quant_scheme="paper", schedule="static", fidelity_threshold=None, nonfinite_inputs="skip")
+    rows = [{"inputs_embeds": torch.randn(6, 32), "labels": torch.tensor(i % 2)} for i in range(8)]
+    rows[5]["inputs_embeds"][0, 0] = float("inf")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, report_to=[],
+                             save_strategy="no", use_cpu=True, dataloader_drop_last=True, logging_steps=1)
+    torch.manual_seed(0)
+    trainer = CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args, cpt_config=config,
+                         train_dataset=rows)
+    with caplog.at_level(logging.WARNING, logger="hf_cpt.integrations.callback"), \
+            pytest.raises(FloatingPointError, match=r"after optimizer step 2 the trained parameter '.+' holds NaN"):
+        trainer.train()
+    assert caplog.text.count("held NaN or inf") == 1 and trainer.cpt_callback.skipped_inputs > 0
+    args.learning_rate = 1e38
+    trainer = CPTTrainer(model=BertForSequenceClassification(tiny_bert_config()), args=args, cpt_config=config,
+                         train_dataset=rows[:4] * 2)
+    with pytest.raises(FloatingPointError, match="after optimizer step 1 the trained parameter"):
+        trainer.train()
+
+
 def test_a_model_quantized_with_another_config_is_refused_by_the_trainer(tmp_path):
     """A pre-quantized model keeps the numerics of the config it was quantized with: a CPTTrainer given another is
     refused, naming the settings (then, now); one that differs only in its schedule is the user's to choose."""

@@ -33,6 +33,7 @@ AUTO_STEPS_PER_CYCLE = 100
 AUTO_MAX_CYCLES = 32
 EVAL_PRECISIONS = ("max", "current", "fp32")
 EMA_INITS = ("zeros", "first_batch")
+NONFINITE_INPUT_ACTIONS = ("raise", "skip")
 # How activations are quantized (docs/method.md, "Pretrained transformers"): the CPT paper's per-tensor
 # running range, per-token ranges, either after a fixed rotation of the input features, or "auto".
 QUANT_SCHEMES = ("auto", "paper", "per-token", "rotated", "rotated-per-token")
@@ -173,6 +174,9 @@ class ActivationConfig:
     rotation_seed: int = setting(0, "Seed of the random signs of the Hadamard rotation (rotated schemes).")
     momentum: float = setting(0.9, "Momentum of the running activation min/max used in eval mode.")
     ema_init: str = setting("zeros", "Start of the running activation range: 'zeros' (CPT code) or 'first_batch'.")
+    nonfinite_inputs: str = setting(
+        "raise", "A NaN or inf in a layer's training input never enters its running range: 'raise' (default: a data "
+        "bug) stops the Trainer run at that step naming the layers; 'skip' counts them (logged, one warning).")
 
     def __post_init__(self) -> None:
         plain_numbers(self)
@@ -183,6 +187,7 @@ class ActivationConfig:
         if not is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
             raise ConfigError(owner, "momentum", f"must be in [0, 1), got {self.momentum!r}.")
         check_choice(owner, "ema_init", self.ema_init, EMA_INITS)
+        check_choice(owner, "nonfinite_inputs", self.nonfinite_inputs, NONFINITE_INPUT_ACTIONS)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..config import CPTConfig
 from ..convert import (
     activation_ranges,
+    check_finite_weights,
     find_precision_state,
     is_quantized,
     load_activation_ranges,
@@ -40,7 +41,7 @@ ACTIVATION_RANGES_FILE = "cpt_activation_ranges.safetensors"
 COST_STATE_FILE = "cpt_cost_state.json"
 # And the run's CPTConfig: a resume with another is refused, but for settings a run may change (`RESUMABLE_CHANGES`).
 RUN_CONFIG_FILE = "cpt_run_config.json"
-RESUMABLE_CHANGES = ("eval_bits", "fidelity_threshold")
+RESUMABLE_CHANGES = ("eval_bits", "fidelity_threshold", "nonfinite_inputs")
 
 
 def _read_json(path: str) -> Any:
@@ -75,6 +76,7 @@ class CPTCallback(TrainerCallback):
         self.resume_checkpoint: str | None = None
         self.precision: PrecisionState | None = None
         self.meter: CostMeter | None = None
+        self.skipped_inputs = 0  # training forwards whose NaN or inf input a running range skipped (nonfinite="skip")
         self.bits: int | None = None
         self.grad_bits: int | None = None
         self.logs_injected_by_trainer = False  # CPTTrainer adds the values in Trainer.log itself
@@ -211,12 +213,16 @@ class CPTCallback(TrainerCallback):
         self.precision.reused_weights.end_step()  # the optimizer has changed the weights (an evaluation may follow)
         self.meter.end_step(self.bits, self.grad_bits)
         nonfinite = nonfinite_inputs(model) if model is not None else {}
-        if nonfinite:  # a data bug: the ranges skipped it, but the step's loss and gradients hold it
-            raise ValueError(
-                f"hf_cpt: at step {state.global_step} the training inputs of {len(nonfinite)} quantized layer(s) held "
-                f"NaN or inf (first: {next(iter(nonfinite))}; forwards per layer: {nonfinite}). Their activation "
-                "ranges skipped them, but this step's loss and gradients hold them: check the batch and the model "
-                "before the first of these layers.")
+        if nonfinite and (self.config.nonfinite_inputs == "raise" or not self.skipped_inputs):
+            message = (f"hf_cpt: at step {state.global_step} the training inputs of {len(nonfinite)} quantized "
+                       f"layer(s) held NaN or inf (first: {next(iter(nonfinite))}; forwards per layer: {nonfinite}). "
+                       "Their activation ranges skipped them; check the batch and the model before the first of them")
+            if self.config.nonfinite_inputs == "raise":  # a data bug: this step's loss and gradients hold it
+                raise ValueError(message + " (CPTConfig(nonfinite_inputs='skip') counts them instead).")
+            logger.warning("%s. Counted from now on, as cpt/nonfinite_inputs in the logs.", message)
+        self.skipped_inputs += sum(nonfinite.values())
+        if model is not None:
+            check_finite_weights(model, state.global_step)
 
     # -- logging ------------------------------------------------------------------------------
     def log_values(self, logs: dict[str, Any]) -> dict[str, float]:
@@ -226,6 +232,8 @@ class CPTCallback(TrainerCallback):
         values = {"cpt/bits": float(self.bits) if self.bits is not None else 32.0,
             "cpt/grad_bits": float(self.grad_bits) if self.grad_bits is not None else 32.0}
         values.update(self.meter.totals.as_logs())
+        if self.skipped_inputs:
+            values["cpt/nonfinite_inputs"] = float(self.skipped_inputs)
         if any(k.startswith("train_") for k in logs):  # the run's final summary: the full cost report
             values["cpt/static_gbitops"] = self.meter.totals.static_bitops / 1e9
             values["cpt/fp32_gbitops"] = self.meter.totals.fp32_bitops / 1e9
