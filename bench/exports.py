@@ -6,7 +6,9 @@ all-MiniLM-L6-v2 (pretrained) is fine-tuned on MNLI pairs with `CPTTrainer` unde
 compressed-tensors (`export_compressed_tensors`) and portable (`export_portable`), the last two loaded by transformers
 as a reader without hf_cpt would. Each row records, against the trained model evaluated at 8
 bits on ``--eval`` held-out pairs: accuracy, the max relative change of the logits, the predictions that flip, and
-which layers the compressed-tensors format runs in float.
+which layers the compressed-tensors format runs in float; and, for scale, the same figures for the trained model
+itself with its input embeddings nudged by 1e-7 (relative): a quantized model's output is a step function of its
+inputs, so float rounding anywhere can flip codes downstream.
 
 Resumable: one entry per scheme in ``--output`` (JSON); ``python bench/report.py`` renders the table into
 docs/clients.md.
@@ -75,6 +77,11 @@ def run_scheme(scheme: str, args, tokenizer, train_rows, eval_rows) -> dict:
                "max_layer_change_in_format": max((v for n, v in effect["layers"].items()
                                                   if not any(n in names for names in effect["float_layers"].values())),
                                                  default=None)}
+        embeddings = model.get_input_embeddings().weight
+        with torch.no_grad():  # how far the trained model itself moves under a 1e-7 relative nudge of its inputs
+            embeddings.mul_(1 + 1e-7)
+            row["nudged"] = _against(trained, _logits(model, batch), labels)
+            embeddings.div_(1 + 1e-7)
         for name, path in paths.items():
             row[name] = _against(trained, _logits(AutoModelForSequenceClassification.from_pretrained(path), batch),
                                  labels)

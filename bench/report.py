@@ -510,14 +510,17 @@ def exports_section(results: dict) -> list[str]:
              "|---|---:|---|---:|---:|---:|---|"]
     for scheme, row in rows.items():
         floats = "; ".join(f"{count} ({why.split(':')[0]})" for why, count in row["float_layers"].items()) or "none"
-        for export in ("packed", "compressed-tensors", "portable"):
+        for export in ("packed", "compressed-tensors", "portable", "nudged"):
+            if export not in row:
+                continue
             figures = row[export]
             lines.append(
                 f"| {SCHEME_LABELS.get(scheme, scheme)} | {100 * row['trained_accuracy']:.1f}% | {export} | "
                 f"{100 * figures['accuracy']:.1f}% | {figures['max_relative_change']:.2g} | "
                 f"{100 * figures['flipped_predictions']:.1f}% | "
                 + (f"{floats} of {row['cpt_layers']}" if export == "compressed-tensors" else
-                   "all (inputs not quantized)" if export == "portable" else "none") + " |")
+                   "all (inputs not quantized)" if export == "portable" else
+                   "the trained model, inputs nudged by 1e-7" if export == "nudged" else "none") + " |")
     worst = max((row["max_layer_change_in_format"] for row in rows.values()
                  if row["max_layer_change_in_format"] is not None), default=None)
     if worst is not None:

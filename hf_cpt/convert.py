@@ -18,7 +18,7 @@ from torch import nn
 from .config import ActivationConfig, CPTConfig, ModuleSelection
 from .config.parts import PART_FIELDS
 from .nn.attention import attention_support, install_attention, uninstall_attention
-from .nn.base import NONFINITE_INPUTS, QuantLayerMixin, input_features
+from .nn.base import QuantLayerMixin, input_features
 from .nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, restore_layer
 from .nn.precision import PrecisionState
 from .nn.recompute import convert_activation, restore_activation
@@ -342,33 +342,6 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     for module in model.modules():
         restore_activation(module)
     return model
-
-
-def nonfinite_inputs(model: nn.Module) -> dict[str, int]:
-    """{layer: training forwards whose input held a NaN or inf (its running range skipped them)} since the last call."""
-    layers = [(name, layer) for name, layer in quant_layers(model)  # per-token layers keep no running range
-              if NONFINITE_INPUTS in layer._buffers and layer.cpt_granularity != "token"]
-    if not layers:
-        return {}
-    device = layers[0][1]._buffers[NONFINITE_INPUTS].device
-    counts = torch.stack([layer._buffers[NONFINITE_INPUTS].to(device) for _, layer in layers])
-    if not bool(counts.any()):  # one host read a step, on the device the counts live on
-        return {}
-    for _, layer in layers:
-        layer._buffers[NONFINITE_INPUTS].zero_()
-    return {name: int(count) for (name, _), count in zip(layers, counts.tolist()) if count}
-
-
-def check_finite_weights(model: nn.Module, step: int) -> None:
-    """Raise naming the first trained parameter that holds a NaN or inf after optimizer step ``step`` (one host read):
-    the Trainer would go on, its logged loss filtered to a number, with every weight lost."""
-    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
-    if not trained or bool(torch.stack(torch._foreach_norm([p.detach() for _, p in trained])).isfinite().all()):
-        return
-    name = next(name for name, p in trained if not bool(p.detach().isfinite().all()))
-    raise FloatingPointError(f"hf_cpt: after optimizer step {step} the trained parameter {name!r} holds NaN or inf: "
-                             "the loss or its gradients were not finite (the Trainer's logged loss hides it). Stop, "
-                             "lower the learning rate or clip gradients, and resume from the last checkpoint.")
 
 
 def activation_ranges(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -24,7 +24,10 @@ LAYERS = {
     "cli": 8, "registration": 8, "__main__": 9,
 }
 MAX_LINES = 400
-MAX_LIBRARY_LINES = 10_000  # hf_cpt/ as a whole, C included: the size the simplification issue (70) set
+# hf_cpt/ as a whole, C included. The simplification issue (70) closed at 9,998 (its target: 10,000); the issues after
+# it added the compressed-tensors export, staged saves, load-time digest and value checks, the kernel cache's checks
+# and schedules counted by cycles. A guard against growth: raise it only for a feature, and say so.
+MAX_LIBRARY_LINES = 10_200
 
 
 def _modules() -> dict[str, str]:

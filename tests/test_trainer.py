@@ -369,7 +369,8 @@ def test_a_nan_input_never_reaches_a_running_range_and_stops_the_trainer_at_its_
     from transformers import BertForSequenceClassification, TrainingArguments
 
     from hf_cpt import CPTTrainer, quantize_model, set_precision
-    from hf_cpt.convert import nonfinite_inputs, quant_layers
+    from hf_cpt.convert import quant_layers
+    from hf_cpt.diagnostics.finite import nonfinite_inputs
 
     from .helpers import tiny_bert_config
 

@@ -15,17 +15,10 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CPTConfig
-from ..convert import (
-    activation_ranges,
-    check_finite_weights,
-    find_precision_state,
-    is_quantized,
-    load_activation_ranges,
-    nonfinite_inputs,
-    quantize_adapters,
-)
+from ..convert import activation_ranges, find_precision_state, is_quantized, load_activation_ranges, quantize_adapters
 from ..cost import CostMeter
 from ..diagnostics.fidelity import output_fidelity
+from ..diagnostics.finite import check_finite_weights, nonfinite_inputs
 from ..diagnostics.range_test import PrecisionRangeResult
 from ..diagnostics.training_loop import rng_state, set_rng_state, to_device
 from ..nn.precision import PrecisionState
