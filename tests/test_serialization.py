@@ -428,6 +428,7 @@ def test_a_flipped_byte_in_a_scale_or_a_rotation_is_refused_at_load(packed_dir, 
 
 @pytest.mark.parametrize("damage, message", [
     (lambda t: t[f"{LAYER}.weight_scale"].__setitem__(0, float("nan")), "weight_scale' holds NaN or inf"),
+    (lambda t: t["bert.embeddings.LayerNorm.weight"].__setitem__(0, float("inf")), "LayerNorm.weight' holds NaN or inf"),
     (lambda t: t[f"{LAYER}.weight_scale"].__setitem__(0, -1.0), "weight_scale' holds a scale <= 0"),
     (lambda t: t[f"{LAYER}.act_min"].fill_(1e6), "act_max' is below the range's minimum"),
     (lambda t: t[f"{LAYER}.rotation_signs"].__setitem__(0, 0.5), "rotation_signs' holds signs other than"),
@@ -436,7 +437,8 @@ def test_a_flipped_byte_in_a_scale_or_a_rotation_is_refused_at_load(packed_dir, 
 ])
 def test_values_no_trained_layer_holds_are_refused_at_load_without_a_digest(packed_dir, damage, message):
     """Without the digest (a file edited on purpose, or older than format 5), the stored values are still checked:
-    NaN, a scale <= 0, a range upside down, signs other than +-1, a factor that is not orthogonal."""
+    NaN or inf in any float tensor, a scale <= 0, a range upside down, signs other than +-1, a factor that is not
+    orthogonal."""
     path, auto_class = packed_dir
     _edit_tensors(path, damage)
     _edit_config(path, digest=None)

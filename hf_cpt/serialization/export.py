@@ -209,7 +209,7 @@ def packed_state_dict(
             state_dict[f"{name}.{ACT_MAX}"] = module.act_max.detach().float().cpu().clone()
             for buffer in module.rotation_buffer_names():  # the very rotation the layer computed with
                 state_dict[f"{name}.{buffer}"] = module.get_buffer(buffer).detach().float().cpu().clone()
-    check_values({key: value for key, value in state_dict.items() if is_cpt_tensor(key)})
+    check_values(state_dict, "the export's")
     state_dict[f"{plan.guard}.weight"] = torch.zeros(0, dtype=torch.uint8)
     state_dict[REQUIRES_HF_CPT] = torch.zeros(0, dtype=torch.uint8)
     fields = CheckpointFields(bits=bits, quantized_modules=list(plan.quantized), checkpoint_format="packed",
@@ -310,6 +310,7 @@ def portable_state_dict(
         snapped = layer.quantized_weight(bits)
         state_dict[f"{name}.weight"] = snapped.to(layer.weight.dtype)
         ranges[name] = [float(layer.act_min), float(layer.act_max)]
+    check_values(state_dict, "the export's")
     fields = CheckpointFields(bits=bits, quantized_modules=list(plan.quantized), checkpoint_format="portable",
         float_weight_bits=None, activation_ranges=ranges, **_model_settings(model, cpt_config))
     return state_dict, fields

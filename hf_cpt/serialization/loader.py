@@ -163,6 +163,7 @@ class CPTHfQuantizer(HfQuantizer):
                 device = layer.weight.device
                 layer.register_buffer(ACT_MIN, torch.tensor(float(low), device=device), persistent=False)
                 layer.register_buffer(ACT_MAX, torch.tensor(float(high), device=device), persistent=False)
+        check_values(dict(model.state_dict()))
         for layer in layers.values():
             layer.__dict__["_act_range_initialized"] = True
         precision.set(None, None)

@@ -139,13 +139,15 @@ def as_model_keys(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
     return {rename_source_key(key, renamings, converters)[0]: value for key, value in tensors.items()}
 
 
-def check_values(tensors: dict[str, torch.Tensor]) -> None:
-    """Refuse what no trained layer holds, naming the tensor: non-finite values, a scale that is not positive, a range
+def check_values(tensors: dict[str, torch.Tensor], what: str = "the checkpoint's") -> None:
+    """Refuse what no trained model holds, naming the tensor: non-finite values, a scale that is not positive, a range
     whose minimum exceeds its maximum, rotation signs other than +-1, a rotation factor that is not orthogonal."""
     for key, tensor in tensors.items():
-        last, values = key.rsplit(".", 1)[-1], tensor.detach().double()
+        if not tensor.is_floating_point():
+            continue
+        last, values = key.rsplit(".", 1)[-1], tensor.detach()
         problem = None
-        if last != PACKED and not bool(torch.isfinite(values).all()):
+        if not bool(torch.isfinite(values).all()):
             problem = "holds NaN or inf"
         elif last == SCALE and bool((values <= 0).any()):
             problem = "holds a scale <= 0"
@@ -155,13 +157,13 @@ def check_values(tensors: dict[str, torch.Tensor]) -> None:
         elif last == f"{ROTATION_PREFIX}signs" and not bool((values.abs() == 1).all()):
             problem = "holds signs other than +1 and -1"
         elif last.startswith(f"{ROTATION_PREFIX}factor") and values.dim() == 2:
-            gram = values @ values.T
+            gram = values.double() @ values.double().T
             scale = gram.diagonal().mean()
             if not bool(torch.allclose(gram, scale * torch.eye(len(gram), dtype=gram.dtype), atol=1e-4 * float(scale))):
                 problem = "is not an orthogonal factor"
         if problem is not None:
-            raise ValueError(f"hf_cpt: tensor {key!r} {problem}: the checkpoint is damaged or was not written by "
-                             "hf_cpt; no trained layer holds such values.")
+            raise ValueError(f"hf_cpt: {what} tensor {key!r} {problem}: no trained model holds such values (a damaged "
+                             "file, or a model whose weights went non-finite).")
 
 
 def validate_checkpoint(
