@@ -43,8 +43,8 @@ def _float_reason(layer: QuantLayerMixin, shared: bool, input_rank: int | None) 
         return f"{type(layer).__name__} is not an nn.Linear: float, inputs not quantized"
     if shared:
         return "shares its weight with another module: float, inputs not quantized"
-    if layer.cpt_granularity == "token" and input_rank == 2:
-        return "2-D inputs, which the format quantizes per tensor, not per token: float, inputs not quantized"
+    if layer.cpt_granularity == "token" and input_rank not in (None, 3):  # the format's tokens: dims 0 and 1
+        return f"{input_rank}-D inputs, which the format does not quantize per token: float, inputs not quantized"
     return None
 
 
@@ -59,7 +59,7 @@ def _watch_inputs(layers: dict[str, nn.Module], record: Any) -> list:
 
 @torch.no_grad()
 def _input_ranks(model: nn.Module, layers: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The rank of each layer's input on ``inputs`` (a per-token layer's 2-D input is per tensor in the format)."""
+    """The rank of each layer's input on ``inputs`` (the format's per-token ranges are per (dim 0, dim 1) index)."""
     ranks: dict[str, int] = {}
     hooks = _watch_inputs(layers, lambda name, x: ranks.setdefault(name, x.dim()))
     was_training = model.training
@@ -168,13 +168,11 @@ def write_compressed_tensors(model: nn.Module, save_directory: str, bits: int, c
     state_dict, quantization_config, fields = compressed_tensors_state_dict(model, bits, cpt_config, measure_inputs)
     with plain_model(model):
         model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
-    config_file = os.path.join(save_directory, "config.json")
+    config_file = os.path.join(save_directory, "config.json")  # in a staging folder (`staged_save`)
     with open(config_file) as f:
         config = json.load(f)
-    config["quantization_config"] = quantization_config
-    with open(config_file + ".tmp", "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(config_file + ".tmp", config_file)
+    with open(config_file, "w") as f:
+        json.dump({**config, "quantization_config": quantization_config}, f, indent=2)
     fields.export_effect.update(measure_export(model, save_directory, fields, measure_inputs))
     float_layers = fields.export_effect["float_layers"]
     if float_layers:
