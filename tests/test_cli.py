@@ -29,6 +29,15 @@ def test_table_lists_every_schedule_with_its_group(capsys):
     assert rows["static"].split("|")[3].strip() == "1.000"
 
 
+def test_a_run_of_1e11_steps_is_answered_from_its_cycles(capsys):
+    """Every schedule's steps at each precision and cost for a run of 10^11 steps (which walking the steps would
+    never finish): counted per monotone piece of the cycles, they sum to the run."""
+    assert main(["schedules", "--steps", "100000000000", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["schedule"] for row in rows} == set(available_schedules())
+    assert all(sum(row["steps_at_bits"].values()) == 100_000_000_000 for row in rows)
+
+
 def test_json_output_for_other_bounds_and_cycles(capsys):
     argv = ["schedules", "--bits-min", "4", "--bits-max", "6", "--cycles", "2", "--steps", "1000", "--grad-bits", "6"]
     assert main(argv + ["--names", "cpt", "CR", "--json", "--delay", "0.1"]) == 0
