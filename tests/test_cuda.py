@@ -222,3 +222,13 @@ def test_a_loaded_checkpoint_moved_to_the_gpu_keeps_its_frozen_codes(tmp_path):
     with torch.no_grad():
         got = loaded(**{k: v.cuda() for k, v in batch.items()}).logits.cpu()
     assert float((got - expected).abs().max() / expected.abs().max()) <= TOLERANCE
+
+
+def test_the_operand_kernel_gives_the_reference_codes_and_values_bit_for_bit_on_the_gpu():
+    """The CUDA backend's Triton kernel compiled for this GPU (no interpreter): the same 72 cases as on CPU."""
+    import os
+
+    from .test_cuda_kernels import run_comparison
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    assert run_comparison("cuda", env) == {"checked": 72}

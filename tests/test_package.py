@@ -26,8 +26,9 @@ LAYERS = {
 MAX_LINES = 400
 # hf_cpt/ as a whole, C included. The simplification issue (70) closed at 9,998 (its target: 10,000); the issues after
 # it added the compressed-tensors export, staged saves, load-time digest and value checks, the kernel cache's checks
-# and schedules counted by cycles. A guard against growth: raise it only for a feature, and say so.
-MAX_LIBRARY_LINES = 10_200
+# and schedules counted by cycles (10,200), then the CUDA backend's first kernel (10,300). A guard against growth:
+# raise it only for a feature, and say so.
+MAX_LIBRARY_LINES = 10_300
 
 
 def _modules() -> dict[str, str]:
@@ -137,7 +138,9 @@ def test_the_library_stays_within_its_size():
 def test_torch_and_transformers_are_the_only_third_party_imports():
     """``import hf_cpt`` and every module it can load need only torch, transformers (and what they bring:
     accelerate for the Trainer, safetensors)."""
-    allowed = {"torch", "transformers", "safetensors", "accelerate", "numpy", "matplotlib"}
+    # matplotlib: pictures, optional; triton: the CUDA backend, imported for CUDA tensors only (torch's CUDA wheels
+    # ship it)
+    allowed = {"torch", "transformers", "safetensors", "accelerate", "numpy", "matplotlib", "triton"}
     stdlib = set(__import__("sys").stdlib_module_names)
     found = {}
     for module, path in _modules().items():

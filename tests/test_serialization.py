@@ -428,7 +428,8 @@ def test_a_flipped_byte_in_a_scale_or_a_rotation_is_refused_at_load(packed_dir, 
 
 @pytest.mark.parametrize("damage, message", [
     (lambda t: t[f"{LAYER}.weight_scale"].__setitem__(0, float("nan")), "weight_scale' holds NaN or inf"),
-    (lambda t: t["bert.embeddings.LayerNorm.weight"].__setitem__(0, float("inf")), "LayerNorm.weight' holds NaN or inf"),
+    (lambda t: t["bert.embeddings.LayerNorm.weight"].__setitem__(0, float("inf")),
+     "LayerNorm.weight' holds NaN or inf"),
     (lambda t: t[f"{LAYER}.weight_scale"].__setitem__(0, -1.0), "weight_scale' holds a scale <= 0"),
     (lambda t: t[f"{LAYER}.act_min"].fill_(1e6), "act_max' is below the range's minimum"),
     (lambda t: t[f"{LAYER}.rotation_signs"].__setitem__(0, 0.5), "rotation_signs' holds signs other than"),

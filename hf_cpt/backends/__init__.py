@@ -10,6 +10,9 @@ the CPU has int8 dot products. A new backend is a `Backend` subclass in a folder
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from .base import Backend
@@ -31,7 +34,17 @@ def register_backend(device_type: str, backend: Backend | None) -> Backend | Non
 def backend_for(device: torch.device | str) -> Backend:
     """The backend that serves tensors on ``device``."""
     device_type = device if isinstance(device, str) else device.type
+    if device_type == "cuda" and "cuda" not in _BACKENDS:  # chosen at first use: Triton is imported only then
+        _BACKENDS["cuda"] = _cuda_backend()
     return _BACKENDS.get(device_type, REFERENCE)
+
+
+def _cuda_backend() -> Backend:
+    if os.environ.get("HF_CPT_CUDA_KERNELS") != "1" or importlib.util.find_spec("triton") is None:
+        return REFERENCE
+    from .cuda import CUDABackend
+
+    return CUDABackend()
 
 
 __all__ = ["Backend", "CPUBackend", "ReferenceBackend", "backend_for", "register_backend"]

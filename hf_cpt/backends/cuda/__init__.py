@@ -1,0 +1,35 @@
+"""The CUDA backend: Triton kernels for CPT's numerics on NVIDIA GPUs (`hf_cpt.backends.cuda.kernels`), the reference
+formulas for what they do not serve yet (issue 73: products on int8 codes, errors, weight codes per step).
+
+Its kernels equal the reference bit for bit under Triton's interpreter on CPU tensors (tests/test_cuda_kernels.py);
+until the same test has passed on a GPU it is off unless ``HF_CPT_CUDA_KERNELS=1`` (bench/gpu_check.sh sets it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...numerics.fake_quant import levels_on, quantization_scale
+from ..base import Backend, Codes
+from .kernels import operand_codes
+
+ENABLE_VARIABLE = "HF_CPT_CUDA_KERNELS"
+
+
+class CUDABackend(Backend):
+    """An operand's codes and values in one Triton pass; everything else as the reference computes it."""
+
+    name = "cuda"
+
+    def operand(self, x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor,
+                values: bool = True) -> tuple[torch.Tensor | None, Codes]:
+        levels = levels_on(bits, x.device, torch.float32)  # the reference's grid for float32 / half inputs
+        low, high = minimum.to(torch.float32), maximum.to(torch.float32)
+        scale = quantization_scale(low, high, levels)
+        rows_layout = low.numel() == 1 or (low.dim() == x.dim() and low.shape[-1] == 1
+                                           and low.shape[:-1] == x.shape[:-1] and scale.shape == low.shape)
+        fast = operand_codes(x, low, scale, levels, values) if rows_layout else None
+        if fast is None:
+            return super().operand(x, minimum, maximum, bits, values)
+        codes, fake_quantized = fast
+        return fake_quantized, (codes, scale, low)

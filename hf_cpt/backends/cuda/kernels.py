@@ -1,0 +1,60 @@
+"""Triton kernels of the CUDA backend (issue 73, part 1): an operand's codes, and its fake-quantized values, in one
+pass, bit for bit the reference formula's (`hf_cpt.numerics.fake_quant`): ``codes = round(clamp((x - m) / s, 0, L))``
+in float32, round half to even, ``values = codes * s + m`` (a product, then a sum: no fused multiply-add).
+
+Tested on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``) against the reference; the bits come as
+a tensor, read on the device (no host read). Knows nothing of layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+ROUNDING = 12582912.0  # 1.5 * 2^23: (y + R) - R rounds a float32 |y| < 2^22 to an integer, half to even
+
+
+@triton.jit
+def _codes_kernel(x_ptr, minimum_ptr, scale_ptr, levels_ptr, codes_ptr, values_ptr, numel, row_size,
+                  PER_ROW: tl.constexpr, VALUES: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    row = offsets // row_size if PER_ROW else offsets * 0
+    minimum = tl.load(minimum_ptr + row, mask=mask, other=0.0)
+    scale = tl.load(scale_ptr + row, mask=mask, other=1.0)
+    levels = tl.load(levels_ptr)
+    steps = tl.div_rn(x - minimum, scale)
+    steps = tl.minimum(tl.maximum(steps, 0.0), levels)
+    codes = (steps + ROUNDING) - ROUNDING
+    tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=mask)
+    if VALUES:
+        values = codes * scale
+        values = values + minimum
+        if values_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even by hand (the interpreter truncates)
+            bits = values.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            values = bits.to(tl.float32, bitcast=True)
+        tl.store(values_ptr + offsets, values.to(values_ptr.dtype.element_ty), mask=mask)
+
+
+def operand_codes(x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor,
+                  values: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(uint8 codes, the fake-quantized values in ``x``'s dtype or None) of a contiguous float32 / bf16 / fp16
+    ``x`` whose ``minimum`` and ``scale`` (float32) are one value or one per leading row (``x.shape[:-1]``); None
+    for any other layout (the reference formula serves it)."""
+    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
+    per_row = minimum.numel() != 1
+    if (not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.numel() == 0
+            or (per_row and (minimum.numel() != rows or scale.numel() != rows))
+            or minimum.dtype != torch.float32 or scale.dtype != torch.float32):
+        return None
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    out = torch.empty_like(x) if values else codes
+    _codes_kernel[(triton.cdiv(x.numel(), BLOCK),)](
+        x, minimum.contiguous(), scale.contiguous(), levels.to(torch.float32), codes, out, x.numel(),
+        max(x.shape[-1], 1) if x.dim() else 1, PER_ROW=per_row, VALUES=values, BLOCK=BLOCK,
+        enable_fp_fusion=False)
+    return codes, (out if values else None)
