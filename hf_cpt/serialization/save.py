@@ -83,9 +83,12 @@ def staged_save(save_directory: str) -> Iterator[str]:
     staging = tempfile.mkdtemp(prefix=f".hf_cpt-save-{os.getpid()}-", dir=save_directory)
     try:
         yield staging
-        folder = os.open(save_directory, os.O_RDONLY)  # locked while the files move in
         try:
-            with contextlib.suppress(ImportError):  # POSIX; elsewhere saves into one folder are not serialized
+            folder = os.open(save_directory, os.O_RDONLY)  # locked while the files move in
+        except OSError:  # no folder handles (Windows): saves into one folder are not serialized there
+            folder = None
+        try:
+            with contextlib.suppress(ImportError, OSError, TypeError):  # POSIX, local disks
                 import fcntl
 
                 fcntl.flock(folder, fcntl.LOCK_EX)
@@ -104,7 +107,8 @@ def staged_save(save_directory: str) -> Iterator[str]:
                     shutil.rmtree(target)
                 os.replace(os.path.join(staging, name), target)
         finally:
-            os.close(folder)  # and unlocked
+            if folder is not None:
+                os.close(folder)  # and unlocked
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -1,8 +1,6 @@
-"""The CUDA backend: Triton kernels for CPT's numerics on NVIDIA GPUs (`hf_cpt.backends.cuda.kernels`), the reference
-formulas for what they do not serve yet (issue 73: products on int8 codes, errors, weight codes per step).
-
-Its kernels equal the reference bit for bit under Triton's interpreter on CPU tensors (tests/test_cuda_kernels.py);
-until the same test has passed on a GPU it is off unless ``HF_CPT_CUDA_KERNELS=1`` (bench/gpu_check.sh sets it).
+"""The CUDA backend: Triton kernels (`hf_cpt.backends.cuda.kernels`), bit for bit the reference in Triton's interpreter
+(tests/test_cuda_kernels.py); the reference for the rest (issue 73). Off unless ``HF_CPT_CUDA_KERNELS=1`` until the same
+test has passed on a GPU (bench/gpu_check.sh sets it).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Triton kernels of the CUDA backend (issue 73, part 1): an operand's codes, and its fake-quantized values, in one
-pass, bit for bit the reference formula's (`hf_cpt.numerics.fake_quant`): ``codes = round(clamp((x - m) / s, 0, L))``
-in float32, round half to even, ``values = codes * s + m`` (a product, then a sum: no fused multiply-add).
-
-Tested on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``) against the reference; the bits come as
-a tensor, read on the device (no host read). Knows nothing of layers.
+"""Triton kernels of the CUDA backend: an operand's codes and fake-quantized values in one pass, bit for bit the
+reference (`hf_cpt.numerics.fake_quant`): ``round(clamp((x - m) / s, 0, L))`` in float32, half to even, correctly
+rounded division, ``codes * s + m`` without fused multiply-add; the bits read on the device. Knows nothing of layers.
 """
 
 from __future__ import annotations
