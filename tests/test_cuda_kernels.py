@@ -1,5 +1,6 @@
-"""The CUDA backend's Triton kernels against the reference formulas, bit for bit, on CPU tensors under Triton's
-interpreter (no GPU needed); tests/test_cuda.py runs the same comparison on a GPU."""
+"""The CUDA backend's Triton kernels (an operand's codes and values; values rebuilt from codes) against the reference
+formulas, bit for bit, on CPU tensors under Triton's interpreter (no GPU needed); tests/test_cuda.py runs the same
+comparison on a GPU."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 assert torch.equal(scale.cpu(), want_scale.cpu()) and torch.equal(minimum.cpu(), want_minimum.cpu())
                 assert (got is None) == (want is None) and (got is None or torch.equal(got.cpu(), want.cpu()))
                 assert got is None or got.dtype == dtype
+                rebuilt = cuda.restore(codes, scale, minimum, dtype)  # what a backward rebuilds from saved codes
+                assert torch.equal(rebuilt.cpu(), reference.restore(want_codes, want_scale, want_minimum, dtype).cpu())
                 checked += 1
 print(json.dumps({"checked": checked}))
 """

@@ -9,13 +9,14 @@ import torch
 
 from ...numerics.fake_quant import levels_on, quantization_scale
 from ..base import Backend, Codes
-from .kernels import operand_codes
+from .kernels import operand_codes, restore_values
 
 ENABLE_VARIABLE = "HF_CPT_CUDA_KERNELS"
 
 
 class CUDABackend(Backend):
-    """An operand's codes and values in one Triton pass; everything else as the reference computes it."""
+    """An operand's codes and values, and values rebuilt from codes, in one Triton pass each; the rest as the
+    reference computes it."""
 
     name = "cuda"
 
@@ -31,3 +32,9 @@ class CUDABackend(Backend):
             return super().operand(x, minimum, maximum, bits, values)
         codes, fake_quantized = fast
         return fake_quantized, (codes, scale, low)
+
+    def restore(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        same_rows = scale.shape == minimum.shape and (scale.numel() == 1 or scale.shape[:-1] == codes.shape[:-1])
+        fast = restore_values(codes, minimum, scale, dtype) if same_rows else None
+        return fast if fast is not None else super().restore(codes, scale, minimum, dtype)

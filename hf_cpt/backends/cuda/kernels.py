@@ -14,6 +14,17 @@ ROUNDING = 12582912.0  # 1.5 * 2^23: (y + R) - R rounds a float32 |y| < 2^22 to 
 
 
 @triton.jit
+def _store_values(values_ptr, offsets, codes, scale, minimum, mask):
+    values = codes * scale
+    values = values + minimum  # a product, then a sum, as the reference (fusion is off at launch)
+    if values_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even by hand (the interpreter truncates)
+        bits = values.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        values = bits.to(tl.float32, bitcast=True)
+    tl.store(values_ptr + offsets, values.to(values_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _codes_kernel(x_ptr, minimum_ptr, scale_ptr, levels_ptr, codes_ptr, values_ptr, numel, row_size,
                   PER_ROW: tl.constexpr, VALUES: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -22,19 +33,48 @@ def _codes_kernel(x_ptr, minimum_ptr, scale_ptr, levels_ptr, codes_ptr, values_p
     row = offsets // row_size if PER_ROW else offsets * 0
     minimum = tl.load(minimum_ptr + row, mask=mask, other=0.0)
     scale = tl.load(scale_ptr + row, mask=mask, other=1.0)
-    levels = tl.load(levels_ptr)
     steps = tl.div_rn(x - minimum, scale)
-    steps = tl.minimum(tl.maximum(steps, 0.0), levels)
+    steps = tl.minimum(tl.maximum(steps, 0.0), tl.load(levels_ptr))
     codes = (steps + ROUNDING) - ROUNDING
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=mask)
     if VALUES:
-        values = codes * scale
-        values = values + minimum
-        if values_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even by hand (the interpreter truncates)
-            bits = values.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            values = bits.to(tl.float32, bitcast=True)
-        tl.store(values_ptr + offsets, values.to(values_ptr.dtype.element_ty), mask=mask)
+        _store_values(values_ptr, offsets, codes, scale, minimum, mask)
+
+
+@triton.jit
+def _restore_kernel(codes_ptr, minimum_ptr, scale_ptr, values_ptr, numel, row_size, PER_ROW: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    row = offsets // row_size if PER_ROW else offsets * 0
+    codes = tl.load(codes_ptr + offsets, mask=mask, other=0).to(tl.float32)
+    minimum = tl.load(minimum_ptr + row, mask=mask, other=0.0)
+    scale = tl.load(scale_ptr + row, mask=mask, other=1.0)
+    _store_values(values_ptr, offsets, codes, scale, minimum, mask)
+
+
+def _rows_layout(t: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor) -> bool | None:
+    """Whether the range is one per leading row of ``t`` (True) or one for all (False); None: neither."""
+    if minimum.dtype != torch.float32 or scale.dtype != torch.float32 or t.numel() == 0 or not t.is_contiguous():
+        return None
+    if minimum.numel() == 1 and scale.numel() == 1:
+        return False
+    rows = t.numel() // max(t.shape[-1], 1) if t.dim() else 1
+    return True if minimum.numel() == rows and scale.numel() == rows else None
+
+
+def restore_values(codes: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor | None:
+    """``codes * scale + minimum`` in float32, then ``dtype`` (float32 / bf16 / fp16), in one pass; None for any
+    other layout."""
+    per_row = _rows_layout(codes, minimum, scale)
+    if per_row is None or codes.dtype != torch.uint8 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    values = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    _restore_kernel[(triton.cdiv(codes.numel(), BLOCK),)](
+        codes, minimum.contiguous(), scale.contiguous(), values, codes.numel(),
+        max(codes.shape[-1], 1) if codes.dim() else 1, PER_ROW=per_row, BLOCK=BLOCK, enable_fp_fusion=False)
+    return values
 
 
 def operand_codes(x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor,
@@ -42,11 +82,8 @@ def operand_codes(x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, l
     """(uint8 codes, the fake-quantized values in ``x``'s dtype or None) of a contiguous float32 / bf16 / fp16
     ``x`` whose ``minimum`` and ``scale`` (float32) are one value or one per leading row (``x.shape[:-1]``); None
     for any other layout (the reference formula serves it)."""
-    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
-    per_row = minimum.numel() != 1
-    if (not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.numel() == 0
-            or (per_row and (minimum.numel() != rows or scale.numel() != rows))
-            or minimum.dtype != torch.float32 or scale.dtype != torch.float32):
+    per_row = _rows_layout(x, minimum, scale)
+    if per_row is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     out = torch.empty_like(x) if values else codes
