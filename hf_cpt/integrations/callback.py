@@ -18,7 +18,7 @@ from ..config import CPTConfig
 from ..convert import activation_ranges, find_precision_state, is_quantized, load_activation_ranges, quantize_adapters
 from ..cost import CostMeter
 from ..diagnostics.fidelity import output_fidelity
-from ..diagnostics.finite import check_finite_weights, nonfinite_inputs
+from ..diagnostics.finite import nonfinite_inputs, step_health
 from ..diagnostics.range_test import PrecisionRangeResult
 from ..diagnostics.training_loop import rng_state, set_rng_state, to_device
 from ..nn.precision import PrecisionState
@@ -205,7 +205,7 @@ class CPTCallback(TrainerCallback):
     def on_step_end(self, args, state, control, model: nn.Module | None = None, **kwargs):
         self.precision.reused_weights.end_step()  # the optimizer has changed the weights (an evaluation may follow)
         self.meter.end_step(self.bits, self.grad_bits)
-        nonfinite = nonfinite_inputs(model) if model is not None else {}
+        nonfinite, bad_parameter = step_health(model) if model is not None else ({}, None)
         if nonfinite and (self.config.nonfinite_inputs == "raise" or not self.skipped_inputs):
             message = (f"hf_cpt: at step {state.global_step} the training inputs of {len(nonfinite)} quantized "
                        f"layer(s) held NaN or inf (first: {next(iter(nonfinite))}; forwards per layer: {nonfinite}). "
@@ -214,8 +214,11 @@ class CPTCallback(TrainerCallback):
                 raise ValueError(message + " (CPTConfig(nonfinite_inputs='skip') counts them instead).")
             logger.warning("%s. Counted from now on, as cpt/nonfinite_inputs in the logs.", message)
         self.skipped_inputs += sum(nonfinite.values())
-        if model is not None:
-            check_finite_weights(model, state.global_step)
+        if bad_parameter is not None:  # the Trainer would go on, its logged loss filtered to a number
+            raise FloatingPointError(
+                f"hf_cpt: after optimizer step {state.global_step} the trained parameter {bad_parameter!r} holds NaN "
+                "or inf: the loss or its gradients were not finite (the Trainer's logged loss hides it). Stop, lower "
+                "the learning rate or clip gradients, and resume from the last checkpoint.")
 
     # -- logging ------------------------------------------------------------------------------
     def log_values(self, logs: dict[str, Any]) -> dict[str, float]:
