@@ -40,6 +40,13 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 rebuilt = cuda.restore(codes, scale, minimum, dtype)  # what a backward rebuilds from saved codes
                 assert torch.equal(rebuilt.cpu(), reference.restore(want_codes, want_scale, want_minimum, dtype).cpu())
                 checked += 1
+# per-column ranges of a square weight (GPT-2's Conv1D): not rows, whatever their count; the reference serves them
+square = torch.randn(64, 64).to(device)
+low, high = square.amin(0, keepdim=True), square.amax(0, keepdim=True)
+got, codes = cuda.operand(square, low, high, torch.tensor(8.0))
+want, want_codes = reference.operand(square, low, high, torch.tensor(8.0))
+assert torch.equal(got.cpu(), want.cpu())
+assert torch.equal(cuda.restore(*codes, torch.float32).cpu(), reference.restore(*want_codes, torch.float32).cpu())
 print(json.dumps({"checked": checked}))
 """
 

@@ -14,10 +14,9 @@ WATCHED_NUMEL = 1 << 16
 
 
 def step_health(model: nn.Module, weights: bool = True) -> tuple[dict[str, int], str | None]:
-    """({layer: training forwards whose input held a NaN or inf, which its running range skipped} since the last call,
-    the first trained parameter holding NaN or inf or None), with one host read. ``weights``: look at the small
-    trained parameters (all of them in a model without small ones), and name the culprit only when one is not
-    finite."""
+    """({layer: training forwards whose NaN or inf input its running range skipped} since the last call, the first
+    trained parameter holding NaN or inf or None) in one host read; ``weights``: read the small trained parameters too.
+    """
     layers = [(name, layer) for name, layer in quant_layers(model)  # per-token layers keep no running range
               if NONFINITE_INPUTS in layer._buffers and layer.cpt_granularity != "token"]
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]

@@ -192,8 +192,7 @@ def _file_digest(path: Path) -> str:
 
 
 def _trusted(path: Path) -> bool:
-    """Whether ``path`` is this user's and writable by no one else (a folder or file another user could write would
-    let them run code in every process that loads the kernels)."""
+    """Whether ``path`` is this user's and writable by no one else (whoever writes it runs code in every process)."""
     if not hasattr(os, "getuid"):
         return True
     info = path.stat()
@@ -201,8 +200,7 @@ def _trusted(path: Path) -> bool:
 
 
 def _verified(target: Path) -> bool:
-    """A cached library whose bytes are those its build recorded; any other (damaged, or a partial copy) is removed,
-    to be rebuilt."""
+    """A cached library whose bytes are those its build recorded; any other is removed, to be rebuilt."""
     digest = _digest_file(target)
     if not digest.exists():  # built before digests were recorded
         logger.info("hf_cpt: %s has no recorded digest; rebuilding it", target)

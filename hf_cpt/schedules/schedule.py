@@ -158,8 +158,7 @@ class PrecisionSchedule:
         if self.shape.turns is None or self.shape.step_fn is not None:
             counts.update(map(self._bits, range(self.delay_steps, self.total_steps)))
             return counts
-        # Pieces on which the bits are monotone: between cycle starts and turns. A boundary computed in floats may
-        # be a step off where `_smooth` puts it, so the steps next to each boundary are counted one by one.
+        # Monotone pieces, between cycle starts and turns; a step next to a float-computed boundary counts alone.
         cuts, cycle = {0, self.schedule_steps}, 0
         while cycle * self.cycle_length < self.schedule_steps:
             for z in (0.0, *self.shape.turns):

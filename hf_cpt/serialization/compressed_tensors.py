@@ -1,10 +1,6 @@
-"""A compressed-tensors export: the quantized format transformers loads natively (with the ``compressed-tensors``
-package), for readers that never import hf_cpt (docs/clients.md).
-
-A CPT ``nn.Linear`` whose scheme the format holds keeps its trained int8 codes per output channel, with a float zero
-point that puts CPT's channel minimum on the format's grid, and its input quantization (per token, or over the stored
-running range); it computes what the trained layer computes, to float rounding. What the format cannot hold runs in
-float with the trained weights, and the export measures and names it (``export_effect``).
+"""A compressed-tensors export, which transformers loads natively without hf_cpt (docs/clients.md): a CPT ``nn.Linear``
+the format holds keeps its int8 codes (a float zero point puts CPT's minimum on the grid) and its input quantization;
+what the format cannot hold runs in float with the trained weights, measured and named (``export_effect``).
 """
 
 from __future__ import annotations
@@ -19,12 +15,22 @@ import torch
 from torch import nn
 
 from ..config import CPTConfig
+from ..convert import quant_layers
 from ..nn.base import QuantLayerMixin
-from .export import _check_model, _default_inputs, _model_settings, output_change, plan_export, resolve_export_bits
+from .export import (
+    _check_model,
+    _model_settings,
+    evaluated_at,
+    measure_inputs_of,
+    output_change,
+    plan_export,
+    resolve_export_bits,
+)
 from .format import CheckpointFields, check_export_bits
 from .save import _finish_export, plain_model, staged_save, write_settings_file
 
 FORMAT = "int-quantized"
+EXACT_FLOAT = "weight-only, not an nn.Linear or tied: float, the same values"  # computes what the trained layer did
 logger = logging.getLogger(__name__)
 _INPUTS = {"token": {"strategy": "token", "dynamic": True}, "tensor": {"strategy": "tensor", "dynamic": False}}
 
@@ -34,9 +40,9 @@ def _arguments(bits: int, **extra: Any) -> dict[str, Any]:
 
 
 def _float_reason(layer: QuantLayerMixin, shared: bool, input_rank: int | None) -> str | None:
-    """Why a CPT layer runs in float in this format (None: it keeps its codes there); weight-only layers are exact."""
+    """Why a CPT layer runs in float in this format (None: it keeps its codes there)."""
     if not layer.quantizes_inputs:
-        return None if isinstance(layer, nn.Linear) and not shared else ""
+        return None if isinstance(layer, nn.Linear) and not shared else EXACT_FLOAT
     if layer.rotation is not None:
         return "rotated inputs (transformers applies no compressed-tensors transforms): float, inputs not quantized"
     if not isinstance(layer, nn.Linear):
@@ -58,29 +64,27 @@ def _watch_inputs(layers: dict[str, nn.Module], record: Any) -> list:
 
 
 @torch.no_grad()
-def _input_ranks(model: nn.Module, layers: dict[str, nn.Module], inputs: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The rank of each layer's input on ``inputs`` (the format's per-token ranges are per (dim 0, dim 1) index)."""
-    ranks: dict[str, int] = {}
-    hooks = _watch_inputs(layers, lambda name, x: ranks.setdefault(name, x.dim()))
-    was_training = model.training
+def _trained_forward(model: nn.Module, bits: int, inputs: dict[str, torch.Tensor]) -> tuple[Any, dict]:
+    """(``model``'s output at ``bits`` in eval mode, the input each CPT layer saw, whose rank the export needs)."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = _watch_inputs(dict(quant_layers(model)), seen.setdefault)
     try:
-        model.eval()(**inputs)
+        with evaluated_at(model, bits):
+            return model(**inputs), seen
     finally:
         for hook in hooks:
             hook.remove()
-        model.train(was_training)
-    return ranks
 
 
 def compressed_tensors_state_dict(
-    model: nn.Module, bits: int, cpt_config: CPTConfig | None = None, inputs: dict[str, torch.Tensor] | None = None
+    model: nn.Module, bits: int, cpt_config: CPTConfig | None = None, ranks: dict[str, int] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], CheckpointFields]:
-    """(state dict, the format's ``quantization_config``, `CheckpointFields`) of ``model`` at ``bits``; ``inputs``
-    (default: random valid inputs) show the rank of each layer's input."""
+    """(state dict, the format's ``quantization_config``, `CheckpointFields`) of ``model`` at ``bits``; ``ranks``: the
+    rank of each CPT layer's input (per-token layers keep their codes only with 3-D inputs)."""
     _check_model(model)
     check_export_bits("bits", bits)
     plan = plan_export(model, bits, float_weight_bits=None)
-    ranks = _input_ranks(model, plan.quantized, inputs if inputs is not None else _default_inputs(model))
+    ranks = ranks or {}
     with torch.device("meta"):  # the keys a plain model of this class loads
         plain_keys = set(type(model)(model.config).state_dict())
     state_dict = {key: value for key, value in model.state_dict().items() if key in plain_keys}
@@ -92,7 +96,7 @@ def compressed_tensors_state_dict(
         reason = _float_reason(layer, name in shared, ranks.get(name))
         if reason is not None:
             state_dict[f"{name}.weight"] = layer.quantized_weight(bits).to(layer.weight.dtype)
-            if reason:
+            if reason != EXACT_FLOAT:
                 float_layers.setdefault(reason, []).append(name)
             continue
         codes, scale, minimum = layer.weight_codes(bits)
@@ -124,33 +128,17 @@ def compressed_tensors_state_dict(
 
 
 @torch.no_grad()
-def measure_export(
-    model: nn.Module, save_directory: str, fields: CheckpointFields, inputs: dict[str, torch.Tensor] | None = None
-) -> dict[str, Any]:
-    """Load the export back (transformers + compressed-tensors) and compare it with ``model`` evaluated at the
-    export bits: the whole output, and each CPT layer on the input it sees in the trained model."""
-    source = "evaluation batch" if inputs is not None else "random valid inputs"
-    inputs = dict(inputs) if inputs is not None else _default_inputs(model)
+def measure_export(model: nn.Module, save_directory: str, bits: int, before: Any, seen: dict[str, torch.Tensor],
+                   inputs: dict[str, torch.Tensor], source: str) -> dict[str, Any]:
+    """Load the export back; compare it with the trained model at ``bits``: the output, and each layer on its input."""
     parameter = next(model.parameters())
     loaded = type(model).from_pretrained(save_directory, dtype=parameter.dtype).to(parameter.device).eval()
-    layers = {name: model.get_submodule(name) for name in fields.quantized_modules}
-    seen: dict[str, torch.Tensor] = {}
-    hooks = _watch_inputs(layers, seen.setdefault)
-    was_training = model.training
-    model.eval()
-    try:
-        after = loaded(**inputs)  # the first forward also decompresses the loaded weights
-        with next(iter(layers.values())).cpt_precision.evaluating_at(fields.bits):
-            before = model(**inputs)
-            by_layer = {name: (layer(seen[name]), loaded.get_submodule(name)(seen[name]))
-                        for name, layer in layers.items() if name in seen}
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
-    effect = output_change(before, after, source)
-    effect["layers"] = {name: float((new.float() - old.float()).abs().max() / old.float().abs().max().clamp_min(1e-12))
-                        for name, (old, new) in by_layer.items()}
+    effect = output_change(before, loaded(**inputs), source)  # the first forward also decompresses the weights
+    with evaluated_at(model, bits):
+        pairs = {name: (model.get_submodule(name)(x).float(), loaded.get_submodule(name)(x).float())
+                 for name, x in seen.items()}
+    effect["layers"] = {name: float((new - old).abs().max() / old.abs().max().clamp_min(1e-12))
+                        for name, (old, new) in pairs.items()}
     return effect
 
 
@@ -165,7 +153,10 @@ def write_compressed_tensors(model: nn.Module, save_directory: str, bits: int, c
                              measure_inputs: dict[str, Any] | None = None, **save_kwargs: Any) -> CheckpointFields:
     """Write the weights, ``config.json`` and ``cpt_config.json`` of the export; measure it (`measure_export`)."""
     check_compressed_tensors()
-    state_dict, quantization_config, fields = compressed_tensors_state_dict(model, bits, cpt_config, measure_inputs)
+    source, inputs = measure_inputs_of(model, measure_inputs)
+    before, seen = _trained_forward(model, bits, inputs)
+    ranks = {name: x.dim() for name, x in seen.items()}
+    state_dict, quantization_config, fields = compressed_tensors_state_dict(model, bits, cpt_config, ranks)
     with plain_model(model):
         model.save_pretrained(save_directory, state_dict=state_dict, **save_kwargs)
     config_file = os.path.join(save_directory, "config.json")  # in a staging folder (`staged_save`)
@@ -173,7 +164,7 @@ def write_compressed_tensors(model: nn.Module, save_directory: str, bits: int, c
         config = json.load(f)
     with open(config_file, "w") as f:
         json.dump({**config, "quantization_config": quantization_config}, f, indent=2)
-    fields.export_effect.update(measure_export(model, save_directory, fields, measure_inputs))
+    fields.export_effect.update(measure_export(model, save_directory, bits, before, seen, inputs, source))
     float_layers = fields.export_effect["float_layers"]
     if float_layers:
         reason, names = next(iter(float_layers.items()))
@@ -199,11 +190,10 @@ def export_compressed_tensors(
     card_info: dict[str, Any] | None = None,
     **save_kwargs: Any,
 ) -> str:
-    """Write a compressed-tensors checkpoint of ``model`` at ``bits`` (default: ``cpt_config.bits_max``) that
-    transformers loads with the ``compressed-tensors`` package and no hf_cpt. The export is loaded back and
-    compared with ``model`` at ``bits`` on ``measure_inputs`` (default: random valid inputs): the figures, with the
-    layers the format runs in float, go into ``cpt_config.json`` and the model card (``export_effect``), and a
-    warning names those layers. Other arguments as `save_quantized`."""
+    """Write a compressed-tensors checkpoint of ``model`` at ``bits`` (default: ``cpt_config.bits_max``), loaded back
+    and measured against ``model`` on ``measure_inputs`` (default: random valid inputs); other arguments as
+    `save_quantized`.
+    """
     check_compressed_tensors()
     save_directory = os.fspath(save_directory)
     bits = resolve_export_bits(model, bits, cpt_config)

@@ -8,7 +8,9 @@ exact unless ``float_weight_bits`` asks to round them (then `measure_rounding` s
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,6 +244,24 @@ def _main_output(outputs: Any) -> torch.Tensor:
     return logits if logits is not None else outputs[0]
 
 
+def measure_inputs_of(model: nn.Module, inputs: dict[str, torch.Tensor] | None) -> tuple[str, dict[str, torch.Tensor]]:
+    """(where the inputs an export is measured on come from, the inputs): ``inputs``, else random valid ones."""
+    if inputs is not None:
+        return "evaluation batch", dict(inputs)
+    return "random valid inputs", _default_inputs(model)
+
+
+@contextlib.contextmanager
+def evaluated_at(model: nn.Module, bits: int) -> Iterator[nn.Module]:
+    """``model`` in eval mode at ``bits``; its mode and eval precision restored afterwards."""
+    was_training = model.training
+    try:
+        with next(layer for _, layer in quant_layers(model)).cpt_precision.evaluating_at(bits):
+            yield model.eval()
+    finally:
+        model.train(was_training)
+
+
 def output_change(before: Any, after: Any, source: str) -> dict[str, Any]:
     """How far ``after`` (a model output) is from ``before``: the max relative change of the main output
     (``max |new - old| / max |old|``), the share of predictions (argmax of the last dimension) that flip, the loss
@@ -265,14 +285,10 @@ def measure_rounding(
     Compares the in-memory model evaluated at the export bits with the same model after the rounding, on
     ``inputs`` (a batch of evaluation data; default: fixed random valid inputs): `output_change`.
     """
-    source = "evaluation batch" if inputs is not None else "random valid inputs"
-    inputs = dict(inputs) if inputs is not None else _default_inputs(model)
-    precision = next(layer for _, layer in quant_layers(model)).cpt_precision
-    was_training = model.training
-    model.eval()
+    source, inputs = measure_inputs_of(model, inputs)
     originals = {name: module.weight.detach().clone() for name, module in plan.float_packed.items()}
     try:
-        with precision.evaluating_at(plan.bits):
+        with evaluated_at(model, plan.bits):
             before = model(**inputs)
             for name, module in plan.float_packed.items():
                 bits = plan.float_bits[name]
@@ -283,7 +299,6 @@ def measure_rounding(
     finally:
         for name, module in plan.float_packed.items():
             module.weight.copy_(originals[name])
-        model.train(was_training)
     effect = output_change(before, after, source)
     effect["rounded_modules"] = dict(plan.float_bits)
     if effect["flipped_predictions"] > 0:

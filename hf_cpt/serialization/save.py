@@ -75,10 +75,9 @@ CHECKPOINT_FILES = re.compile(r"config\.json|(model|pytorch_model).*\.(safetenso
 
 @contextlib.contextmanager
 def staged_save(save_directory: str) -> Iterator[str]:
-    """Write a checkpoint into a staging folder inside ``save_directory``, then move it in under a lock: the old
-    ``config.json`` (what every reader opens first) is removed first, stale weight files next, the new ``config.json``
-    comes last. An interrupted save leaves the old checkpoint, the new one, or a folder without ``config.json`` that
-    refuses to load; never a mix that loads, and two saves into one folder commit one after the other."""
+    """Write a checkpoint into a staging folder inside ``save_directory``, then move it in under a lock, the old
+    ``config.json`` removed first and the new one moved last: an interrupted save never leaves a mix that loads.
+    """
     os.makedirs(save_directory, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".hf_cpt-save-{os.getpid()}-", dir=save_directory)
     try:

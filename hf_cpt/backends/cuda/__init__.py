@@ -15,8 +15,7 @@ ENABLE_VARIABLE = "HF_CPT_CUDA_KERNELS"
 
 
 class CUDABackend(Backend):
-    """An operand's codes and values, and values rebuilt from codes, in one Triton pass each; the rest as the
-    reference computes it."""
+    """An operand's codes and values, and values rebuilt from codes, in one Triton pass each; else the reference."""
 
     name = "cuda"
 
@@ -25,9 +24,7 @@ class CUDABackend(Backend):
         levels = levels_on(bits, x.device, torch.float32)  # the reference's grid for float32 / half inputs
         low, high = minimum.to(torch.float32), maximum.to(torch.float32)
         scale = quantization_scale(low, high, levels)
-        rows_layout = low.numel() == 1 or (low.dim() == x.dim() and low.shape[-1] == 1
-                                           and low.shape[:-1] == x.shape[:-1] and scale.shape == low.shape)
-        fast = operand_codes(x, low, scale, levels, values) if rows_layout else None
+        fast = operand_codes(x, low, scale, levels, values)
         if fast is None:
             return super().operand(x, minimum, maximum, bits, values)
         codes, fake_quantized = fast
@@ -35,6 +32,5 @@ class CUDABackend(Backend):
 
     def restore(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-        same_rows = scale.shape == minimum.shape and (scale.numel() == 1 or scale.shape[:-1] == codes.shape[:-1])
-        fast = restore_values(codes, minimum, scale, dtype) if same_rows else None
+        fast = restore_values(codes, minimum, scale, dtype)
         return fast if fast is not None else super().restore(codes, scale, minimum, dtype)

@@ -54,13 +54,13 @@ def _restore_kernel(codes_ptr, minimum_ptr, scale_ptr, values_ptr, numel, row_si
 
 
 def _rows_layout(t: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor) -> bool | None:
-    """Whether the range is one per leading row of ``t`` (True) or one for all (False); None: neither."""
+    """Whether the range is one per leading row of ``t`` (``[..., 1]``, True) or one for all (False); None: neither."""
     if minimum.dtype != torch.float32 or scale.dtype != torch.float32 or t.numel() == 0 or not t.is_contiguous():
         return None
     if minimum.numel() == 1 and scale.numel() == 1:
         return False
-    rows = t.numel() // max(t.shape[-1], 1) if t.dim() else 1
-    return True if minimum.numel() == rows and scale.numel() == rows else None
+    rows = (*t.shape[:-1], 1)
+    return True if t.dim() and minimum.shape == rows and scale.shape == rows else None
 
 
 def restore_values(codes: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor,
