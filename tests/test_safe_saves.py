@@ -94,7 +94,7 @@ def test_a_save_interrupted_at_any_file_leaves_the_old_checkpoint_the_new_one_or
 
 def test_kill_9_during_a_save_over_an_earlier_export_never_leaves_a_mix(tmp_path):
     """A user's process killed (SIGKILL) while it saves over an earlier export: the folder loads as one of the two
-    checkpoints or refuses to load."""
+    checkpoints or refuses to load, and the next save removes the staging folder the killed process left."""
     path, reference = tmp_path / "ckpt", tmp_path / "reference"
     save_quantized(_model(0), path, 8, model_card=False)
     save_quantized(_model(1), reference, 8, model_card=False)
@@ -115,6 +115,9 @@ def test_kill_9_during_a_save_over_an_earlier_export_never_leaves_a_mix(tmp_path
     child.wait()
     got = _loaded_logits(path)
     assert got is None or torch.equal(got, old) or torch.equal(got, new)
+    save_quantized(_model(0), path, 8, model_card=False)  # the next save clears what the killed one left behind
+    assert [name for name in os.listdir(path) if name.startswith(".hf_cpt-save-")] == []
+    assert torch.equal(_loaded_logits(path), old)
 
 
 def test_two_saves_into_one_folder_at_once_leave_one_whole_checkpoint(tmp_path):
@@ -145,11 +148,15 @@ def test_two_saves_into_one_folder_at_once_leave_one_whole_checkpoint(tmp_path):
 
 def test_a_save_leaves_files_it_does_not_write_in_the_folder(tmp_path):
     """A Trainer's output folder holds more than the checkpoint (runs/, checkpoint-N/, notes): a save replaces the
-    checkpoint's files, removes stale shards of an older one, and leaves the rest."""
+    checkpoint's files, removes stale shards of an older one and the staging folders of killed saves, and leaves the
+    rest."""
     path = tmp_path / "out"
     (path / "checkpoint-500").mkdir(parents=True)
     (path / "notes.txt").write_text("mine")
     (path / "model-00002-of-00002.safetensors").write_text("a stale shard of an older save")
+    (path / ".hf_cpt-save-999999999-dead").mkdir()  # left by a killed save (no such process)
+    (path / ".hf_cpt-save-1-live").mkdir()  # a save of a running process (pid 1) in progress
     save_quantized(_model(0), path, 8, model_card=False)
+    assert not (path / ".hf_cpt-save-999999999-dead").exists() and (path / ".hf_cpt-save-1-live").is_dir()
     assert (path / "notes.txt").read_text() == "mine" and (path / "checkpoint-500").is_dir()
     assert not (path / "model-00002-of-00002.safetensors").exists() and _loaded_logits(path) is not None
