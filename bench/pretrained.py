@@ -114,6 +114,13 @@ BACKWARD_RUNS = {
     # the float product that every run above used (they predate it, or ran on a CPU without those instructions)
     "cpt-4-8/8-error-token-integer": {**CPT_4_8, **PER_ROW, "integer_matmul": True},
     "static-8/8-error-token-integer": {**STATIC, **PER_ROW, "integer_matmul": True},
+    # the backward GEMMs on int8 grids (issue 73: what the CUDA backend runs on int8 tensor cores), each against
+    # "cpt-4-8/8-error-token" (both in float, the CPT paper's numerics): the input gradient with the weight
+    # re-quantized per input channel, the weight gradient with error and input quantized in blocks of 128 tokens
+    "cpt-4-8/8-error-token-int8-both": {**CPT_4_8, **PER_ROW, "input_gradient_product": "int8",
+                                        "weight_gradient_product": "int8"},
+    "cpt-4-8/8-error-token-int8-weight": {**CPT_4_8, **PER_ROW, "weight_gradient_product": "int8"},
+    "cpt-4-8/8-error-token-int8-input": {**CPT_4_8, **PER_ROW, "input_gradient_product": "int8"},
 }
 RUNS.update(BACKWARD_RUNS)
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]

@@ -95,10 +95,13 @@ class CostMeter:
         self.static_grad_bits = static_grad_bits
         errors = next((m.cpt_precision.errors for m in model.modules() if isinstance(m, QuantLayerMixin)), None)
         self.error_products = errors.products if errors is not None else "both"
+        # matrix layers whose backward products run on int8 grids are priced at what those ran (8-bit operands)
+        self.requantized = ((errors.input_product == "int8", errors.weight_product == "int8") if errors is not None
+                            else (False, False))
         self.scale = scale  # e.g. the number of data-parallel processes sharing a global batch
         self.totals = CostTotals()
         # What the hooks count in training forwards until `end_step` drains it (`Tally`: no torch.compile guard).
-        self._quantized_macs, self._float_macs = Tally(), Tally()
+        self._quantized_macs, self._float_macs, self._requantized_macs = Tally(), Tally(), Tally()
         self._rotation_bitops = Tally()
         layers = [module for module in model.modules() if isinstance(module, tuple(QUANT_LAYER_CLASSES))]
         # Shared inputs served so far (`hf_cpt.nn.shared_input`), and weights reused within a step
@@ -131,7 +134,8 @@ class CostMeter:
             return
         macs = layer_macs(module, output)
         if isinstance(module, QuantLayerMixin) and module.quantizes_inputs:
-            self._quantized_macs.add(macs)
+            requantized = any(self.requantized) and module.compute_on_codes is not None
+            (self._requantized_macs if requantized else self._quantized_macs).add(macs)
             price = self._rotation_price.get(id(module))
             if price is not None and inputs:  # counted in end_step only for steps that quantize
                 rotated = (0 if reused else inputs[0].numel()) + (0 if weight_reused else module.weight.numel())
@@ -150,7 +154,8 @@ class CostMeter:
             recomputed = (self._precision.recomputed_macs - self._recomputed_macs) * self.scale
             self._recomputed_macs = self._precision.recomputed_macs
         layers, attention = self._quantized_macs.drain() * self.scale, attention * self.scale
-        quantized, float_ = layers + attention, (self._float_macs.drain() + attention_float) * self.scale
+        requantized = self._requantized_macs.drain() * self.scale
+        quantized, float_ = layers + requantized + attention, (self._float_macs.drain() + attention_float) * self.scale
         full = bitops_per_mac(None, None)
         totals = self.totals
 
@@ -164,8 +169,9 @@ class CostMeter:
             attention_bits = fixed if fixed is not None and bits is not None else bits
             # Products recomputed in backward (from codes: only steps that quantize) run again at the forward's bits.
             again = recomputed * bits * bits if bits is not None else 0
+            requantized_price = requantized * bitops_per_mac(bits, grad_bits, self.error_products, self.requantized)
             return again + layers * bitops_per_mac(bits, grad_bits, self.error_products) + attention * bitops_per_mac(
-                attention_bits, grad_bits if attention_errors else None)
+                attention_bits, grad_bits if attention_errors else None) + requantized_price
 
         def rotations(bits: int | None) -> float:
             # Layers rotate inputs and weights when they quantize them (FP32 steps do not).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import backward_products
 from ..numerics.errors import ErrorQuantization, quantize_error
 from ..numerics.fake_quant import fake_quantize_compact, quantize_compact, restore_compact
 from ..numerics.integer_matmul import code_matmul
@@ -50,3 +51,13 @@ class Backend:
     def code_product(self, a: Codes, b: Codes, bits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``restore(a) @ restore(b) + bias`` in float32, from the codes (`hf_cpt.numerics.integer_matmul`)."""
         return code_matmul(*a, *b, bits, bias, int8=self.int8_gemm(), native=self.native)
+
+    def int8_input_gradient(self, error: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``E W`` in float32 of a quantized error ``[T, out]`` and an ``[out, in]`` weight, the weight re-quantized
+        per input channel (`backward_products.input_gradient`)."""
+        return backward_products.input_gradient(error, weight)
+
+    def int8_weight_gradient(self, error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor) -> torch.Tensor:
+        """``Eᵀ X`` ``[out, in]`` in float32 of a full-precision error ``[T, out]`` and an input ``[T, in]``, both
+        quantized in blocks of tokens (`backward_products.weight_gradient`)."""
+        return backward_products.weight_gradient(error, x, error_bits, backward_products.noise_seed(error.device))

@@ -345,4 +345,5 @@ _register(RangeTestConfig, {"start_bits": "prt_start_bits", "steps_per_precision
 _register(EvaluationConfig)
 _register(RuntimeSettings)
 _register(ErrorQuantization, {"granularity": "error_granularity", "rounding": "error_rounding",
-                              "products": "error_products", "range": "error_range"})
+                              "products": "error_products", "range": "error_range",
+                              "input_product": "input_gradient_product", "weight_product": "weight_gradient_product"})

@@ -168,12 +168,15 @@ class QuantizedProducts(torch.autograd.Function):
         saved = ctx.saved_tensors
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
         layer = ctx.layer
-        input_error = weight_error = error
+        input_error = weight_error = bias_error = error
+        int8 = (False, False)
         if ctx.grad_bits is not None:
-            quantized = backend_for(error.device).error(error, ctx.grad_bits, errors, layer.output_feature_dim,
-                                                        layer.cpt_precision.fused_errors)
-            input_error = quantized if errors.quantizes_input_gradient else error
-            weight_error = quantized if errors.quantizes_weight_gradient else error
+            int8 = int8_products(layer, errors)
+            if errors.quantizes_input_gradient or (errors.quantizes_weight_gradient and not int8[1]):
+                bias_error = backend_for(error.device).error(error, ctx.grad_bits, errors, layer.output_feature_dim,
+                                                             layer.cpt_precision.fused_errors)
+            input_error = bias_error if errors.quantizes_input_gradient else error
+            weight_error = bias_error if errors.quantizes_weight_gradient and not int8[1] else error
         compute_dtype = error.dtype
         # The rebuilt input is this backward's own tensor (not a saved one) where it came from codes.
         x_fresh = ctx.x_bits is not None or saved[1] is not None
@@ -182,50 +185,89 @@ class QuantizedProducts(torch.autograd.Function):
         else:  # the producer's output, quantized again as the forward did
             x = backend_for(saved[0].device).operand(*saved[:3], ctx.x_bits)[0].to(compute_dtype)
         weight = _rebuilt_operand(saved[3:], weight_dtype, ctx.shapes[1]).to(compute_dtype)
+        int8_bits = ctx.grad_bits if int8[1] else None
         grad_x, grad_weight = _gradients(layer, input_error, weight_error, x, weight, ctx.weight_rotation,
-                                         ctx.needs_input_grad[0], ctx.needs_input_grad[3], x_fresh)
+                                         ctx.needs_input_grad[0], ctx.needs_input_grad[3], x_fresh, int8[0], int8_bits)
         grad_x = None if grad_x is None else grad_x.to(x_dtype)
         grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
         grad_bias = None
         if bias_dtype is not None and ctx.needs_input_grad[6]:
-            feature_dim = layer.output_feature_dim % weight_error.dim()
-            grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
+            feature_dim = layer.output_feature_dim % bias_error.dim()
+            grad_bias = bias_error.sum([d for d in range(bias_error.dim()) if d != feature_dim]).to(bias_dtype)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
                 None, None, None)
 
 
+def int8_products(layer, errors) -> tuple[bool, bool]:
+    """Whether the layer's (input gradient, weight gradient) run on int8 grids (`hf_cpt.numerics.backward_products`):
+    where the option asks for it, the product's error is quantized and the layer is a matrix product."""
+    matrix = layer.compute_on_codes is not None
+    return (matrix and errors.input_product == "int8" and errors.quantizes_input_gradient,
+            matrix and errors.weight_product == "int8" and errors.quantizes_weight_gradient)
+
+
+def _as_out_in(layer, weight: torch.Tensor) -> torch.Tensor:
+    """A matrix layer's weight (or weight gradient) as ``[out, in]`` (GPT-2's Conv1D keeps ``[in, out]``)."""
+    return weight if layer.weight_channel_dim == 0 else weight.t()
+
+
+def _int8_input_gradient(layer, error: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = error.reshape(-1, error.shape[-1])
+    grad = backend_for(error.device).int8_input_gradient(rows, _as_out_in(layer, weight))
+    return grad.view(*error.shape[:-1], grad.shape[-1]).to(error.dtype)
+
+
+def _int8_weight_gradient(layer, error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor) -> torch.Tensor:
+    grad = backend_for(error.device).int8_weight_gradient(error.reshape(-1, error.shape[-1]),
+                                                           x.reshape(-1, x.shape[-1]), error_bits)
+    return _as_out_in(layer, grad).to(error.dtype)
+
+
 def _gradients(
     layer, input_error: torch.Tensor, weight_error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-    rotation: Rotation | None, needs_x: bool, needs_weight: bool, x_fresh: bool = False,
+    rotation: Rotation | None, needs_x: bool, needs_weight: bool, x_fresh: bool = False, int8_input: bool = False,
+    int8_error_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(the input gradient, the weight gradient), None where not needed: in one call where both come from one error
-    and the layer's backward kernel forms them together (`QuantLayerMixin.both_gradients`), else one product each."""
-    if needs_x and needs_weight and input_error is weight_error and rotation is None:
+    and the layer's backward kernel forms them together (`QuantLayerMixin.both_gradients`), else one product each;
+    on int8 grids with ``int8_input`` and ``int8_error_bits`` (the error bits of an int8 weight gradient)."""
+    if needs_x and needs_weight and input_error is weight_error and rotation is None and not int8_input:
         both = layer.both_gradients(input_error, x, weight)
         if both is not None:
             return both
-    grad_x = layer.input_gradient(input_error, x, weight) if needs_x else None
-    grad_weight = _weight_gradient(layer, weight_error, x, weight, rotation, x_fresh) if needs_weight else None
+    grad_x = None
+    if needs_x:
+        grad_x = (_int8_input_gradient(layer, input_error, weight) if int8_input
+                  else layer.input_gradient(input_error, x, weight))
+    grad_weight = None
+    if needs_weight:
+        grad_weight = _weight_gradient(layer, weight_error, x, weight, rotation, x_fresh, int8_error_bits)
     return grad_x, grad_weight
 
 
 def _weight_gradient(
     layer, error: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rotation: Rotation | None,
-    x_fresh: bool = False,
+    x_fresh: bool = False, int8_error_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradient of the layer's own weight ``W`` when it computed with ``W R``: ``dL/d(W R)`` rotated back by
     ``R^T``, or, the same product since the layer is linear in its input's features, the product with the input
     rotated back (``Q(x R) R^T``), whichever rotates fewer values (few tokens: the input; rotated in place where
-    ``x_fresh``: the backward's own tensor, read no more)."""
+    ``x_fresh``: the backward's own tensor, read no more). On int8 grids (``int8_error_bits``) the product always
+    takes the operands as the forward did (the grids are those of ``x R``)."""
+    int8 = int8_error_bits is not None
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return (_int8_weight_gradient(layer, error, x, int8_error_bits) if int8
+                else layer.weight_gradient(error, x, weight))
+
     if rotation is None:
-        return layer.weight_gradient(error, x, weight)
+        return product(x)
     if rotation.signs.dtype != x.dtype:
         rotation = rotation.to(x.device, x.dtype)
-    if x.numel() <= weight.numel():
+    if x.numel() <= weight.numel() and not int8:
         in_place = x_fresh and not torch.compiler.is_compiling()
-        x = rotation.apply(x, layer.input_feature_dim, transpose=True, in_place=in_place)
-        return layer.weight_gradient(error, x, weight)
-    return rotation.apply(layer.weight_gradient(error, x, weight), layer.weight_feature_dim, transpose=True,
+        return product(rotation.apply(x, layer.input_feature_dim, transpose=True, in_place=in_place))
+    return rotation.apply(product(x), layer.weight_feature_dim, transpose=True,
                           in_place=True)  # a fresh gradient: no second weight-sized tensor
 
 

@@ -9,23 +9,31 @@ from __future__ import annotations
 
 import functools
 
+from .backward_products import REQUANTIZED_BITS
 from .errors import ErrorQuantization
 
 FULL_PRECISION_BITS = 32
 
 
-def bitops_per_mac(bits: int | None, grad_bits: int | None, error_products: str = "both") -> int:
+def bitops_per_mac(bits: int | None, grad_bits: int | None, error_products: str = "both",
+                   requantized: tuple[bool, bool] = (False, False)) -> int:
     """Bit products per forward MAC over one training step (forward + two backward GEMMs).
 
     ``error_products`` (`hf_cpt.CPTConfig.error_products`): a product whose error is not quantized
     ("input": the weight gradient; "weight": the input gradient) takes the full-precision error, 32 bits.
+    ``requantized``: whether the (input, weight) gradient's product runs on int8 grids, its weight or input
+    re-quantized at 8 bits (`hf_cpt.numerics.backward_products`; only where its error is quantized).
     """
     weight_bits = activation_bits = bits if bits is not None else FULL_PRECISION_BITS
     error_bits = grad_bits if grad_bits is not None else FULL_PRECISION_BITS
     errors = _products(error_products)
     input_error_bits = error_bits if errors.quantizes_input_gradient else FULL_PRECISION_BITS
     weight_error_bits = error_bits if errors.quantizes_weight_gradient else FULL_PRECISION_BITS
-    return weight_bits * activation_bits + input_error_bits * weight_bits + weight_error_bits * activation_bits
+    quantized = bits is not None and grad_bits is not None
+    weight_operand = REQUANTIZED_BITS if requantized[0] and quantized and errors.quantizes_input_gradient else weight_bits
+    input_operand = (REQUANTIZED_BITS if requantized[1] and quantized and errors.quantizes_weight_gradient
+                     else activation_bits)
+    return weight_bits * activation_bits + input_error_bits * weight_operand + weight_error_bits * input_operand
 
 
 @functools.cache

@@ -16,6 +16,7 @@ import torch
 
 from ..utils import check_choice, setting
 from . import error_kernels
+from .backward_products import PRODUCTS
 from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_round
 from .fake_quant import _compute_dtype, fake_quantize, levels_on, quantization_scale, tensor_range, token_range
 
@@ -62,9 +63,25 @@ class ErrorQuantization:
         "products' errors, minmax for the layers'; docs/backward.md)."
     )
 
+    input_product: str = setting(
+        "float",
+        "The input gradient's GEMM where its error is quantized: 'float' (the quantized error times the layer's "
+        "weight in a GEMM of the error's dtype, the CPT paper) or 'int8' (the weight re-quantized per input channel "
+        "at 8 bits, so that an int8 GEMM computes it exactly: the CUDA backend's fast path). Matrix products only "
+        "(Linear, GPT-2's Conv1D); docs/backward.md."
+    )
+    weight_product: str = setting(
+        "float",
+        "The weight gradient's GEMM where its error is quantized: 'float' (the CPT paper) or 'int8' (the error at "
+        "the error bits, stochastic rounding, and the input at 8 bits, each quantized per channel in blocks of 128 "
+        "tokens on the zero-centred grid, so that an int8 GEMM computes it with the scales applied per block). "
+        "Matrix products only; docs/backward.md."
+    )
+
     def __post_init__(self) -> None:
         for name, choices in (("granularity", ERROR_GRANULARITY_CHOICES), ("rounding", ERROR_ROUNDINGS),
-                              ("products", ERROR_PRODUCTS), ("range", ERROR_RANGE_CHOICES)):
+                              ("products", ERROR_PRODUCTS), ("range", ERROR_RANGE_CHOICES),
+                              ("input_product", PRODUCTS), ("weight_product", PRODUCTS)):
             check_choice("ErrorQuantization", name, getattr(self, name), choices)
 
     def for_activations(self, activation_granularity: str) -> ErrorQuantization:
