@@ -52,10 +52,22 @@ class Backend:
         """``restore(a) @ restore(b) + bias`` in float32, from the codes (`hf_cpt.numerics.integer_matmul`)."""
         return code_matmul(*a, *b, bits, bias, int8=self.int8_gemm(), native=self.native)
 
-    def int8_input_gradient(self, error: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``E W`` in float32 of a quantized error ``[T, out]`` and an ``[out, in]`` weight, the weight re-quantized
-        per input channel (`backward_products.input_gradient`)."""
-        return backward_products.input_gradient(error, weight)
+    def error_codes(self, grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization) -> Codes | None:
+        """The quantized error's (codes, scale, minimum) as rows over its last dimension (`backward_products.error_codes`),
+        for the min/max grid; None for the zero-centred one (whose products stay in float)."""
+        if scheme.range != "minmax":
+            return None
+        seed = backward_products.noise_seed(grad.device) if scheme.rounding == "stochastic" else None
+        return backward_products.error_codes(grad.reshape(-1, grad.shape[-1]), bits, scheme.granularity == "token",
+                                             seed)
+
+    def int8_input_gradient(self, error: Codes, weight: torch.Tensor) -> torch.Tensor:
+        """``E W`` ``[T, in]`` in float32 from the error's codes (rows ``[T, out]``) and an ``[out, in]`` weight
+        re-quantized per input channel at 8 bits: one int8 product on codes."""
+        bits = backward_products.REQUANTIZED.to(weight.device)
+        rows, low, high = backward_products.input_channel_range(weight)
+        _, (codes, scale, minimum) = self.operand(rows, low, high, bits, values=False)
+        return self.code_product(error, (codes.t(), scale.reshape(1, -1), minimum.reshape(1, -1)), bits, None)
 
     def int8_weight_gradient(self, error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor) -> torch.Tensor:
         """``Eᵀ X`` ``[out, in]`` in float32 of a full-precision error ``[T, out]`` and an input ``[T, in]``, both

@@ -169,13 +169,20 @@ class QuantizedProducts(torch.autograd.Function):
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
         layer = ctx.layer
         input_error = weight_error = bias_error = error
-        int8 = (False, False)
+        int8, error_codes = (False, False), None
         if ctx.grad_bits is not None:
+            backend = backend_for(error.device)
             int8 = int8_products(layer, errors)
-            if errors.quantizes_input_gradient or (errors.quantizes_weight_gradient and not int8[1]):
-                bias_error = backend_for(error.device).error(error, ctx.grad_bits, errors, layer.output_feature_dim,
-                                                             layer.cpt_precision.fused_errors)
-            input_error = bias_error if errors.quantizes_input_gradient else error
+            if int8[0]:  # the error as codes for an int8 input gradient (its values rebuilt where read)
+                error_codes = backend.error_codes(error, ctx.grad_bits, errors)
+                int8 = (error_codes is not None, int8[1])
+            if error_codes is not None:
+                bias_error = backend.restore(*error_codes, error.dtype).view(error.shape)
+            elif errors.quantizes_input_gradient or (errors.quantizes_weight_gradient and not int8[1]):
+                bias_error = backend.error(error, ctx.grad_bits, errors, layer.output_feature_dim,
+                                           layer.cpt_precision.fused_errors)
+            input_error = (error_codes if error_codes is not None else bias_error if errors.quantizes_input_gradient
+                           else error)
             weight_error = bias_error if errors.quantizes_weight_gradient and not int8[1] else error
         compute_dtype = error.dtype
         # The rebuilt input is this backward's own tensor (not a saved one) where it came from codes.
@@ -211,10 +218,10 @@ def _as_out_in(layer, weight: torch.Tensor) -> torch.Tensor:
     return weight if layer.weight_channel_dim == 0 else weight.t()
 
 
-def _int8_input_gradient(layer, error: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    rows = error.reshape(-1, error.shape[-1])
-    grad = backend_for(error.device).int8_input_gradient(rows, _as_out_in(layer, weight))
-    return grad.view(*error.shape[:-1], grad.shape[-1]).to(error.dtype)
+def _int8_input_gradient(layer, error: tuple, weight: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The input gradient ``[..., in]`` (``shape``: the input's) from the error's codes, in the weight's dtype."""
+    grad = backend_for(weight.device).int8_input_gradient(error, _as_out_in(layer, weight))
+    return grad.view(*shape[:-1], grad.shape[-1]).to(weight.dtype)
 
 
 def _int8_weight_gradient(layer, error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor) -> torch.Tensor:
@@ -230,14 +237,15 @@ def _gradients(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(the input gradient, the weight gradient), None where not needed: in one call where both come from one error
     and the layer's backward kernel forms them together (`QuantLayerMixin.both_gradients`), else one product each;
-    on int8 grids with ``int8_input`` and ``int8_error_bits`` (the error bits of an int8 weight gradient)."""
+    on int8 grids with ``int8_input`` (``input_error``: its codes) and ``int8_error_bits`` (the error bits of an int8
+    weight gradient)."""
     if needs_x and needs_weight and input_error is weight_error and rotation is None and not int8_input:
         both = layer.both_gradients(input_error, x, weight)
         if both is not None:
             return both
     grad_x = None
     if needs_x:
-        grad_x = (_int8_input_gradient(layer, input_error, weight) if int8_input
+        grad_x = (_int8_input_gradient(layer, input_error, weight, x.shape) if int8_input
                   else layer.input_gradient(input_error, x, weight))
     grad_weight = None
     if needs_weight:

@@ -5,13 +5,15 @@ Each backward GEMM of a quantized Linear runs either on the rebuilt operands in 
 ("int8", `ErrorQuantization.input_product` / ``weight_product``), what an int8 tensor core can run exactly:
 
 - input gradient ``E W``: the weight's per-output-channel scale sits on the summed index, so the weight is
-  re-quantized per input channel at 8 bits over its min/max (nearest); the error keeps its per-token codes.
+  re-quantized per input channel at 8 bits over its min/max (nearest); the error's codes (min/max grid, per token or
+  per tensor) enter as they are. An int8 product on codes (`hf_cpt.numerics.integer_matmul`) computes it.
 - weight gradient ``Eᵀ X``: the per-token scales sit on the summed index, so the full-precision error (at the error
   bits, stochastic rounding with the hashed noise of the fused error kernels) and the input (8 bits, nearest) are
   quantized per channel in blocks of `TOKEN_BLOCK` tokens on the zero-centred grid; the scales apply per block.
 
-The functions here define the options: values on those grids, a float32 GEMM, equal to the int8 GEMM's result up to
-float rounding. A backend computes the same on int8 codes (`hf_cpt.backends.cuda`). Knows nothing of layers.
+`weight_gradient` defines the weight gradient's option in float (values on those grids, a float32 GEMM, equal to
+the blocked int8 GEMM's result up to float rounding); a backend computes the same on int8 codes
+(`hf_cpt.backends.cuda`). Knows nothing of layers.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from .error_kernels import hashed_uniform_noise, symmetric_levels, symmetric_round
-from .fake_quant import MIN_SCALE, fake_quantize
+from .fake_quant import MIN_SCALE, levels_on, quantization_scale, tensor_range, token_range
 
 PRODUCTS = ("float", "int8")
 TOKEN_BLOCK = 128  # tokens per block of the weight gradient's scales: one K step of an int8 GEMM tile
 REQUANTIZED_BITS = 8  # the bits of a re-quantized operand (the weight per input channel, the input in blocks)
-_REQUANTIZED = torch.tensor(float(REQUANTIZED_BITS))
+REQUANTIZED = torch.tensor(float(REQUANTIZED_BITS))
 
 
 def noise_seed(device: torch.device) -> torch.Tensor:
@@ -33,12 +35,26 @@ def noise_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int32)
 
 
-def per_input_channel(weight: torch.Tensor) -> torch.Tensor:
-    """The ``[out, in]`` weight re-quantized per input channel (column) at 8 bits over its min/max, nearest, in
-    float32."""
-    source = weight.float()
-    minimum, maximum = source.amin(0, keepdim=True), source.amax(0, keepdim=True)
-    return fake_quantize(source, minimum, maximum, _REQUANTIZED.to(source.device))
+def error_codes(grad: torch.Tensor, bits: torch.Tensor, per_row: bool, seed: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 codes, scale, minimum) of a ``[T, N]`` error on the min/max grid at ``bits``, per row or per tensor:
+    the fused error kernels' formula (stochastic rounding with the hashed noise of ``seed``; nearest without), whose
+    values ``codes * scale + minimum`` are the quantized error bit for bit."""
+    source = grad.float()
+    minimum, maximum = token_range(source, -1) if per_row else tensor_range(source)
+    levels = levels_on(bits, source.device, torch.float32)
+    scale = quantization_scale(minimum, maximum, levels)
+    steps = (source - minimum) / scale
+    if seed is not None:
+        steps = steps + hashed_uniform_noise(source.numel(), seed, source.device).view(source.shape)
+    return torch.round(torch.minimum(steps.clamp_min(0.0), levels)).to(torch.uint8), scale, minimum
+
+
+def input_channel_range(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the ``[out, in]`` weight as ``[in, out]`` rows, the min and max of each, ``[in, 1]``): the grid of the weight
+    re-quantized per input channel at `REQUANTIZED_BITS`."""
+    rows = weight.t().float().contiguous()
+    return rows, rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
 
 
 def token_block_scales(source: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,14 +77,8 @@ def token_blocks(matrix: torch.Tensor, bits: torch.Tensor, seed: torch.Tensor | 
     return symmetric_round(source, scale, top, noise)
 
 
-def input_gradient(error: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``E W`` of the quantized error ``[T, out]`` and the ``[out, in]`` weight re-quantized per input channel, in
-    float32."""
-    return error.float().matmul(per_input_channel(weight))
-
-
 def weight_gradient(error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor, seed: torch.Tensor
                     ) -> torch.Tensor:
     """``Eᵀ X`` ``[out, in]`` of the full-precision error ``[T, out]`` and the input ``[T, in]``, each quantized per
     channel in blocks of tokens (the error at ``error_bits``, stochastic), in float32."""
-    return token_blocks(error, error_bits, seed).t().matmul(token_blocks(x, _REQUANTIZED.to(x.device)))
+    return token_blocks(error, error_bits, seed).t().matmul(token_blocks(x, REQUANTIZED.to(x.device)))
