@@ -232,3 +232,20 @@ def test_the_operand_kernel_gives_the_reference_codes_and_values_bit_for_bit_on_
 
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     assert run_comparison("cuda", env) == {"checked": 72}
+
+
+def test_the_backward_kernels_give_the_reference_codes_and_the_int8_products_its_gradients_on_the_gpu():
+    import os
+
+    from .test_cuda_kernels import BACKWARD_COMPARISON, run_comparison
+
+    result = run_comparison("cuda", {**os.environ, "HF_CPT_CUDA_KERNELS": "1"}, BACKWARD_COMPARISON)
+    assert (result["errors"], result["blocks"]) == (2 * 6 * 2, 3 * 2)
+
+
+def test_every_kernel_is_a_custom_op_that_passes_opcheck_on_the_gpu():
+    import os
+
+    from .test_cuda_kernels import OPCHECK, run_comparison
+
+    assert run_comparison("cuda", dict(os.environ), OPCHECK) == {"checked": 7}

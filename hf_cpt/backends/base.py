@@ -10,6 +10,13 @@ from ..numerics.fake_quant import fake_quantize_compact, quantize_compact, resto
 from ..numerics.integer_matmul import code_matmul
 
 Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (uint8 codes, scale, minimum)
+# torch._int_mm on CUDA: more than 16 rows, the reduced and output sizes multiples of 8
+INT_MM_ROWS, INT_MM_MULTIPLE = 16, 8
+
+
+def int8_gemm_takes(rows: int, reduced: int, columns: int) -> bool:
+    """Whether a GPU's int8 GEMM (``torch._int_mm``) takes a ``[rows, reduced] @ [reduced, columns]`` product."""
+    return rows > INT_MM_ROWS and reduced % INT_MM_MULTIPLE == 0 and columns % INT_MM_MULTIPLE == 0
 
 
 class Backend:
@@ -19,6 +26,7 @@ class Backend:
 
     name = "reference"
     native = False  # whether the package's C kernels may serve (CPU tensors only)
+    fallbacks = 0  # products on codes a GPU's int8 GEMM could not take, run in float (`code_product`)
 
     def products_on_codes(self, setting: bool | str) -> bool:
         """Whether training products run on integer codes here under ``RuntimeSettings.integer_matmul`` (True, False
@@ -48,13 +56,23 @@ class Backend:
         """The error quantized at ``bits`` with ``scheme`` (``fused``: by one kernel where this device has one)."""
         return quantize_error(grad, bits, scheme, feature_dim, fused)
 
+    def takes_int8_gemm(self, rows: int, reduced: int, columns: int, device: torch.device) -> bool:
+        """Whether this device's int8 GEMM takes a ``[rows, reduced] @ [reduced, columns]`` product: any on a CPU."""
+        return device.type == "cpu" or int8_gemm_takes(rows, reduced, columns)
+
     def code_product(self, a: Codes, b: Codes, bits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``restore(a) @ restore(b) + bias`` in float32, from the codes (`hf_cpt.numerics.integer_matmul`)."""
+        """``restore(a) @ restore(b) + bias`` in float32, from the codes (`hf_cpt.numerics.integer_matmul`); on a GPU,
+        shapes its int8 GEMM cannot take (`takes_int8_gemm`) as a float product of the restored values, counted in
+        ``fallbacks``."""
+        if not self.takes_int8_gemm(a[0].shape[0], *b[0].shape, a[0].device):
+            self.fallbacks += 1
+            out = self.restore(*a, torch.float32) @ self.restore(*b, torch.float32)
+            return out if bias is None else out + bias.float()
         return code_matmul(*a, *b, bits, bias, int8=self.int8_gemm(), native=self.native)
 
     def error_codes(self, grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization) -> Codes | None:
-        """The quantized error's (codes, scale, minimum) as rows over its last dimension (`backward_products.error_codes`),
-        for the min/max grid; None for the zero-centred one (whose products stay in float)."""
+        """The quantized error's (codes, scale, minimum) as rows over its last dimension
+        (`backward_products.error_codes`), for the min/max grid; None for the zero-centred one (products in float)."""
         if scheme.range != "minmax":
             return None
         seed = backward_products.noise_seed(grad.device) if scheme.rounding == "stochastic" else None

@@ -30,7 +30,8 @@ def bitops_per_mac(bits: int | None, grad_bits: int | None, error_products: str 
     input_error_bits = error_bits if errors.quantizes_input_gradient else FULL_PRECISION_BITS
     weight_error_bits = error_bits if errors.quantizes_weight_gradient else FULL_PRECISION_BITS
     quantized = bits is not None and grad_bits is not None
-    weight_operand = REQUANTIZED_BITS if requantized[0] and quantized and errors.quantizes_input_gradient else weight_bits
+    weight_operand = (REQUANTIZED_BITS if requantized[0] and quantized and errors.quantizes_input_gradient
+                      else weight_bits)
     input_operand = (REQUANTIZED_BITS if requantized[1] and quantized and errors.quantizes_weight_gradient
                      else activation_bits)
     return weight_bits * activation_bits + input_error_bits * weight_operand + weight_error_bits * input_operand

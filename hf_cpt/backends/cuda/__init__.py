@@ -1,23 +1,36 @@
-"""The CUDA backend: Triton kernels (`hf_cpt.backends.cuda.kernels`), bit for bit the reference in Triton's interpreter
-(tests/test_cuda_kernels.py); the reference for the rest (issue 73). Off unless ``HF_CPT_CUDA_KERNELS=1`` until the same
-test has passed on a GPU (bench/gpu_check.sh sets it).
+"""The CUDA backend: Triton kernels for operands and errors (`kernels`, `backward_kernels`), bit for bit the reference
+in Triton's interpreter (tests/test_cuda_kernels.py), and products on int8 codes: the forward and an int8 input
+gradient through ``torch._int_mm``, an int8 weight gradient through a Triton GEMM with per-block scales. Shapes an int8
+GEMM cannot take run the float product instead, counted in ``fallbacks`` (`Backend.code_product`). Off unless
+``HF_CPT_CUDA_KERNELS=1`` until the same tests have passed on a GPU (bench/gpu_check.sh sets it).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...numerics.backward_products import REQUANTIZED, noise_seed
+from ...numerics.error_kernels import symmetric_levels
+from ...numerics.errors import ErrorQuantization
 from ...numerics.fake_quant import levels_on, quantization_scale
-from ..base import Backend, Codes
+from ..base import Backend, Codes, int8_gemm_takes
+from .backward_kernels import block_scaled_matmul, row_error_codes, token_block_codes
 from .kernels import operand_codes, restore_values
 
 ENABLE_VARIABLE = "HF_CPT_CUDA_KERNELS"
 
 
 class CUDABackend(Backend):
-    """An operand's codes and values, and values rebuilt from codes, in one Triton pass each; else the reference."""
+    """Operands' codes and values, values rebuilt from codes, per-token errors' codes: one Triton pass each; products
+    on int8 codes (the forward by default, the backward's with the int8 options); else the reference."""
 
     name = "cuda"
+
+    def products_on_codes(self, setting: bool | str) -> bool:
+        return True if setting == "auto" else setting
+
+    def takes_int8_gemm(self, rows: int, reduced: int, columns: int, device: torch.device) -> bool:
+        return int8_gemm_takes(rows, reduced, columns)  # the GPU's limits, also for CPU tensors in the interpreter
 
     def operand(self, x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, bits: torch.Tensor,
                 values: bool = True) -> tuple[torch.Tensor | None, Codes]:
@@ -34,3 +47,28 @@ class CUDABackend(Backend):
                 dtype: torch.dtype) -> torch.Tensor:
         fast = restore_values(codes, minimum, scale, dtype)
         return fast if fast is not None else super().restore(codes, scale, minimum, dtype)
+
+    def error(self, grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int,
+              fused: bool = True) -> torch.Tensor:
+        per_token = scheme.granularity == "token" and feature_dim % grad.dim() == grad.dim() - 1
+        if not (fused and per_token and scheme.range == "minmax" and scheme.rounding == "stochastic"):
+            return super().error(grad, bits, scheme, feature_dim, fused)
+        codes = self.error_codes(grad, bits, scheme)
+        return self.restore(*codes, grad.dtype).view(grad.shape)
+
+    def error_codes(self, grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization) -> Codes | None:
+        supported = grad.dtype in (torch.float32, torch.bfloat16, torch.float16) and grad.numel()
+        if scheme.range != "minmax" or scheme.granularity != "token" or not supported:
+            return super().error_codes(grad, bits, scheme)
+        seed = noise_seed(grad.device)
+        levels = levels_on(bits, grad.device, torch.float32)
+        rows = grad.reshape(-1, grad.shape[-1]).contiguous()
+        return row_error_codes(rows, levels, seed if scheme.rounding == "stochastic" else None)
+
+    def int8_weight_gradient(self, error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor) -> torch.Tensor:
+        seed = noise_seed(error.device)
+        error_top = symmetric_levels(error_bits.to(error.device, torch.float32))
+        error_codes, error_scales = token_block_codes(error.contiguous(), error_top, seed)
+        input_top = symmetric_levels(REQUANTIZED.to(x.device, torch.float32))
+        input_codes, input_scales = token_block_codes(x.contiguous(), input_top, None)
+        return block_scaled_matmul(error_codes, error_scales, input_codes, input_scales)

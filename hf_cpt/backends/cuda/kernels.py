@@ -63,32 +63,55 @@ def _rows_layout(t: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor) ->
     return True if t.dim() and minimum.shape == rows and scale.shape == rows else None
 
 
+@torch.library.custom_op("hf_cpt::restore_values", mutates_args=())
+def _restore_op(codes: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                per_row: bool) -> torch.Tensor:
+    values = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    _restore_kernel[(triton.cdiv(codes.numel(), BLOCK),)](
+        codes, minimum, scale, values, codes.numel(), max(codes.shape[-1], 1) if codes.dim() else 1,
+        PER_ROW=per_row, BLOCK=BLOCK, enable_fp_fusion=False)
+    return values
+
+
+@_restore_op.register_fake
+def _(codes, minimum, scale, dtype, per_row):
+    return codes.new_empty(codes.shape, dtype=dtype)
+
+
+@torch.library.custom_op("hf_cpt::operand_codes", mutates_args=())
+def _codes_op(x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, values: bool,
+              per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    out = torch.empty_like(x) if values else x.new_empty(0)
+    _codes_kernel[(triton.cdiv(x.numel(), BLOCK),)](
+        x, minimum, scale, levels, codes, out if values else codes, x.numel(),
+        max(x.shape[-1], 1) if x.dim() else 1, PER_ROW=per_row, VALUES=values, BLOCK=BLOCK,
+        enable_fp_fusion=False)
+    return codes, out
+
+
+@_codes_op.register_fake
+def _(x, minimum, scale, levels, values, per_row):
+    return x.new_empty(x.shape, dtype=torch.uint8), (torch.empty_like(x) if values else x.new_empty(0))
+
+
 def restore_values(codes: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor | None:
-    """``codes * scale + minimum`` in float32, then ``dtype`` (float32 / bf16 / fp16), in one pass; None for any
-    other layout."""
+    """``codes * scale + minimum`` in float32, then ``dtype`` (float32 / bf16 / fp16), in one pass (the custom op
+    ``hf_cpt::restore_values``); None for any other layout."""
     per_row = _rows_layout(codes, minimum, scale)
     if per_row is None or codes.dtype != torch.uint8 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    values = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    _restore_kernel[(triton.cdiv(codes.numel(), BLOCK),)](
-        codes, minimum.contiguous(), scale.contiguous(), values, codes.numel(),
-        max(codes.shape[-1], 1) if codes.dim() else 1, PER_ROW=per_row, BLOCK=BLOCK, enable_fp_fusion=False)
-    return values
+    return _restore_op(codes, minimum.contiguous(), scale.contiguous(), dtype, per_row)
 
 
 def operand_codes(x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor,
                   values: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(uint8 codes, the fake-quantized values in ``x``'s dtype or None) of a contiguous float32 / bf16 / fp16
-    ``x`` whose ``minimum`` and ``scale`` (float32) are one value or one per leading row (``x.shape[:-1]``); None
-    for any other layout (the reference formula serves it)."""
+    ``x`` whose ``minimum`` and ``scale`` (float32) are one value or one per leading row (``x.shape[:-1]``), in one
+    pass (the custom op ``hf_cpt::operand_codes``); None for any other layout (the reference formula serves it)."""
     per_row = _rows_layout(x, minimum, scale)
     if per_row is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    out = torch.empty_like(x) if values else codes
-    _codes_kernel[(triton.cdiv(x.numel(), BLOCK),)](
-        x, minimum.contiguous(), scale.contiguous(), levels.to(torch.float32), codes, out, x.numel(),
-        max(x.shape[-1], 1) if x.dim() else 1, PER_ROW=per_row, VALUES=values, BLOCK=BLOCK,
-        enable_fp_fusion=False)
+    codes, out = _codes_op(x, minimum.contiguous(), scale.contiguous(), levels.to(torch.float32), values, per_row)
     return codes, (out if values else None)
