@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The prepared GPU check (one H100/H200, `run` in the tool library): the CUDA tests with the CUDA backend's kernels on,
-# then bench/gpu.py where it exists. Logs and JSON go under $OUT (the device tool's folder; else outputs/gpu).
+# The prepared GPU check (one H100/H200, `run` in the tool library), under 8 minutes: the CUDA tests with the CUDA
+# backend's kernels on, then the GPU bench. Logs and JSON go under $OUT (the device tool's folder; else outputs/gpu);
+# copy $OUT/gpu.json to bench/results/gpu.json and run `python bench/report.py` for the docs.
 # The device image has its own torch / transformers: hf_cpt runs from this checkout (PYTHONPATH), not installed.
+# torchao's rows need its wheel: put it under wheels/ (ignored; pass it in `carry`), installed here without deps.
 set -uo pipefail
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_CPT_CUDA_KERNELS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout 420 python -m pytest -q -p no:cacheprovider -x tests/test_cuda_kernels.py tests/test_cuda.py 2>&1 \
-    | tee "$OUT/tests.log" | tail -20
-if [ -f bench/gpu.py ]; then
-    timeout 300 python bench/gpu.py --output "$OUT/gpu.json" 2>&1 | tail -20
+if compgen -G "wheels/torchao-*.whl" > /dev/null; then
+    python -m pip install -q --no-deps wheels/torchao-*.whl 2>&1 | tail -2
 fi
+timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda.py 2>&1 \
+    | tee "$OUT/tests.log" | tail -20
+timeout 280 python bench/gpu.py --output "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log" | tail -30

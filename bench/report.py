@@ -529,6 +529,20 @@ def exports_section(results: dict) -> list[str]:
     return lines + [""]
 
 
+def gpu_section(rows: list[dict]) -> list[str]:
+    """docs/benchmarks.md's GPU table from `bench/gpu.py`'s rows: each variant's step time, peak memory and bytes
+    saved for the backward against bf16 autocast on the same shape and GPU."""
+    devices = sorted({row["device"] for row in rows})
+    lines = [f"Measured on {', '.join(devices)} (`bench/gpu.py`, medians of interleaved repeats, CUDA events).", "",
+             "| case | variant | bits | time / bf16 | peak memory / bf16 | saved for backward / bf16 |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        peak = row.get("peak_ratio_vs_bf16")
+        lines.append(f"| {row['case']} | {row['variant']} | {row.get('bits', '')} | {row['time_ratio_vs_bf16']:.2f} | "
+                     f"{'' if peak is None else f'{peak:.2f}'} | {row['saved_ratio_vs_bf16']:.2f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=os.path.join(HERE, "results"), help="the folder of the JSON files")
@@ -597,6 +611,9 @@ def main() -> None:
     allocators = results_page.load(args.results, "allocators.json")
     if allocators:
         replace_block(os.path.join(args.docs, "performance.md"), "allocators-summary", allocators_summary(allocators))
+    gpu = results_page.load(args.results, "gpu.json")
+    if gpu:
+        replace_block(os.path.join(args.docs, "benchmarks.md"), "gpu-linear", gpu_section(gpu))
     exports = results_page.load(args.results, "exports.json")
     if exports:
         replace_block(os.path.join(args.docs, "clients.md"), "exports", exports_section(exports))

@@ -1,0 +1,34 @@
+"""bench/gpu.py, the GPU bench of issue 73, checked on a CPU: its rows, resumption and the docs table made from them
+(the figures themselves come from one run on an H100/H200, bench/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .test_bench import ROOT, _load_report, _run_script
+
+
+def test_the_gpu_bench_writes_a_row_per_variant_resumes_and_renders_its_table(tmp_path):
+    output = tmp_path / "gpu.json"
+    _run_script("gpu.py", ["--device", "cpu", "--smoke", "--output", str(output)])
+    rows = json.loads(output.read_text())
+    assert [(row["variant"], row.get("bits")) for row in rows] == [
+        ("bf16", None), ("cpt-default", 8), ("cpt-default", 4), ("cpt-fastest", 8), ("cpt-fastest", 4),
+        ("cpt-reference", 8)]
+    assert {row["case"] for row in rows} == {"linear-256x64x96"} and rows[0]["time_ratio_vs_bf16"] == 1.0
+    assert all(row["seconds"] > 0 and row["device"] == "cpu" for row in rows)
+    # CPT saves uint8 codes for the backward where bf16 autocast saves 2-byte copies: about half, plus the scales
+    assert all(0.5 < row["saved_ratio_vs_bf16"] < 0.6 for row in rows[1:])
+    before = output.stat().st_mtime_ns
+    run = _run_script("gpu.py", ["--device", "cpu", "--smoke", "--output", str(output)])  # resumed: nothing to do
+    assert output.stat().st_mtime_ns == before and "linear-256x64x96" not in run.stdout
+    table = _load_report().gpu_section(rows)
+    assert table[0].startswith("Measured on cpu") and len(table) == 4 + len(rows)
+    assert "| linear-256x64x96 | cpt-fastest | 4 |" in "\n".join(table)
+
+
+def test_the_gpu_check_runs_the_cuda_tests_then_the_bench():
+    script = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
+    assert script.index("tests/test_cuda.py") < script.index("bench/gpu.py")
+    assert "HF_CPT_CUDA_KERNELS=1" in script
