@@ -130,3 +130,17 @@ def test_the_options_are_checked_and_saved_with_the_config():
     assert CPTConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="weight_gradient_product"):
         CPTConfig(weight_gradient_product="bf16")
+
+
+def test_a_saved_model_trains_further_with_the_int8_products_it_trained_with(tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_cpt import find_precision_state, save_quantized
+
+    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                     intermediate_size=64, vocab_size=50))
+    quantize_model(model, CPTConfig(weight_gradient_product="int8"))
+    save_quantized(model, tmp_path, 8, model_card=False)
+    loaded = BertForSequenceClassification.from_pretrained(tmp_path)
+    errors = find_precision_state(loaded).errors
+    assert (errors.input_product, errors.weight_product) == ("float", "int8")

@@ -154,6 +154,8 @@ def _model_settings(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str,
         "error_rounding": precision.errors.rounding,
         "error_products": precision.errors.products,
         "error_range": precision.errors.range,
+        "input_gradient_product": precision.errors.input_product,
+        "weight_gradient_product": precision.errors.weight_product,
         "cpt_config": json_safe(cpt_config.to_dict()) if cpt_config is not None else None,
         "hf_cpt_version": __version__,
     }

@@ -17,6 +17,7 @@ import torch
 
 from ..config import EMA_INITS
 from ..nn.base import ACTIVATION_GRANULARITIES
+from ..numerics.backward_products import PRODUCTS
 from ..numerics.bits import bits_problem, check_bits
 from ..numerics.errors import (
     ERROR_GRANULARITY_CHOICES,
@@ -118,6 +119,8 @@ class CheckpointFields:
     error_rounding: str = "stochastic"
     error_products: str = "both"
     error_range: str = "minmax"  # absent in files written before the option: the grid they trained with
+    input_gradient_product: str = "float"  # the backward GEMMs (absent in older files: the float ones they ran)
+    weight_gradient_product: str = "float"
     # For the record:
     cpt_config: dict[str, Any] | None = None  # the run's CPTConfig
     hf_cpt_version: str | None = None
@@ -155,7 +158,8 @@ class CheckpointFields:
     @property
     def errors(self) -> ErrorQuantization:
         """How the loaded model quantizes errors if trained further (absent in older files: the paper's)."""
-        return ErrorQuantization(self.error_granularity, self.error_rounding, self.error_products, self.error_range)
+        return ErrorQuantization(self.error_granularity, self.error_rounding, self.error_products, self.error_range,
+                                 self.input_gradient_product, self.weight_gradient_product)
 
     @property
     def packed(self) -> bool:
@@ -241,7 +245,8 @@ class CheckpointFields:
         for name, choices in (("quantized_attention", (None, *ACTIVATION_GRANULARITIES)),
                               ("error_granularity", ERROR_GRANULARITY_CHOICES), ("error_rounding", ERROR_ROUNDINGS),
                               ("error_products", ERROR_PRODUCTS),
-                              ("error_range", ERROR_RANGE_CHOICES),
+                              ("error_range", ERROR_RANGE_CHOICES), ("input_gradient_product", PRODUCTS),
+                              ("weight_gradient_product", PRODUCTS),
                               ("activation_ema_init", EMA_INITS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"quantization_config.{name} must be one of {list(choices)}, "
