@@ -41,6 +41,20 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 rebuilt = cuda.restore(codes, scale, minimum, dtype)  # what a backward rebuilds from saved codes
                 assert torch.equal(rebuilt.cpu(), reference.restore(want_codes, want_scale, want_minimum, dtype).cpu())
                 checked += 1
+# a per-token operand's range and codes in one pass (the layers' shared input) against the range, then the operand
+for dtype in (torch.float32, torch.bfloat16):
+    x = (torch.randn(3, 37, 300) * 3).to(dtype).to(device)
+    x[1, 5] = 0.0
+    for bits in range(3, 9):
+        b = torch.tensor(float(bits))
+        for values in (True, False):
+            (low, high), (got, codes) = cuda.token_operand(x, -1, b, values)
+            want_low, want_high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+            want, want_codes = reference.operand(x, want_low, want_high, b, values)
+            assert torch.equal(low.cpu(), want_low.cpu()) and torch.equal(high.cpu(), want_high.cpu())
+            assert all(torch.equal(g.cpu(), w.reshape(g.shape).cpu()) for g, w in zip(codes, want_codes)), bits
+            assert (got is None) == (want is None) and (got is None or torch.equal(got.cpu(), want.cpu()))
+            checked += 1
 # per-column ranges of a square weight (GPT-2's Conv1D): not rows, whatever their count; the reference serves them
 square = torch.randn(64, 64).to(device)
 low, high = square.amin(0, keepdim=True), square.amax(0, keepdim=True)
@@ -59,7 +73,7 @@ BACKWARD_COMPARISON = """
 import copy, json, sys, torch
 from hf_cpt.backends import CPUBackend, register_backend
 from hf_cpt.backends.cuda import CUDABackend
-from hf_cpt.backends.cuda.backward_kernels import block_scaled_matmul, row_error_codes, token_block_codes
+from hf_cpt.backends.cuda.backward_kernels import block_scaled_matmul, row_codes, token_block_codes
 from hf_cpt.backends.reference import ReferenceBackend
 from hf_cpt.numerics import backward_products as bp
 from hf_cpt.numerics.error_kernels import hashed_stochastic_quantize, symmetric_levels
@@ -74,7 +88,7 @@ for dtype in (torch.float32, torch.bfloat16):
     for bits in range(3, 9):
         b = torch.tensor(float(bits), device=device)
         for noise in (seed, None):
-            codes, scale, minimum = row_error_codes(grad, num_levels(b).float(), noise)
+            codes, scale, minimum = row_codes(grad, num_levels(b).float(), noise)[:3]
             want = bp.error_codes(grad, b, True, noise)
             assert all(torch.equal(got.cpu(), w.cpu()) for got, w in zip((codes, scale, minimum), want)), (dtype, bits)
             if noise is not None:  # the values are the fused error kernels' bit for bit
@@ -138,8 +152,8 @@ cases = [
     (kernels._codes_op, (x, rows_min, rows_scale, levels, True, True)),
     (kernels._codes_op, (x, x.amin().reshape(1), rows_scale[:1, 0].contiguous(), levels, False, False)),
     (kernels._restore_op, (codes, rows_min, rows_scale, torch.bfloat16, True)),
-    (backward_kernels._row_error_op, (x, levels, seed, True)),
-    (backward_kernels._row_error_op, (x, levels, seed, False)),
+    (backward_kernels._row_codes_op, (x, levels, seed, True, False)),
+    (backward_kernels._row_codes_op, (x.bfloat16(), levels, seed, False, True)),
     (backward_kernels._token_block_op, (torch.randn(130, 24, device=device), torch.tensor(127.0, device=device),
                                         seed, True)),
     (backward_kernels._block_scaled_op, (blocks, torch.rand(2, 24, device=device), blocks[:, :16].contiguous(),
@@ -163,7 +177,7 @@ def run_comparison(device: str, env: dict, script: str = COMPARISON) -> dict:
 @pytest.mark.slow
 def test_the_operand_kernel_gives_the_reference_codes_and_values_bit_for_bit_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    assert run_comparison("cpu", env) == {"checked": 3 * 6 * 2 * 2}
+    assert run_comparison("cpu", env) == {"checked": 3 * 6 * 2 * 2 + 2 * 6 * 2}
 
 
 @pytest.mark.slow

@@ -46,6 +46,12 @@ class Backend:
             return fake_quantize_compact(x, minimum, maximum, bits, native=self.native)
         return None, quantize_compact(x, minimum, maximum, bits, native=self.native)
 
+    def token_operand(self, x: torch.Tensor, dim: int, bits: torch.Tensor, values: bool
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, Codes]] | None:
+        """(``x``'s per-token range over ``dim`` as `token_range` gives it, `operand`'s result over that range) in one
+        pass where this device has a kernel for it; None: the caller takes the range, then the operand."""
+        return None
+
     def restore(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
         """The fake-quantized values of `operand`'s codes, bit for bit."""

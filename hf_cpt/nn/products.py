@@ -81,8 +81,12 @@ def quantized_input(x: torch.Tensor, dim: int, rotation: Rotation | None, bits: 
     else:
         rotated = None if rotation is None else rotation.apply(x, dim)
         source = x if rotated is None else rotated
-    x_range = token_range(source, dim)
+    codes_wanted = integer or (compact and keep)
     with torch.no_grad():
+        fused = backend.token_operand(source.detach(), dim, bits, values=not integer) if codes_wanted else None
+        if fused is not None:  # the range and the codes in one pass
+            return SharedInput(rotated, *fused)
+        x_range = token_range(source, dim)
         quantized = (backend.operand(source.detach(), *x_range, bits, values=False) if integer  # codes only
                      else quantized_operand(source.detach(), *x_range, bits, compact, keep))
     return SharedInput(rotated, x_range, quantized)

@@ -14,7 +14,7 @@ from ...numerics.error_kernels import symmetric_levels
 from ...numerics.errors import ErrorQuantization
 from ...numerics.fake_quant import levels_on, quantization_scale
 from ..base import Backend, Codes, int8_gemm_takes
-from .backward_kernels import block_scaled_matmul, row_error_codes, token_block_codes
+from .backward_kernels import block_scaled_matmul, row_codes, token_block_codes
 from .kernels import operand_codes, restore_values
 
 ENABLE_VARIABLE = "HF_CPT_CUDA_KERNELS"
@@ -63,7 +63,18 @@ class CUDABackend(Backend):
         seed = noise_seed(grad.device)
         levels = levels_on(bits, grad.device, torch.float32)
         rows = grad.reshape(-1, grad.shape[-1]).contiguous()
-        return row_error_codes(rows, levels, seed if scheme.rounding == "stochastic" else None)
+        return row_codes(rows, levels, seed if scheme.rounding == "stochastic" else None)[:3]
+
+    def token_operand(self, x: torch.Tensor, dim: int, bits: torch.Tensor, values: bool):
+        if dim % x.dim() != x.dim() - 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        codes, scale, minimum, maximum, out = row_codes(rows, levels_on(bits, x.device, torch.float32), None, values)
+        shape = (*x.shape[:-1], 1)
+        x_range = (minimum.view(shape).to(x.dtype), maximum.view(shape).to(x.dtype))
+        quantized = (out.view(x.shape) if values else None), (codes.view(x.shape), scale.view(shape),
+                                                              minimum.view(shape))
+        return x_range, quantized
 
     def int8_weight_gradient(self, error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor) -> torch.Tensor:
         seed = noise_seed(error.device)

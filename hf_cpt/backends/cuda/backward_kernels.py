@@ -1,7 +1,8 @@
-"""Triton kernels of the CUDA backend's backward: the per-token error's codes with the fused error kernels' hashed
-noise, operands quantized per channel in blocks of tokens, and the weight gradient as an int8 GEMM whose scales apply
-per block of tokens (`hf_cpt.numerics.backward_products`), each a ``torch.library`` custom op with a fake
-implementation (``hf_cpt::row_error_codes``, ...: `torch.compile` and CUDA graphs take them). Float steps as the
+"""Triton kernels of the CUDA backend's per-token grids and backward: a row's range and codes in one program (an
+operand's, nearest; an error's, with the fused error kernels' hashed noise), operands quantized per channel in blocks
+of tokens, and the weight gradient as an int8 GEMM whose scales apply per block of tokens
+(`hf_cpt.numerics.backward_products`), each a ``torch.library`` custom op with a fake implementation
+(``hf_cpt::row_codes``, ...: `torch.compile` and CUDA graphs take them). Float steps as the
 reference's: correctly rounded division, no fused multiply-add (off at launch), half-to-even rounding. Knows nothing
 of layers.
 """
@@ -14,6 +15,7 @@ import triton.language as tl
 
 from ...numerics.backward_products import TOKEN_BLOCK
 from ...numerics.fake_quant import MIN_SCALE
+from .kernels import _store_values
 
 ROUNDING = 12582912.0  # 1.5 * 2^23: (y + R) - R rounds a float32 |y| < 2^22 to an integer, half to even
 ROW_BLOCK = 1024  # features per step of the per-row kernel
@@ -33,8 +35,10 @@ def _hashed_noise(index, seed):
 
 
 @triton.jit
-def _row_error_kernel(x_ptr, levels_ptr, seed_ptr, codes_ptr, scale_ptr, minimum_ptr, columns,
-                      STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+def _row_codes_kernel(x_ptr, levels_ptr, seed_ptr, codes_ptr, scale_ptr, minimum_ptr, maximum_ptr, values_ptr,
+                      columns, STOCHASTIC: tl.constexpr, VALUES: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's min/max grid and codes in one program (the row read twice, from cache the second time): an operand's
+    per-token codes (nearest) or an error's (stochastic, the hashed noise); the values too with ``VALUES``."""
     row = tl.program_id(0)
     base = row.to(tl.int64) * columns
     low = tl.full((), float("inf"), tl.float32)
@@ -58,8 +62,11 @@ def _row_error_kernel(x_ptr, levels_ptr, seed_ptr, codes_ptr, scale_ptr, minimum
         steps = tl.minimum(tl.maximum(steps, 0.0), levels)
         codes = (steps + ROUNDING) - ROUNDING
         tl.store(codes_ptr + base + offsets, codes.to(tl.uint8), mask=mask)
+        if VALUES:
+            _store_values(values_ptr, base + offsets, codes, scale, low, mask)
     tl.store(scale_ptr + row, scale)
     tl.store(minimum_ptr + row, low)
+    tl.store(maximum_ptr + row, high)
 
 
 @triton.jit
@@ -102,22 +109,24 @@ def _block_scaled_dot_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, to
              mask=(rows[:, None] < m) & (columns[None, :] < n))
 
 
-@torch.library.custom_op("hf_cpt::row_error_codes", mutates_args=())
-def _row_error_op(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, stochastic: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, columns = grad.shape
-    codes = torch.empty(grad.shape, dtype=torch.uint8, device=grad.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=grad.device)
-    minimum = torch.empty_like(scale)
-    _row_error_kernel[(rows,)](grad, levels, seed, codes, scale, minimum, columns, STOCHASTIC=stochastic,
+@torch.library.custom_op("hf_cpt::row_codes", mutates_args=())
+def _row_codes_op(x: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor, stochastic: bool, values: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, columns = x.shape
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scale, minimum, maximum = (torch.empty(rows, 1, dtype=torch.float32, device=x.device) for _ in range(3))
+    out = torch.empty_like(x) if values else x.new_empty(0)
+    _row_codes_kernel[(rows,)](x, levels, seed, codes, scale, minimum, maximum, out if values else codes, columns,
+                               STOCHASTIC=stochastic, VALUES=values,
                                BLOCK=min(ROW_BLOCK, triton.next_power_of_2(max(columns, 16))), enable_fp_fusion=False)
-    return codes, scale, minimum
+    return codes, scale, minimum, maximum, out
 
 
-@_row_error_op.register_fake
-def _(grad, levels, seed, stochastic):
-    scale = grad.new_empty(grad.shape[0], 1, dtype=torch.float32)
-    return grad.new_empty(grad.shape, dtype=torch.uint8), scale, torch.empty_like(scale)
+@_row_codes_op.register_fake
+def _(x, levels, seed, stochastic, values):
+    scale = x.new_empty(x.shape[0], 1, dtype=torch.float32)
+    return (x.new_empty(x.shape, dtype=torch.uint8), scale, torch.empty_like(scale), torch.empty_like(scale),
+            torch.empty_like(x) if values else x.new_empty(0))
 
 
 @torch.library.custom_op("hf_cpt::token_block_codes", mutates_args=())
@@ -160,11 +169,12 @@ def _seed(seed: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     return seed if seed is not None else torch.zeros((), dtype=torch.int32, device=device)
 
 
-def row_error_codes(grad: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(uint8 codes, scale ``[T, 1]``, minimum ``[T, 1]``) of a contiguous ``[T, N]`` error on each row's min/max grid
-    with ``levels`` (float32) top code; stochastic rounding with the hashed noise of ``seed`` (nearest without)."""
-    return _row_error_op(grad, levels, _seed(seed, grad.device), seed is not None)
+def row_codes(x: torch.Tensor, levels: torch.Tensor, seed: torch.Tensor | None, values: bool = False
+              ) -> tuple[torch.Tensor, ...]:
+    """(uint8 codes, scale ``[T, 1]``, minimum ``[T, 1]``, maximum ``[T, 1]``, the values in ``x``'s dtype or an empty
+    tensor) of a contiguous ``[T, N]`` matrix on each row's min/max grid with ``levels`` (float32) top code:
+    stochastic rounding with the hashed noise of ``seed`` (an error's), nearest without (an operand's)."""
+    return _row_codes_op(x, levels, _seed(seed, x.device), seed is not None, values)
 
 
 def token_block_codes(matrix: torch.Tensor, top: torch.Tensor, seed: torch.Tensor | None
