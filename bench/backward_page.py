@@ -36,6 +36,7 @@ def method(config: dict) -> str:
         name += f" ({config['quant_scheme']} activations)"
     if config.get("integer_matmul") is True:  # runs without the field used the float product
         name += INTEGER_LABEL
+    name += int8_label(config)
     if config.get("quantize_attention"):
         name += " + attention" + (f" at {config['attention_bits']} bits" if config.get("attention_bits") else "")
         grid = ErrorQuantization(range=config.get("error_range", PAPER_ERRORS.range)).for_attention().range
@@ -297,6 +298,7 @@ def findings(grouped: dict, fp32: list[dict] | None, default_errors: tuple) -> l
         lines.append(line + ("" if seeds >= 2 else " (one seed: a direction, not a result)") + ".")
     lines += _attention_pairs(grouped)
     lines += _integer_pairs(grouped)
+    lines += _int8_findings(grouped)
     lines += _attention_by_schedule(grouped, default_errors)
     lines += _attention_errors_share(grouped)
     cpt = [(name, entries, option) for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0])
@@ -399,6 +401,35 @@ def _attention_pairs(grouped: dict) -> list[str]:
 
 
 INTEGER_LABEL = " (forward on integer codes)"
+INT8_PRODUCTS = (("input_gradient_product", "input"), ("weight_gradient_product", "weight"))
+
+
+def int8_label(config: dict) -> str:
+    """The backward products a run ran on int8 grids (runs without the fields ran both in float)."""
+    on = [name for key, name in INT8_PRODUCTS if config.get(key, "float") == "int8"]
+    return f" (int8 {' and '.join(on)} gradient{'s' if len(on) > 1 else ''})" if on else ""
+
+
+def int8_verdicts(grouped: dict) -> list[tuple[str, tuple, float, tuple[float, float], bool]]:
+    """(run, errors, mean accuracy %, the float run's seed range in %, whether the mean lies inside it) of each run
+    with backward products on int8 grids against the same run with both in float (the CPT paper's): the rule that
+    picks the default numerics (docs/backward.md)."""
+    verdicts = []
+    for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
+        label = next((f" (int8 {part})" for part in ("input and weight gradients", "input gradient", "weight gradient")
+                      if f" (int8 {part})" in name), None)
+        baseline = grouped.get((name.replace(label, ""), option)) if label else None
+        if baseline:
+            accuracy = _points(entries)
+            seeds = (100 * min(e["metric"] for e in baseline), 100 * max(e["metric"] for e in baseline))
+            verdicts.append((name, option, accuracy, seeds, seeds[0] <= accuracy <= seeds[1]))
+    return verdicts
+
+
+def _int8_findings(grouped: dict) -> list[str]:
+    return [f"- {name}: {accuracy:.2f}% mean accuracy, {'inside' if inside else 'outside'} the seeds' range of the "
+            f"same run with both products in float ({low:.2f}-{high:.2f}%)."
+            for name, _, accuracy, (low, high), inside in int8_verdicts(grouped)]
 
 
 def _integer_pairs(grouped: dict) -> list[str]:

@@ -32,3 +32,22 @@ def test_the_gpu_check_runs_the_cuda_tests_then_the_bench():
     script = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
     assert script.index("tests/test_cuda.py") < script.index("bench/gpu.py")
     assert "HF_CPT_CUDA_KERNELS=1" in script
+
+
+def test_the_backward_page_judges_each_int8_run_against_the_seed_range_of_its_float_run():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("backward_page", os.path.join(ROOT, "bench", "backward_page.py"))
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+    base = {"schedule": "cpt", "bits_min": 4, "bits_max": 8, "grad_bits": 8, "error_granularity": "token"}
+
+    def run(seed, metric, **fields):
+        return {"seed": seed, "metric": metric, "cpt_config": {**base, **fields}}
+
+    ablation = {"a": run(0, 0.56), "b": run(1, 0.60),
+                "c": run(0, 0.59, input_gradient_product="int8", weight_gradient_product="int8"),
+                "d": run(1, 0.57, input_gradient_product="int8", weight_gradient_product="int8"),
+                "e": run(0, 0.50, weight_gradient_product="int8")}
+    verdicts = {name: inside for name, _, _, _, inside in page.int8_verdicts(page.groups(ablation))}
+    assert verdicts == {"CPT 4-8/8 (int8 input and weight gradients)": True, "CPT 4-8/8 (int8 weight gradient)": False}
