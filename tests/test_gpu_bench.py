@@ -35,11 +35,7 @@ def test_the_gpu_check_runs_the_cuda_tests_then_the_bench():
 
 
 def test_the_backward_page_judges_each_int8_run_against_the_seed_range_of_its_float_run():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("backward_page", os.path.join(ROOT, "bench", "backward_page.py"))
-    page = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(page)
+    page = _load_report().backward_page  # the report puts bench/ on the import path first
     base = {"schedule": "cpt", "bits_min": 4, "bits_max": 8, "grad_bits": 8, "error_granularity": "token"}
 
     def run(seed, metric, **fields):
