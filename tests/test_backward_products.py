@@ -1,4 +1,4 @@
-"""The backward products on int8 grids (`input_gradient_product` / `weight_gradient_product`, docs/backward.md): each
+"""The backward products on int8 grids (`input_gradient_product` / `weight_gradient_product`, docs/method.md §2): each
 layer's gradients equal the options' definitions (hf_cpt.numerics.backward_products) on the layer's own operands,
 for a Linear, GPT-2's Conv1D and a rotated Linear; the cost meter prices them at what they ran; the default is the
 CPT paper's float products, untouched."""

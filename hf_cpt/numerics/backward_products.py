@@ -1,4 +1,4 @@
-"""The backward products of a quantized matrix product on int8 (docs/backward.md, "Backward products on int8").
+"""The backward products of a quantized matrix product on int8 (docs/method.md §2, "Backward products on int8").
 
 Each backward GEMM of a quantized Linear runs either on the rebuilt operands in a float GEMM of the error's dtype
 ("float": the CPT paper's numerics) or with every operand on an int8 grid whose scales factor out of the sums

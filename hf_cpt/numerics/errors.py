@@ -68,14 +68,14 @@ class ErrorQuantization:
         "The input gradient's GEMM where its error is quantized: 'float' (the quantized error times the layer's "
         "weight in a GEMM of the error's dtype, the CPT paper) or 'int8' (the weight re-quantized per input channel "
         "at 8 bits, so that an int8 GEMM computes it exactly: the CUDA backend's fast path). Matrix products only "
-        "(Linear, GPT-2's Conv1D); docs/backward.md."
+        "(Linear, GPT-2's Conv1D); docs/method.md §2."
     )
     weight_product: str = setting(
         "float",
         "The weight gradient's GEMM where its error is quantized: 'float' (the CPT paper) or 'int8' (the error at "
         "the error bits, stochastic rounding, and the input at 8 bits, each quantized per channel in blocks of 128 "
         "tokens on the zero-centred grid, so that an int8 GEMM computes it with the scales applied per block). "
-        "Matrix products only; docs/backward.md."
+        "Matrix products only; docs/method.md §2."
     )
 
     def __post_init__(self) -> None:
