@@ -1,4 +1,5 @@
-"""A quantized Linear's training step (forward + backward) on a GPU, against bf16 autocast (issue 73).
+"""A quantized Linear's training step (forward + backward), then whole models' training steps, on a GPU against bf16
+autocast (issues 73 and 74).
 
 Per (tokens, in, out) shape: bf16 (autocast, the user's baseline), CPT on the CUDA backend with the default backward
 numerics (``cpt-default``) and with both backward products on int8 (``cpt-fastest``) at 8 and 4 bits, CPT on the
@@ -8,6 +9,12 @@ user's ``bf16=True`` run. Step times are medians of interleaved repeats after wa
 ``torch.cuda.max_memory_allocated`` over one step; bytes saved for the backward by a saved-tensor hook (parameters
 not counted). Rows go to ``--output`` (a JSON list) after every shape; rows already there are kept (resumable), and
 ``python bench/report.py`` renders docs/benchmarks.md's GPU section from ``bench/results/gpu.json``.
+
+Model rows (``--part models``): one training step (forward, backward, AdamW) of a 1.1B Llama-style model (random
+weights, seq 2048, batch 8), BERT-base (seq 512, batch 32), GPT-2 medium (seq 1024, batch 8), ViT-B/16 (batch 128),
+ResNet-50 (batch 256) and the MiniLM fine-tune's shape (seq 128, batch 32), bf16 and CPT 4-8/8 (default settings, at
+4 bits), eager and ``torch.compile``d, interleaved; peak memory as what the variant keeps between steps (parameters,
+gradients, optimizer state) plus what one step adds.
 
     HF_CPT_CUDA_KERNELS=1 python bench/gpu.py              # one H100/H200, under 5 minutes
     python bench/gpu.py --device cpu --smoke                # the script's own check on a CPU (tests/test_bench.py)
@@ -162,30 +169,179 @@ def measure_shape(shape: tuple[int, int, int], device: torch.device, repeats: in
     return out
 
 
+# ----------------------------------------------------------------------------- model steps (issue 74)
+
+
+def _llama(tiny: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    # TinyLlama's shape: about 1.1B parameters
+    return LlamaForCausalLM(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                        num_attention_heads=32, num_key_value_heads=4, vocab_size=32000))
+
+
+def _bert(tiny: bool, minilm: bool = False):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    if tiny:
+        config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                            vocab_size=256)
+    elif minilm:  # all-MiniLM-L6-v2's shape (random weights: the step's time does not depend on them)
+        config = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+    else:
+        config = BertConfig()
+    config.num_labels = 3
+    return BertForSequenceClassification(config)
+
+
+def _gpt2(tiny: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256) if tiny
+                           else GPT2Config(n_embd=1024, n_layer=24, n_head=16))
+
+
+def _vit(tiny: bool):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=128, num_labels=10) if tiny
+                                     else ViTConfig(num_labels=1000))
+
+
+def _resnet(tiny: bool):
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    return ResNetForImageClassification(ResNetConfig(depths=[1, 1], hidden_sizes=[32, 64], embedding_size=16,
+                                                     num_labels=10) if tiny else ResNetConfig(num_labels=1000))
+
+
+def _tokens(batch: int, length: int, vocab: int, labels: str, device: torch.device) -> dict:
+    ids = torch.randint(0, vocab, (batch, length), device=device)
+    target = ids if labels == "tokens" else torch.randint(0, 3, (batch,), device=device)
+    return {"input_ids": ids, "labels": target}
+
+
+def _images(batch: int, size: int, classes: int, device: torch.device) -> dict:
+    return {"pixel_values": torch.randn(batch, 3, size, size, device=device),
+            "labels": torch.randint(0, classes, (batch,), device=device)}
+
+
+# case -> (model builder, batch builder (tiny, device)): the issue's sizes; tiny ones for the CPU check
+MODELS = {
+    "llama-1b": (_llama, lambda tiny, d: _tokens(*((2, 16, 256) if tiny else (8, 2048, 32000)), "tokens", d)),
+    "bert-base": (_bert, lambda tiny, d: _tokens(*((2, 16, 256) if tiny else (32, 512, 30522)), "classes", d)),
+    "gpt2-medium": (_gpt2, lambda tiny, d: _tokens(*((2, 16, 256) if tiny else (8, 1024, 50257)), "tokens", d)),
+    "vit-b16": (_vit, lambda tiny, d: _images(*((2, 32, 10) if tiny else (128, 224, 1000)), d)),
+    "resnet50": (_resnet, lambda tiny, d: _images(*((2, 32, 10) if tiny else (256, 224, 1000)), d)),
+    "minilm": (lambda tiny: _bert(tiny, minilm=True),
+               lambda tiny, d: _tokens(*((2, 16, 256) if tiny else (32, 128, 30522)), "classes", d)),
+}
+
+
+def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the model keeps between steps: parameters, gradients and the optimizer's state."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_model(case: str, device: torch.device, repeats: int, warmup: int, tiny: bool,
+                  compile_models: bool) -> list[dict]:
+    """One training step (forward, backward, AdamW) of ``case`` under bf16 autocast: bf16 and CPT 4-8/8 (default
+    settings, at 4 bits), eager and compiled, interleaved; each ratio against bf16 in the same mode."""
+    build, batch_of = MODELS[case]
+    torch.manual_seed(0)
+    plain = build(tiny).to(device)
+    cpt = copy.deepcopy(plain)
+    quantize_model(cpt, CPTConfig())
+    set_precision(cpt, 4, 8)
+    batch = batch_of(tiny, device)
+    variants = {}
+    for name, model in (("bf16", plain), ("cpt-default", cpt)):
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        variants[(name, "eager")] = (model, model, optimizer)
+        if compile_models:
+            variants[(name, "compiled")] = (model, torch.compile(model), optimizer)
+
+    def step_of(model: nn.Module, runner, optimizer):
+        def step() -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = runner(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        return step
+
+    steps = {key: step_of(*value) for key, value in variants.items()}
+    timer = Timer(device)
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict[tuple, list[float]] = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key, step in steps.items():
+            times[key].append(timer(step))
+    peaks = {}
+    if device.type == "cuda":  # what the variant keeps between steps + what one step adds on top
+        for key, step in steps.items():
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            model, _, optimizer = variants[key]
+            peaks[key] = _state_bytes(model, optimizer) + torch.cuda.max_memory_allocated() - before
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows = []
+    for (name, mode), values in times.items():
+        seconds, base = statistics.median(values), statistics.median(times[("bf16", mode)])
+        row = {"case": case, "variant": name, "mode": mode, "device": device_name, "seconds": seconds,
+               "time_ratio_vs_bf16": seconds / base}
+        if peaks:
+            row["peak_ratio_vs_bf16"] = peaks[(name, mode)] / peaks[("bf16", mode)]
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default=DEFAULT_OUTPUT)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="one small shape, few repeats (the script's own check)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--part", choices=("linear", "models", "all"), default="all")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--no_compile", action="store_true", help="eager rows only")
     args = parser.parse_args()
     device = torch.device(args.device)
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
     repeats = args.repeats or (3 if args.smoke else 20)
     rows = json.load(open(args.output)) if os.path.exists(args.output) else []
-    done = {row["case"] for row in rows}
-    for shape in shapes:
-        case = "linear-{}x{}x{}".format(*shape)
-        if case in done:
-            continue
-        rows.extend(measure_shape(shape, device, repeats, warmup=1 if args.smoke else 3))
+
+    def save(new_rows: list[dict]) -> None:
+        rows.extend(new_rows)
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)
-        for row in rows[-len(CPT_VARIANTS) - 1:]:
+        for row in new_rows:
             print(json.dumps(row))
-    fallbacks = backend_for(device).fallbacks
-    print(json.dumps({"fallbacks": fallbacks}))
+
+    done = {row["case"] for row in rows}
+    if args.part in ("linear", "all"):
+        for shape in SMOKE_SHAPES if args.smoke else SHAPES:
+            if "linear-{}x{}x{}".format(*shape) not in done:
+                save(measure_shape(shape, device, repeats, warmup=1 if args.smoke else 3))
+    if args.part in ("models", "all"):
+        for case in args.models:
+            if case not in done:
+                save(measure_model(case, device, max(3, repeats // 4), warmup=1 if args.smoke else 2, tiny=args.smoke,
+                                   compile_models=not args.no_compile))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print(json.dumps({"fallbacks": backend_for(device).fallbacks}))
 
 
 if __name__ == "__main__":

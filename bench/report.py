@@ -531,15 +531,19 @@ def exports_section(results: dict) -> list[str]:
 
 def gpu_section(rows: list[dict]) -> list[str]:
     """docs/benchmarks.md's GPU table from `bench/gpu.py`'s rows: each variant's step time, peak memory and bytes
-    saved for the backward against bf16 autocast on the same shape and GPU."""
+    saved for the backward against bf16 autocast on the same shape (or model), mode and GPU."""
     devices = sorted({row["device"] for row in rows})
     lines = [f"Measured on {', '.join(devices)} (`bench/gpu.py`, medians of interleaved repeats, CUDA events).", "",
-             "| case | variant | bits | time / bf16 | peak memory / bf16 | saved for backward / bf16 |",
-             "|---|---|---|---|---|---|"]
+             "| case | variant | mode | bits | time / bf16 | peak memory / bf16 | saved for backward / bf16 |",
+             "|---|---|---|---|---|---|---|"]
+
+    def ratio(row: dict, key: str) -> str:
+        return f"{row[key]:.2f}" if row.get(key) is not None else ""
+
     for row in rows:
-        peak = row.get("peak_ratio_vs_bf16")
-        lines.append(f"| {row['case']} | {row['variant']} | {row.get('bits', '')} | {row['time_ratio_vs_bf16']:.2f} | "
-                     f"{'' if peak is None else f'{peak:.2f}'} | {row['saved_ratio_vs_bf16']:.2f} |")
+        lines.append(f"| {row['case']} | {row['variant']} | {row.get('mode', 'eager')} | {row.get('bits', '')} | "
+                     f"{ratio(row, 'time_ratio_vs_bf16')} | {ratio(row, 'peak_ratio_vs_bf16')} | "
+                     f"{ratio(row, 'saved_ratio_vs_bf16')} |")
     return lines
 
 

@@ -11,7 +11,7 @@ from .test_bench import ROOT, _load_report, _run_script
 
 def test_the_gpu_bench_writes_a_row_per_variant_resumes_and_renders_its_table(tmp_path):
     output = tmp_path / "gpu.json"
-    _run_script("gpu.py", ["--device", "cpu", "--smoke", "--output", str(output)])
+    _run_script("gpu.py", ["--device", "cpu", "--smoke", "--part", "linear", "--output", str(output)])
     rows = json.loads(output.read_text())
     assert [(row["variant"], row.get("bits")) for row in rows] == [
         ("bf16", None), ("cpt-default", 8), ("cpt-default", 4), ("cpt-fastest", 8), ("cpt-fastest", 4),
@@ -21,11 +21,23 @@ def test_the_gpu_bench_writes_a_row_per_variant_resumes_and_renders_its_table(tm
     # CPT saves uint8 codes for the backward where bf16 autocast saves 2-byte copies: about half, plus the scales
     assert all(0.5 < row["saved_ratio_vs_bf16"] < 0.6 for row in rows[1:])
     before = output.stat().st_mtime_ns
-    run = _run_script("gpu.py", ["--device", "cpu", "--smoke", "--output", str(output)])  # resumed: nothing to do
+    run = _run_script("gpu.py", ["--device", "cpu", "--smoke", "--part", "linear", "--output", str(output)])  # resumed
     assert output.stat().st_mtime_ns == before and "linear-256x64x96" not in run.stdout
     table = _load_report().gpu_section(rows)
     assert table[0].startswith("Measured on cpu") and len(table) == 4 + len(rows)
-    assert "| linear-256x64x96 | cpt-fastest | 4 |" in "\n".join(table)
+    assert "| linear-256x64x96 | cpt-fastest | eager | 4 |" in "\n".join(table)
+
+
+def test_the_gpu_bench_times_a_models_training_step_against_bf16_in_each_mode(tmp_path):
+    output = tmp_path / "gpu.json"
+    _run_script("gpu.py", ["--device", "cpu", "--smoke", "--part", "models", "--models", "minilm", "gpt2-medium",
+                           "--no_compile", "--output", str(output)])
+    rows = json.loads(output.read_text())
+    assert [(row["case"], row["variant"], row["mode"]) for row in rows] == [
+        ("minilm", "bf16", "eager"), ("minilm", "cpt-default", "eager"),
+        ("gpt2-medium", "bf16", "eager"), ("gpt2-medium", "cpt-default", "eager")]
+    assert all(row["seconds"] > 0 for row in rows) and rows[0]["time_ratio_vs_bf16"] == 1.0
+    assert "| minilm | cpt-default | eager |  |" in "\n".join(_load_report().gpu_section(rows))
 
 
 def test_the_gpu_check_runs_the_cuda_tests_then_the_bench():
