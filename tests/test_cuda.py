@@ -249,3 +249,12 @@ def test_every_kernel_is_a_custom_op_that_passes_opcheck_on_the_gpu():
     from .test_cuda_kernels import OPCHECK, run_comparison
 
     assert run_comparison("cuda", dict(os.environ), OPCHECK) == {"checked": 7}
+
+
+def test_the_trainer_trains_on_the_cuda_backend_with_int8_backward_products_and_saves_what_loads():
+    import os
+
+    from .test_cuda_kernels import TRAINER_RUN, run_comparison
+
+    result = run_comparison("cuda", {**os.environ, "HF_CPT_CUDA_KERNELS": "1"}, TRAINER_RUN)
+    assert len(result["losses"]) == 2 and result["moved"] > 0 and result["gap"] < 1e-4

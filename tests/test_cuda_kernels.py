@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # Every case a layer meets: per-token ranges (keepdim, as the layers pass them) and one range per tensor, bits 3..8,
 # float32 / bf16 / fp16 inputs, an all-zero row (scale clamped to 1e-8), rows not a multiple of the block, codes alone.
 COMPARISON = """
@@ -164,10 +166,47 @@ assert all(set(r.values()) == {"SUCCESS"} for r in results), results
 print(json.dumps({"checked": len(results)}))
 """
 
+# The backend under the Trainer, as a user runs it: gradient accumulation (each weight's codes reused within a step),
+# the int8 backward products, the cycle through 4..8 bits, then a save that loads back with the C kernels.
+TRAINER_RUN = """
+import json, sys, tempfile, torch
+from transformers import BertForSequenceClassification, TrainingArguments
+from hf_cpt import CPTConfig, CPTTrainer, set_eval_precision
+from hf_cpt.backends import CPUBackend, register_backend
+from hf_cpt.backends.cuda import CUDABackend
+from tests.helpers import tiny_bert_config
+device = sys.argv[1]
+backend = CUDABackend()
+register_backend(device, backend)
+ids = torch.randint(5, 128, (16, 16), generator=torch.Generator().manual_seed(0))
+data = [{"input_ids": row, "labels": int(row[0] % 3)} for row in ids]
+torch.manual_seed(0)
+model = BertForSequenceClassification(tiny_bert_config(layers=2))
+before = {n: p.detach().clone() for n, p in model.named_parameters()}
+folder = tempfile.mkdtemp()
+args = TrainingArguments(output_dir=folder, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
+                         logging_steps=1, save_strategy="no", report_to="none", use_cpu=device == "cpu",
+                         disable_tqdm=True, seed=0, learning_rate=1e-3)
+config = CPTConfig(bits_min=4, num_cycles=1, input_gradient_product="int8", weight_gradient_product="int8",
+                   fidelity_threshold=None)
+trainer = CPTTrainer(model=model, args=args, train_dataset=data, cpt_config=config)
+trainer.train()
+losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+moved = sum(not torch.equal(p.detach().cpu(), before[n]) for n, p in model.named_parameters())
+trainer.save_model(folder + "/out", bits=8)
+register_backend(device, CPUBackend() if device == "cpu" else None)
+model = model.cpu().eval()
+set_eval_precision(model, 8)
+loaded = BertForSequenceClassification.from_pretrained(folder + "/out").eval()
+with torch.no_grad():
+    gap = (loaded(input_ids=ids[:4]).logits - model(input_ids=ids[:4]).logits).abs().max().item()
+print(json.dumps({"losses": losses, "moved": moved, "fallbacks": backend.fallbacks, "gap": gap}))
+"""
+
 
 def run_comparison(device: str, env: dict, script: str = COMPARISON) -> dict:
     run = subprocess.run([sys.executable, "-c", script, device], capture_output=True, text=True, env=env,
-                         timeout=600)
+                         timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 
@@ -188,6 +227,14 @@ def test_the_backward_kernels_give_the_reference_codes_and_the_int8_products_its
     result = run_comparison("cpu", {**os.environ, "TRITON_INTERPRET": "1"}, BACKWARD_COMPARISON)
     assert (result["errors"], result["blocks"]) == (2 * 6 * 2, 3 * 2)
     assert result["fallbacks"] > 0  # the classifier's and pooler's 4 rows: fewer than an int8 GEMM takes
+
+
+@pytest.mark.slow
+def test_the_trainer_trains_on_the_cuda_backend_with_int8_backward_products_and_saves_what_loads():
+    result = run_comparison("cpu", {**os.environ, "TRITON_INTERPRET": "1"}, TRAINER_RUN)
+    assert len(result["losses"]) == 2 and all(0 < loss < 10 for loss in result["losses"])
+    assert result["moved"] > 0 and result["fallbacks"] > 0  # the pooler's and classifier's 4 rows: float products
+    assert result["gap"] < 1e-4  # the checkpoint computes what the trained model computes at 8 bits
 
 
 @pytest.mark.slow
