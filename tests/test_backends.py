@@ -103,3 +103,39 @@ def test_int8_dot_products_can_be_forced_either_way(monkeypatch):
     with cpu_backend(int8_dot=False):
         assert backend_for(torch.device("cpu")).int8_gemm() is False
     assert isinstance(backend_for("meta"), ReferenceBackend) and backend_for("meta").products_on_codes(True) is False
+
+
+def test_a_backend_that_packs_saved_codes_halves_them_at_4_bits_and_gives_the_same_gradients():
+    """Codes saved for the backward two a byte at 4 bits or fewer (`Backend.packs_saved_codes`, the CUDA backend's
+    choice), unpacked bit for bit in backward; above 4 bits one a byte, as without packing."""
+    class Packing(ReferenceBackend):
+        packs_saved_codes = True
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32))
+    x = torch.randn(4, 50, 64)
+
+    def run(backend, bits):
+        previous = register_backend("cpu", backend)
+        try:
+            model = copy.deepcopy(base)
+            quantize_model(model, CPTConfig(quant_scheme="per-token"))
+            set_precision(model, bits, 8)
+            codes = []
+
+            def pack(t):
+                if t.dtype == torch.uint8:
+                    codes.append(t.numel())
+                return t
+
+            torch.manual_seed(1)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(x).sum().backward()
+            return sum(codes), [p.grad for p in model.parameters()]
+        finally:
+            register_backend("cpu", previous)
+
+    for bits, share in ((4, 0.5), (3, 0.5), (5, 1.0)):
+        (plain_bytes, plain), (packed_bytes, packed) = run(ReferenceBackend(), bits), run(Packing(), bits)
+        assert packed_bytes == share * plain_bytes > 0, bits
+        assert all(torch.equal(a, b) for a, b in zip(plain, packed)), bits

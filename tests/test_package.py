@@ -27,9 +27,9 @@ MAX_LINES = 400
 # hf_cpt/ as a whole, C included. The simplification issue (70) closed at 9,998 (its target: 10,000); the issues after
 # it added the compressed-tensors export, staged saves, load-time digest and value checks, the kernel cache's checks
 # and schedules counted by cycles (10,200), then the CUDA backend's first kernels (10,350), then the backward's int8
-# products (options, float definitions, cost, Triton kernels as custom ops: 10,800). A guard against growth: raise it
-# only for a feature, and say so.
-MAX_LIBRARY_LINES = 10_800
+# products (options, float definitions, cost, Triton kernels as custom ops: 10,800) and saved codes packed two a
+# byte at 4 bits (10,900). A guard against growth: raise it only for a feature, and say so.
+MAX_LIBRARY_LINES = 10_900
 
 
 def _modules() -> dict[str, str]:

@@ -33,6 +33,7 @@ from hf_cpt import (
 from hf_cpt.nn.base import QuantLayerMixin
 from hf_cpt.nn.layers import weight_channel_dim
 from hf_cpt.numerics.fake_quant import dequantize_codes, quantize_codes
+from hf_cpt.numerics.packing import pack_codes, unpack_codes
 from hf_cpt.serialization.export import plan_export
 from hf_cpt.serialization.format import (
     FORMAT_VERSION,
@@ -41,7 +42,6 @@ from hf_cpt.serialization.format import (
     CheckpointFields,
     float_storage_bits,
 )
-from hf_cpt.serialization.packing import pack_codes, unpack_codes
 from hf_cpt.serialization.save import checkpoint_size
 from hf_cpt.version import INSTALL_HINT
 

@@ -27,6 +27,8 @@ class Backend:
     name = "reference"
     native = False  # whether the package's C kernels may serve (CPU tensors only)
     fallbacks = 0  # products on codes a GPU's int8 GEMM could not take, run in float (`code_product`)
+    # whether codes saved for the backward at 4 bits or fewer are packed two a byte (eager forwards; a pass each way)
+    packs_saved_codes = False
 
     def products_on_codes(self, setting: bool | str) -> bool:
         """Whether training products run on integer codes here under ``RuntimeSettings.integer_matmul`` (True, False

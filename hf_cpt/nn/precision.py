@@ -32,6 +32,7 @@ class PrecisionState:
         runtime = runtime or RuntimeSettings()
         self.bits = torch.zeros(())
         self.compact_codes = False
+        self.nibble_codes = False
         self.grad_bits = torch.zeros(())
         self.eval_bits = torch.zeros(())
         self.eval_bits_value: int | None = None  # eval_bits as a Python number (None: not enabled)
@@ -124,6 +125,8 @@ class PrecisionState:
         self.backward_enabled = grad_bits is not None
         # Whether training codes fit in uint8: a flag, so that a compiled model does not re-trace per bit-width.
         self.compact_codes = bits is not None and bits <= 8
+        # Whether saved codes fit two a byte (read by eager forwards only: no guard of a compiled graph).
+        self.nibble_codes = bits is not None and bits <= 4
         if bits is not None:
             self.bits.fill_(float(bits))
         if grad_bits is not None:

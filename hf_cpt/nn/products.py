@@ -5,10 +5,13 @@ error; `QuantizedMatmul`: the attention's ``Q Kᵀ`` and ``P V``; `quantized_inp
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..backends import backend_for
 from ..numerics.fake_quant import fake_quantize, token_range
+from ..numerics.packing import pack_codes, unpack_codes
 from ..numerics.rotated_codes import rotated_token_codes
 from ..numerics.rotation import Rotation
 from .recompute import mark_recomputable
@@ -101,11 +104,38 @@ def _not_a_view(t: torch.Tensor) -> torch.Tensor:
                                                                 t.stride())
 
 
+# Packed codes saved by eager forwards: each shared input's or reused weight's codes packed once for all its readers.
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _nibbles(layer) -> bool:
+    """Whether the layer's saved codes may go two a byte now: read outside compiled graphs only (a guard there)."""
+    return not torch.compiler.is_dynamo_compiling() and layer.cpt_precision.nibble_codes
+
+
+def packed_for_backward(saved: tuple[torch.Tensor | None, ...], nibbles: bool) -> tuple[torch.Tensor | None, ...]:
+    """``saved`` with its codes packed two a byte where the backend packs saved codes and the bits allow (``nibbles``,
+    `_nibbles`: at most 4, never in a compiled graph): half the memory for a pass each way."""
+    codes, scale, minimum = saved
+    if (not nibbles or scale is None or codes is None or codes.dtype != torch.uint8 or not codes.dim()
+            or not backend_for(codes.device).packs_saved_codes):
+        return saved
+    known = _PACKED.get(codes)
+    packed = known() if known is not None else None
+    if packed is None:
+        packed = pack_codes(codes.reshape(-1, codes.shape[-1]), 4)
+        _PACKED[codes] = weakref.ref(packed)
+    return packed, scale, minimum
+
+
 def _rebuilt_operand(saved: tuple[torch.Tensor | None, ...], dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read)."""
+    """The operand the forward used, or a meta tensor of its shape when it was not saved (not read); codes packed two
+    a byte (`packed_for_backward`) are unpacked first."""
     codes, scale, minimum = saved
     if codes is None:
         return torch.empty(shape, dtype=dtype, device="meta")
+    if scale is not None and codes.numel() != shape.numel():
+        codes = unpack_codes(codes, 4, shape[-1]).view(shape)
     return codes if scale is None else backend_for(codes.device).restore(codes, scale, minimum, dtype)
 
 
@@ -143,12 +173,16 @@ class QuantizedProducts(torch.autograd.Function):
             weight_codes = (weight_quantized[1] if weight_quantized is not None
                             else backend.operand(operand, weight_min, weight_max, bits, values=False)[1])
             x_saved = (x, x_min, x_max) if producer_keeps else x_codes if keep_x else NOT_SAVED
-            ctx.save_for_backward(*x_saved, *(weight_codes if needs_x else NOT_SAVED))
+            # both codes kept: exact to recompute the output from them (they stay unpacked for it)
+            recompute = (keep_x and needs_x and not producer_keeps and layer.cpt_precision.recompute_activation_inputs
+                         and not torch.compiler.is_dynamo_compiling())
+            nibbles = not recompute and _nibbles(layer)
+            ctx.save_for_backward(*packed_for_backward(x_saved, nibbles),
+                                  *packed_for_backward(weight_codes if needs_x else NOT_SAVED, nibbles))
             autocast = torch.is_autocast_enabled(x.device.type)
             dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
             output = _not_a_view(layer.compute_on_codes(x_codes, weight_codes, bits, bias).to(dtype))
-            if (keep_x and needs_x and not producer_keeps and layer.cpt_precision.recompute_activation_inputs
-                    and not torch.compiler.is_dynamo_compiling()):  # both codes kept: exact to recompute
+            if recompute:
                 mark_recomputable(output, layer, x_codes, weight_codes, bits, bias, dtype)
             return output
         if x_quantized is None:
@@ -162,7 +196,8 @@ class QuantizedProducts(torch.autograd.Function):
         else:  # quantized by the layer already (its codes kept for the other forwards of this optimizer step)
             weight_value, codes = weight_quantized
             weight_saved = codes if needs_x else NOT_SAVED
-        ctx.save_for_backward(*x_saved, *weight_saved)
+        nibbles = _nibbles(layer)
+        ctx.save_for_backward(*packed_for_backward(x_saved, nibbles), *packed_for_backward(weight_saved, nibbles))
         output = layer.compute(x_value.to(x.dtype), weight_value.to(weight.dtype))  # a rotation computes in float32
         return output
 

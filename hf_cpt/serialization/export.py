@@ -23,6 +23,7 @@ from ..nn.attention import find_attention_quantizer
 from ..nn.base import QuantLayerMixin
 from ..nn.layers import Conv1D, weight_channel_dim
 from ..numerics.fake_quant import dequantize_codes, quantize_codes
+from ..numerics.packing import pack_codes
 from ..utils import json_safe
 from ..version import __version__
 from .format import (
@@ -41,7 +42,6 @@ from .format import (
     is_cpt_tensor,
     tensor_digest,
 )
-from .packing import pack_codes
 from .validation import check_values
 
 logger = logging.getLogger(__name__)

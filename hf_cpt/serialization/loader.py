@@ -24,9 +24,9 @@ from ..nn.base import NONFINITE_INPUTS, QuantLayerMixin
 from ..nn.layers import QUANT_EMBEDDING_CLASSES, QUANT_LAYER_CLASSES, convert_layer, weight_channel_dim
 from ..nn.precision import PrecisionState
 from ..numerics.fake_quant import dequantize_codes
+from ..numerics.packing import packed_row_bytes, unpack_codes
 from .export import packed_state_dict, portable_state_dict
 from .format import ACT_MAX, ACT_MIN, PACKED, QUANT_METHODS, REQUIRES_HF_CPT, SCALE, ZERO_POINT, tensor_digest
-from .packing import packed_row_bytes, unpack_codes
 from .quantization_config import CPTQuantizationConfig
 from .validation import check_values, named_module, read_tensor_headers, safetensors_files, validate_checkpoint
 

@@ -18,8 +18,8 @@ from ..nn import (
     rotation_buffers,
     weight_channel_dim,
 )
+from ..numerics.packing import packed_row_bytes
 from .format import ACT_MAX, ACT_MIN, PACKED, ROTATION_PREFIX, SCALE, ZERO_POINT, is_cpt_tensor
-from .packing import packed_row_bytes
 from .quantization_config import CPTQuantizationConfig
 
 

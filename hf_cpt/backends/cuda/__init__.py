@@ -25,6 +25,7 @@ class CUDABackend(Backend):
     on int8 codes (the forward by default, the backward's with the int8 options); else the reference."""
 
     name = "cuda"
+    packs_saved_codes = True  # activation memory is what a GPU runs out of
 
     def products_on_codes(self, setting: bool | str) -> bool:
         return True if setting == "auto" else setting

@@ -1,8 +1,9 @@
-"""Integer codes of a packed CPT checkpoint: nibble packing of per-channel codes.
+"""Nibble packing of integer codes: two codes a byte at 4 bits or fewer, one above.
 
-``weight = codes * scale + zero_point`` per output channel, with the arithmetic of
-`hf_cpt.numerics.fake_quant.fake_quantize`, so that unpacking reproduces the weight a CPT layer computes with.
-Layout details: ``docs/checkpoints.md``. This module knows nothing about models, layers or transformers.
+A packed checkpoint's per-channel weight codes (``weight = codes * scale + zero_point`` per output channel, with the
+arithmetic of `hf_cpt.numerics.fake_quant.fake_quantize`; layout: ``docs/checkpoints.md``), and the codes a training
+forward saves for its backward where a backend packs them (`hf_cpt.backends.base.Backend.packs_saved_codes`).
+Knows nothing about models, layers or transformers.
 """
 
 from __future__ import annotations
