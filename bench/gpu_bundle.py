@@ -1,0 +1,95 @@
+"""What a GPU run needs that the GPU machine cannot reach, in one ignored folder passed in the device tool's ``carry``
+(64 MiB at most; ``../shared`` does not travel, and the machine reaches no Hub or package registry).
+
+``--bundle finetune`` (issue 75, bench/gpu_finetune.sh): all-MiniLM-L6-v2 with its weights stored in float16 (about
+45 MB; loaded back as float32, the rounding to float16 being the only change to the checkpoint) and its tokenizer,
+``mnli/dev.jsonl`` and ``rte/{train,dev}.csv``. ``--bundle cifar10`` (issue 76): the project's CIFAR-10 images as one
+uint8 array file (`cifar10_uint8.npz`: ``x_train`` [N, 32, 32, 3], ``y_train``, ``x_test``, ``y_test``, class names),
+which bench/horizon.py reads with ``--images``.
+
+    python bench/gpu_bundle.py --bundle finetune      # writes gpu_data/ (ignored by git)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402  (the offline environment and the import path)
+import torch  # noqa: E402
+
+DEFAULT_FOLDER = os.path.join(harness.ROOT, "gpu_data")
+CARRY_LIMIT = 64 * 2**20
+NLI_FILES = (("mnli", "dev.jsonl"), ("rte", "train.csv"), ("rte", "dev.csv"))
+
+
+def finetune_bundle(data_dir: str, folder: str, model_path: str | None) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    import pretrained
+
+    source = model_path or pretrained.minilm_path()
+    model = AutoModel.from_pretrained(source)  # the encoder alone: each task's run adds its own head
+    model.to(torch.float16).save_pretrained(os.path.join(folder, "minilm"))
+    AutoTokenizer.from_pretrained(source).save_pretrained(os.path.join(folder, "minilm"))
+    for parts in NLI_FILES:
+        os.makedirs(os.path.join(folder, parts[0]), exist_ok=True)
+        shutil.copyfile(harness.data_file(data_dir, *parts), os.path.join(folder, *parts))
+
+
+def cifar10_arrays(data_dir: str, split: str, limit: int | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(uint8 images [N, 32, 32, 3], int64 labels, class names) of ``cifar10/<split>/<class>/*.jpg``, in a fixed
+    order (class folders sorted, files sorted); ``limit``: the first images of each class."""
+    from PIL import Image
+
+    root = harness.data_file(data_dir, "cifar10", split)
+    classes = sorted(os.listdir(root))
+    images, labels = [], []
+    for label, name in enumerate(classes):
+        files = sorted(os.listdir(os.path.join(root, name)))[:limit]
+        for file in files:
+            with Image.open(os.path.join(root, name, file)) as image:
+                images.append(np.asarray(image.convert("RGB"), dtype=np.uint8))
+            labels.append(label)
+    return np.stack(images), np.asarray(labels, dtype=np.int64), classes
+
+
+def cifar10_bundle(data_dir: str, folder: str, limit: int | None) -> None:
+    x_train, y_train, classes = cifar10_arrays(data_dir, "train", limit)
+    x_test, y_test, _ = cifar10_arrays(data_dir, "test", limit)
+    np.savez_compressed(os.path.join(folder, "cifar10_uint8.npz"), x_train=x_train, y_train=y_train,
+                        x_test=x_test, y_test=y_test, classes=np.asarray(classes))
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", choices=("finetune", "cifar10"), required=True)
+    parser.add_argument("--data_dir", default=harness.DEFAULT_DATA)
+    parser.add_argument("--folder", default=DEFAULT_FOLDER)
+    parser.add_argument("--model_path", default=None, help="another local BERT (the smoke test's tiny one)")
+    parser.add_argument("--limit", type=int, default=None, help="cifar10: images per class and split (checks)")
+    args = parser.parse_args()
+    os.makedirs(args.folder, exist_ok=True)
+    if args.bundle == "finetune":
+        finetune_bundle(args.data_dir, args.folder, args.model_path)
+    else:
+        cifar10_bundle(args.data_dir, args.folder, args.limit)
+    size = folder_bytes(args.folder)
+    print(f"{args.folder}: {size / 2**20:.1f} MiB")
+    if size > CARRY_LIMIT:
+        sys.exit(f"{args.folder} holds {size / 2**20:.1f} MiB, above the 64 MiB a device run carries: one bundle per "
+                 "run (another --folder)")
+
+
+if __name__ == "__main__":
+    main()
