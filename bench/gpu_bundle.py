@@ -30,9 +30,8 @@ NLI_FILES = (("mnli", "dev.jsonl"), ("rte", "train.csv"), ("rte", "dev.csv"))
 
 
 def finetune_bundle(data_dir: str, folder: str, model_path: str | None) -> None:
-    from transformers import AutoModel, AutoTokenizer
-
     import pretrained
+    from transformers import AutoModel, AutoTokenizer
 
     source = model_path or pretrained.minilm_path()
     model = AutoModel.from_pretrained(source)  # the encoder alone: each task's run adds its own head
