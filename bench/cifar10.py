@@ -92,31 +92,85 @@ class ImageDataset(torch.utils.data.Dataset):
         return {"pixel_values": image, "labels": self.labels[index]}
 
 
+class DeviceImages(torch.utils.data.Dataset):
+    """Normalised images held on a device, served as indices; `DeviceImages.collate` gathers a batch there and
+    augments it there (the padded random crop and horizontal flip of `ImageDataset`, per sample, drawn on the
+    device): no per-sample host work, no copies to the device."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, device: str) -> None:
+        mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
+        self.images = ((images.float() / 255 - mean) / std).to(device)
+        self.labels, self.augment = labels.to(device), augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def collate(self, indices: list[int]) -> dict:
+        index = torch.tensor(indices, device=self.images.device)
+        images = self.images[index]
+        if self.augment:
+            count = len(indices)
+            padded = nn.functional.pad(images, (4, 4, 4, 4))
+            top, left = (torch.randint(0, 9, (count, 1), device=index.device) for _ in range(2))
+            rows = (top + torch.arange(32, device=index.device))[:, None, :, None]
+            columns = (left + torch.arange(32, device=index.device))[:, None, None, :]
+            images = padded[torch.arange(count, device=index.device)[:, None, None, None],
+                            torch.arange(3, device=index.device)[None, :, None, None], rows, columns]
+            flip = torch.rand(count, device=index.device) < 0.5
+            images = torch.where(flip[:, None, None, None], images.flip(-1), images)
+        return {"pixel_values": images, "labels": self.labels[index]}
+
+
+def load_cifar_arrays(path: str, device: str, train_size: int | None, test_size: int | None):
+    """The CIFAR-10 images of a `bench/gpu_bundle.py` array file (``--images``), held on ``device``."""
+    import numpy as np
+
+    arrays = np.load(path)
+
+    def split(name: str, limit: int | None) -> DeviceImages:
+        images = torch.from_numpy(arrays[f"x_{name}"]).permute(0, 3, 1, 2).contiguous()
+        labels = torch.from_numpy(arrays[f"y_{name}"])
+        if limit is not None:  # the first images of each class, as `load_folder` caps them
+            keep = torch.cat([torch.nonzero(labels == c)[: max(1, limit // len(CLASSES)), 0]
+                              for c in range(len(CLASSES))])
+            images, labels = images[keep], labels[keep]
+        return DeviceImages(images, labels, augment=name == "train", device=device)
+
+    return split("train", train_size), split("test", test_size)
+
+
 # ----------------------------------------------------------------------------- runs
 
 
 def make_trainer(model: nn.Module, config: CPTConfig, train, evaluation, epochs: float, seed: int, work_dir: str,
-                 max_steps: int = -1, batch_size: int = 128, lr: float = 0.1) -> CPTTrainer:
+                 max_steps: int = -1, batch_size: int = 128, lr: float = 0.1, device: str = "cpu") -> CPTTrainer:
     from transformers import TrainingArguments, get_cosine_schedule_with_warmup
 
+    on_device = isinstance(train, DeviceImages)  # batches gathered and augmented where the images are
     args = TrainingArguments(
         output_dir=work_dir, per_device_train_batch_size=batch_size, per_device_eval_batch_size=500,
         num_train_epochs=epochs, max_steps=max_steps, seed=seed, logging_steps=10, save_strategy="no",
-        report_to="none", use_cpu=True, disable_tqdm=True,
+        report_to="none", use_cpu=device == "cpu", disable_tqdm=True,
+        **({"remove_unused_columns": False, "dataloader_pin_memory": False} if on_device else {}),
     )
     steps = max_steps if max_steps > 0 else math.ceil(epochs * math.ceil(len(train) / batch_size))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=True)
     scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 50), steps)
     return CPTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                      compute_metrics=harness.accuracy, optimizers=(optimizer, scheduler), cpt_config=config)
+                      compute_metrics=harness.accuracy, optimizers=(optimizer, scheduler), cpt_config=config,
+                      **({"data_collator": train.collate} if on_device else {}))
 
 
 def run_all(results: dict, path: str, runs: dict[str, dict], seeds: list[int], train, evaluation, epochs: float,
-            max_steps: int, work_dir: str, profile: bool, desc: str = "vision runs", section: str = "runs") -> None:
+            max_steps: int, work_dir: str, profile: bool, desc: str = "vision runs", section: str = "runs",
+            device: str = "cpu") -> None:
     """Every (run, seed) of a fresh CIFAR ResNet-20 (`harness.run_all`)."""
     def build(config: CPTConfig, seed: int, name: str) -> CPTTrainer:
         return make_trainer(CifarResNet(20), config, train, evaluation, epochs, seed, os.path.join(work_dir, name),
-                            max_steps)
+                            max_steps, device=device)
 
     harness.run_all(results, path, runs, seeds, build, "accuracy", "accuracy", profile, section=section, desc=desc)
 

@@ -27,6 +27,9 @@ each claims a (length, run, seed) before training it (`harness.claim`) and leave
 
     OMP_NUM_THREADS=1 nohup python bench/horizon.py > outputs/horizon_a.log 2>&1 &
     OMP_NUM_THREADS=1 nohup python bench/horizon.py > outputs/horizon_b.log 2>&1 &   # a second core
+
+On a GPU (issue 76: 4 to 160 epochs, 4 seeds, the paper's 32 cycles; `bench/gpu_horizon.sh`): ``--device cuda
+--images gpu_data/cifar10_uint8.npz`` holds the images on the GPU and augments each batch there.
 """
 
 from __future__ import annotations
@@ -68,19 +71,26 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     cifar10.add_slice_arguments(parser)
     parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_horizon"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="train there (cuda: the images and their augmentation on the GPU too)")
+    parser.add_argument("--images", default=None,
+                        help="the CIFAR-10 array file of `bench/gpu_bundle.py --bundle cifar10` (else the image folders)")
     args = parser.parse_args()
 
     results = harness.load_results(args.output)
     harness.check_settings(results, "settings", {
         "max_steps": args.max_steps, "train_size": args.train_size, "test_size": args.test_size,
         "model": "CIFAR ResNet-20", "batch_size": 128}, args.output)
-    train, test = cifar10.load_cifar(args.data_dir, args.train_size, args.test_size)
+    if args.images is not None:
+        train, test = cifar10.load_cifar_arrays(args.images, args.device, args.train_size, args.test_size)
+    else:
+        train, test = cifar10.load_cifar(args.data_dir, args.train_size, args.test_size)
     results["data"] = {"train": len(train), "test": len(test)}
     runs = {name: RUNS[name] for name in args.runs}
     for epochs in sorted(args.epochs):
         cifar10.run_all(results, args.output, runs, args.seeds, train, test, epochs, args.max_steps,
                         os.path.join(args.work_dir, section(epochs)), profile=False,
-                        desc=f"horizon, {epochs:g} epochs", section=section(epochs))
+                        desc=f"horizon, {epochs:g} epochs", section=section(epochs), device=args.device)
     print(f"results: {args.output}")
 
 

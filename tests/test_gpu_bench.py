@@ -89,3 +89,36 @@ def test_the_gpu_finetune_bundle_carries_what_the_rte_and_bf16_runs_read(tmp_pat
     assert results["finetune_settings"]["task"] == "rte"
     assert set(results["finetune"]) == {"bf16/seed0", "cpt-4-8/8-error-token-ceil/seed0"}
     assert all(0 <= entry["metric"] <= 1 and entry["steps"] == 2 for entry in results["finetune"].values())
+
+
+def test_device_images_crop_and_flip_each_sample_of_a_batch_where_the_images_are():
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import cifar10
+
+    images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    data = cifar10.DeviceImages(images, torch.arange(6), augment=True, device="cpu")
+    torch.manual_seed(0)
+    batch = data.collate([5, 0, 3])
+    assert batch["pixel_values"].shape == (3, 3, 32, 32) and batch["labels"].tolist() == [5, 0, 3]
+    for got, index in zip(batch["pixel_values"], [5, 0, 3]):
+        padded = torch.nn.functional.pad(data.images[index], (4, 4, 4, 4))
+        windows = [padded[:, top:top + 32, left:left + 32] for top in range(9) for left in range(9)]
+        assert any(torch.equal(got, w) or torch.equal(got, w.flip(-1)) for w in windows)
+    plain = cifar10.DeviceImages(images, torch.arange(6), augment=False, device="cpu").collate([2])
+    assert torch.equal(plain["pixel_values"][0], data.images[2])
+
+
+def test_the_horizon_trains_from_the_bundled_image_array(tmp_path, shared_data_dir):
+    bundle = tmp_path / "bundle"
+    _run_script("gpu_bundle.py", ["--bundle", "cifar10", "--folder", str(bundle), "--limit", "4", "--data_dir",
+                                  shared_data_dir])
+    output = tmp_path / "horizon.json"
+    _run_script("horizon.py", ["--images", str(bundle / "cifar10_uint8.npz"), "--epochs", "1", "--max_steps", "2",
+                               "--seeds", "0", "--runs", "fp32", "--output", str(output), "--work_dir",
+                               str(tmp_path / "work")])
+    results = json.loads(output.read_text())
+    assert results["data"] == {"train": 40, "test": 40} and results["epochs-1"]["fp32/seed0"]["steps"] == 2
