@@ -3,9 +3,10 @@
 
 ``--bundle finetune`` (issue 75, bench/gpu_finetune.sh): all-MiniLM-L6-v2 with its weights stored in float16 (about
 45 MB; loaded back as float32, the rounding to float16 being the only change to the checkpoint) and its tokenizer,
-``mnli/dev.jsonl`` and ``rte/{train,dev}.csv``. ``--bundle cifar10`` (issue 76): the project's CIFAR-10 images as one
-uint8 array file (`cifar10_uint8.npz`: ``x_train`` [N, 32, 32, 3], ``y_train``, ``x_test``, ``y_test``, class names),
-which bench/horizon.py reads with ``--images``.
+``mnli/dev.jsonl`` and ``rte/{train,dev}.csv``. ``--bundle horizon`` (issue 76, bench/gpu_horizon.sh): the project's
+CIFAR-10 images as one uint8 array file (`cifar10_uint8.npz`: ``x_train`` [N, 32, 32, 3], ``y_train``, ``x_test``,
+``y_test``, class names), which bench/horizon.py reads with ``--images``, and ``wikitext-2/{valid,test}.txt`` for
+bench/language_model.py (56 MiB in all).
 
     python bench/gpu_bundle.py --bundle finetune      # writes gpu_data/ (ignored by git)
 """
@@ -27,6 +28,7 @@ import torch  # noqa: E402
 DEFAULT_FOLDER = os.path.join(harness.ROOT, "gpu_data")
 CARRY_LIMIT = 64 * 2**20
 NLI_FILES = (("mnli", "dev.jsonl"), ("rte", "train.csv"), ("rte", "dev.csv"))
+TEXT_FILES = (("wikitext-2", "valid.txt"), ("wikitext-2", "test.txt"))
 
 
 def finetune_bundle(data_dir: str, folder: str, model_path: str | None) -> None:
@@ -37,7 +39,11 @@ def finetune_bundle(data_dir: str, folder: str, model_path: str | None) -> None:
     model = AutoModel.from_pretrained(source)  # the encoder alone: each task's run adds its own head
     model.to(torch.float16).save_pretrained(os.path.join(folder, "minilm"))
     AutoTokenizer.from_pretrained(source).save_pretrained(os.path.join(folder, "minilm"))
-    for parts in NLI_FILES:
+    copy_files(data_dir, folder, NLI_FILES)
+
+
+def copy_files(data_dir: str, folder: str, files: tuple[tuple[str, str], ...]) -> None:
+    for parts in files:
         os.makedirs(os.path.join(folder, parts[0]), exist_ok=True)
         shutil.copyfile(harness.data_file(data_dir, *parts), os.path.join(folder, *parts))
 
@@ -59,11 +65,12 @@ def cifar10_arrays(data_dir: str, split: str, limit: int | None = None) -> tuple
     return np.stack(images), np.asarray(labels, dtype=np.int64), classes
 
 
-def cifar10_bundle(data_dir: str, folder: str, limit: int | None) -> None:
+def horizon_bundle(data_dir: str, folder: str, limit: int | None) -> None:
     x_train, y_train, classes = cifar10_arrays(data_dir, "train", limit)
     x_test, y_test, _ = cifar10_arrays(data_dir, "test", limit)
     np.savez_compressed(os.path.join(folder, "cifar10_uint8.npz"), x_train=x_train, y_train=y_train,
                         x_test=x_test, y_test=y_test, classes=np.asarray(classes))
+    copy_files(data_dir, folder, TEXT_FILES)
 
 
 def folder_bytes(folder: str) -> int:
@@ -72,17 +79,17 @@ def folder_bytes(folder: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", choices=("finetune", "cifar10"), required=True)
+    parser.add_argument("--bundle", choices=("finetune", "horizon"), required=True)
     parser.add_argument("--data_dir", default=harness.DEFAULT_DATA)
     parser.add_argument("--folder", default=DEFAULT_FOLDER)
     parser.add_argument("--model_path", default=None, help="another local BERT (the smoke test's tiny one)")
-    parser.add_argument("--limit", type=int, default=None, help="cifar10: images per class and split (checks)")
+    parser.add_argument("--limit", type=int, default=None, help="horizon: images per class and split (checks)")
     args = parser.parse_args()
     os.makedirs(args.folder, exist_ok=True)
     if args.bundle == "finetune":
         finetune_bundle(args.data_dir, args.folder, args.model_path)
     else:
-        cifar10_bundle(args.data_dir, args.folder, args.limit)
+        horizon_bundle(args.data_dir, args.folder, args.limit)
     size = folder_bytes(args.folder)
     print(f"{args.folder}: {size / 2**20:.1f} MiB")
     if size > CARRY_LIMIT:

@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="train there (cuda: the images and their augmentation on the GPU too)")
     parser.add_argument("--images", default=None,
-                        help="the CIFAR-10 array file of `bench/gpu_bundle.py --bundle cifar10` (else the folders)")
+                        help="the CIFAR-10 array file of `bench/gpu_bundle.py --bundle horizon` (else the folders)")
     args = parser.parse_args()
 
     results = harness.load_results(args.output)

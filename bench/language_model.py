@@ -14,6 +14,12 @@ run again. ``python bench/report.py`` turns the JSON into ``docs/RESULTS.md``.
     nohup python bench/language_model.py > outputs/language_model.log 2>&1 &
     nohup python bench/language_model.py --epochs 6 --runs fp32 static-8/8-full cpt-4-8/8-full \
         --output bench/results/language_model_full.json > outputs/language_model_full.log 2>&1 &
+
+On a GPU (issue 76): a Llama-style model of about 70M parameters, quantized throughout, each run trained until its
+validation loss stops improving (at most 40 epochs), three seeds:
+
+    python bench/language_model.py --device cuda --model llama-70m --until_stalled 2 --epochs 40 --no_profile \
+        --runs fp32 static-8/8-full cpt-4-8/8-full --seeds 0 1 2 --output bench/results/language_model_gpu.json
 """
 
 from __future__ import annotations
@@ -49,6 +55,28 @@ RUNS = {
 }
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8"]
 MODEL_SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_positions=BLOCK)
+# --model llama-70m (issue 76, on a GPU): a Llama-style model of about 70M parameters with the 8,000-token vocabulary
+LLAMA_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
+                   num_key_value_heads=12, max_position_embeddings=BLOCK, tie_word_embeddings=False)
+MODELS = {"gpt2-small": MODEL_SHAPE, "llama-70m": LLAMA_SHAPE}
+
+
+class StopWhenValidationStalls:
+    """A Trainer callback: stop once the validation loss has not improved for ``patience`` evaluations (one per
+    epoch with ``--until_stalled``): each run trains until its validation loss stops improving."""
+
+    def __new__(cls, patience: int):
+        from transformers import TrainerCallback
+
+        class Callback(TrainerCallback):
+            best, stalled = float("inf"), 0
+
+            def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+                loss = (metrics or {}).get("eval_loss", float("inf"))
+                self.best, self.stalled = (loss, 0) if loss < self.best else (self.best, self.stalled + 1)
+                control.should_training_stop = self.stalled >= patience
+
+        return Callback()
 
 
 def perplexity(loss: float) -> float:
@@ -84,8 +112,18 @@ def build_tokenizer(train_file: str, work_dir: str):
     return train_tokenizer([train_file], folder, vocab_size=8000, kind="bpe", model_max_length=10**7)
 
 
+def build_model(name: str, tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if name == "llama-70m":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                                            eos_token_id=tokenizer.eos_token_id, **LLAMA_SHAPE))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, **MODEL_SHAPE))
+
+
 def main() -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    from transformers import TrainingArguments
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data_dir", default=harness.DEFAULT_DATA)
@@ -99,13 +137,20 @@ def main() -> None:
     parser.add_argument("--test_blocks", type=int, default=None, help="cap the test blocks (smoke tests)")
     parser.add_argument("--no_profile", action="store_true", help="skip the precision profile")
     parser.add_argument("--work_dir", default=os.path.join("outputs", "bench_language_model"))
+    parser.add_argument("--model", choices=list(MODELS), default="gpt2-small")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--until_stalled", type=int, default=None, metavar="PATIENCE",
+                        help="evaluate every epoch and stop a run once its validation loss has not improved for "
+                             "PATIENCE epochs (--epochs: the longest a run may train)")
     args = parser.parse_args()
 
     results = harness.load_results(args.output)
-    harness.check_settings(results, "settings", {
-        "epochs": args.epochs, "cycles": args.cycles, "max_steps": args.max_steps, "block": BLOCK,
-        "train_blocks": args.train_blocks, "test_blocks": args.test_blocks, "model": MODEL_SHAPE,
-        "batch_size": 16}, args.output)
+    settings = {"epochs": args.epochs, "cycles": args.cycles, "max_steps": args.max_steps, "block": BLOCK,
+                "train_blocks": args.train_blocks, "test_blocks": args.test_blocks, "model": MODELS[args.model],
+                "batch_size": 16}
+    if args.until_stalled is not None:  # files written before the option hold fixed-length runs
+        settings["until_stalled"] = args.until_stalled
+    harness.check_settings(results, "settings", settings, args.output)
     train_file = harness.data_file(args.data_dir, "wikitext-2", "valid.txt")
     tokenizer = build_tokenizer(train_file, args.work_dir)
     train = BlockDataset(train_file, tokenizer, args.train_blocks)
@@ -117,15 +162,17 @@ def main() -> None:
                        "vocab": len(tokenizer)}
 
     def build(config: CPTConfig, seed: int, name: str) -> CPTTrainer:
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                                           eos_token_id=tokenizer.eos_token_id, **MODEL_SHAPE))
+        model = build_model(args.model, tokenizer)
+        stalls = args.until_stalled is not None
         training = TrainingArguments(
             output_dir=os.path.join(args.work_dir, name), per_device_train_batch_size=16,
             per_device_eval_batch_size=32, learning_rate=1e-3, weight_decay=0.01, lr_scheduler_type="cosine",
             warmup_steps=20, num_train_epochs=args.epochs, max_steps=args.max_steps, seed=seed, logging_steps=10,
-            save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+            save_strategy="no", report_to="none", use_cpu=args.device == "cpu", disable_tqdm=True,
+            eval_strategy="epoch" if stalls else "no",
         )
-        return CPTTrainer(model=model, args=training, train_dataset=train, eval_dataset=test, cpt_config=config)
+        return CPTTrainer(model=model, args=training, train_dataset=train, eval_dataset=test, cpt_config=config,
+                          callbacks=[StopWhenValidationStalls(args.until_stalled)] if stalls else None)
 
     runs = harness.with_cycles({name: RUNS[name] for name in args.runs}, args.cycles)
     harness.run_all(results, args.output, runs, args.seeds, build, "loss", "perplexity", not args.no_profile,

@@ -114,11 +114,28 @@ def test_device_images_crop_and_flip_each_sample_of_a_batch_where_the_images_are
 
 def test_the_horizon_trains_from_the_bundled_image_array(tmp_path, shared_data_dir):
     bundle = tmp_path / "bundle"
-    _run_script("gpu_bundle.py", ["--bundle", "cifar10", "--folder", str(bundle), "--limit", "4", "--data_dir",
+    _run_script("gpu_bundle.py", ["--bundle", "horizon", "--folder", str(bundle), "--limit", "4", "--data_dir",
                                   shared_data_dir])
+    assert (bundle / "wikitext-2" / "test.txt").exists()
     output = tmp_path / "horizon.json"
     _run_script("horizon.py", ["--images", str(bundle / "cifar10_uint8.npz"), "--epochs", "1", "--max_steps", "2",
                                "--seeds", "0", "--runs", "fp32", "--output", str(output), "--work_dir",
                                str(tmp_path / "work")])
     results = json.loads(output.read_text())
     assert results["data"] == {"train": 40, "test": 40} and results["epochs-1"]["fp32/seed0"]["steps"] == 2
+
+
+def test_a_language_model_run_stops_once_its_validation_loss_stalls():
+    import sys
+
+    from transformers import TrainerControl
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import language_model
+
+    callback, control = language_model.StopWhenValidationStalls(2), TrainerControl()
+    stops = []
+    for loss in (3.0, 2.0, 2.5, 1.9, 2.1, 2.2):
+        callback.on_evaluate(None, None, control, metrics={"eval_loss": loss})
+        stops.append(control.should_training_stop)
+    assert stops == [False, False, False, False, False, True]  # two evaluations without a new best
