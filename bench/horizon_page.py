@@ -137,10 +137,17 @@ def plot(data: dict, path: str) -> None:
                 "CIFAR-10, ResNet-20 from scratch: accuracy against training length", legend_size=7)
 
 
-def section(data: dict, figures_dir: str, link_dir: str) -> list[str]:
+GPU_FILE = "horizon_gpu.json"  # bench/gpu_horizon.sh: the same scan on a GPU, to 160 epochs (issue 76)
+GPU_COMMAND = "bash bench/gpu_horizon.sh"
+
+
+def section(data: dict, figures_dir: str, link_dir: str, gpu: bool = False) -> list[str]:
     settings, size = data.get("settings", {}), data.get("data", {})
-    lines = ["## Horizon: does CPT catch up with static training when it trains longer?", "",
-             f"`{COMMAND}`: the CIFAR ResNet-20 above, {size.get('train', '?'):,} training images, batch "
+    device = data.get("environment", {}).get("device", "a GPU") if gpu else None
+    title = "## Horizon: does CPT catch up with static training when it trains longer?" + (
+        f" On {device}" if gpu else "")
+    lines = [title, "",
+             f"`{GPU_COMMAND if gpu else COMMAND}`: the CIFAR ResNet-20 above, {size.get('train', '?'):,} training images, batch "
              f"{settings.get('batch_size')}, at each length its own cosine learning rate and schedule; the CPT "
              "paper trains 160 epochs with 32 cycles. Accuracy % as mean ± half range (seeds); a cell reads "
              "\"not run yet\" until its runs finish (the script is resumable and runs the shortest lengths "
@@ -150,8 +157,9 @@ def section(data: dict, figures_dir: str, link_dir: str) -> list[str]:
     lines += table(data) + ["", f"Training time of these runs: {seconds / 3600:.1f} h on this machine.", "",
                             "Findings:", ""] + findings(data) + [""]
     if lengths(data):
-        plot(data, os.path.join(figures_dir, "horizon.png"))
-        lines += [f"![accuracy against training length]({link_dir}/horizon.png)", ""]
+        name = "horizon_gpu.png" if gpu else "horizon.png"
+        plot(data, os.path.join(figures_dir, name))
+        lines += [f"![accuracy against training length]({link_dir}/{name})", ""]
     return lines
 
 

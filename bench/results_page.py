@@ -80,6 +80,20 @@ TASKS = (
          "--output bench/results/language_model_full.json",
          renames=(("static-8/8-full", "static-8/8"), ("cpt-4-8/8-full", "cpt-4-8/8"))),
 )
+# The GPU runs (issues 75, 76; bench/gpu_finetune.sh, bench/gpu_horizon.sh): tables of their own, each naming its
+# device in its settings line (the environment the JSON records)
+TASKS += (
+    Task("entailment_gpu", "Entailment on a GPU: pretrained all-MiniLM-L6-v2 fine-tuned on MNLI, 16 seeds",
+         "finetune_gpu.json", "finetune", "accuracy", True, ("fp32", "bf16", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"),
+         "bash bench/gpu_finetune.sh", settings_key="finetune_settings", renames=_DEFAULT_ERRORS_PER_ROW[2:]),
+    Task("rte_gpu", "Entailment on a GPU, second task: RTE", "finetune_gpu_rte.json", "finetune", "accuracy", True,
+         ("fp32", "static-8/8", "cpt-4-8/8"), "STAGE=rte bash bench/gpu_finetune.sh",
+         settings_key="finetune_settings", renames=_DEFAULT_ERRORS_PER_ROW[2:]),
+    Task("language_model_gpu", "Language modelling on a GPU: a 70M Llama-style model on WikiText-2, quantized "
+         "throughout, each run until its validation loss stalls", "language_model_gpu.json", "runs", "perplexity",
+         False, ("fp32", "static-8/8", "cpt-4-8/8"), "STAGE=lm bash bench/gpu_horizon.sh",
+         renames=(("static-8/8-full", "static-8/8"), ("cpt-4-8/8-full", "cpt-4-8/8"))),
+)
 SWEEP_FILE = "schedule_sweep.json"
 
 # The papers' published figures (accuracy %, perplexity, BitOPs change), quoted for comparison only.
@@ -92,6 +106,10 @@ PAPERS = {
                        "30.2% fewer BitOPs."),
     "language_model_full": ("CPT paper, WikiText-103 Transformer (quantized throughout): static 8/8 perplexity "
                             "31.77, CPT 4-8/8 30.22 at 30.2% fewer BitOPs."),
+    "entailment_gpu": "as for the CPU runs above (no published MiniLM figure).",
+    "rte_gpu": "none published for CPT.",
+    "language_model_gpu": ("CPT paper, WikiText-103 Transformer (quantized throughout): static 8/8 perplexity "
+                           "31.77, CPT 4-8/8 30.22 at 30.2% fewer BitOPs."),
     "sweep": ("Follow-up study: schedules that spend long stretches at low precision (small cost: RR, RT-H) "
               "cost accuracy, most of all early in training; triangular schedules (which start at high "
               "precision) and large-cost ones (ER, ET-H) protect it."),
@@ -508,6 +526,9 @@ def results_page(results_dir: str, figures_dir: str, link_dir: str = "results") 
     horizon = load(results_dir, horizon_page.FILE)
     if horizon:
         lines += horizon_page.section(horizon, figures_dir, link_dir)
+    horizon_gpu = load(results_dir, horizon_page.GPU_FILE)
+    if horizon_gpu:
+        lines += horizon_page.section(horizon_gpu, figures_dir, link_dir, gpu=True)
     if sweep and sweep.get("runs"):
         lines += sweep_section(sweep, figures_dir, link_dir)
         lines += [f"Reported: {PAPERS['sweep']}", ""]
