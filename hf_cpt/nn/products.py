@@ -216,7 +216,9 @@ class QuantizedProducts(torch.autograd.Function):
                 error_codes = backend.error_codes(error, ctx.grad_bits, errors)
                 int8 = (error_codes is not None, int8[1])
             if error_codes is not None:
-                bias_error = backend.restore(*error_codes, error.dtype).view(error.shape)
+                if (bias_dtype is not None and ctx.needs_input_grad[6]) or (errors.quantizes_weight_gradient
+                                                                             and not int8[1]):
+                    bias_error = backend.restore(*error_codes, error.dtype).view(error.shape)
             elif errors.quantizes_input_gradient or (errors.quantizes_weight_gradient and not int8[1]):
                 bias_error = backend.error(error, ctx.grad_bits, errors, layer.output_feature_dim,
                                            layer.cpt_precision.fused_errors)
