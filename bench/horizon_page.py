@@ -147,7 +147,8 @@ def section(data: dict, figures_dir: str, link_dir: str, gpu: bool = False) -> l
     title = "## Horizon: does CPT catch up with static training when it trains longer?" + (
         f" On {device}" if gpu else "")
     lines = [title, "",
-             f"`{GPU_COMMAND if gpu else COMMAND}`: the CIFAR ResNet-20 above, {size.get('train', '?'):,} training images, batch "
+             f"`{GPU_COMMAND if gpu else COMMAND}`: the CIFAR ResNet-20 above, {size.get('train', '?'):,} training "
+             "images, batch "
              f"{settings.get('batch_size')}, at each length its own cosine learning rate and schedule; the CPT "
              "paper trains 160 epochs with 32 cycles. Accuracy % as mean ± half range (seeds); a cell reads "
              "\"not run yet\" until its runs finish (the script is resumable and runs the shortest lengths "
