@@ -256,7 +256,7 @@ def test_trained_checkpoints_reload_exactly_in_a_fresh_process(trained_checkpoin
     wrong_errors = {e["name"]: results[e["name"]]["errors"] for e in first
                     if "train_more" not in e and results[e["name"]]["errors"] != e["errors"]}
     assert not wrong_errors, wrong_errors
-    assert results["bert-errors-input-nearest@8"]["errors"][1:] == ["nearest", "input", "symmetric"]
+    assert results["bert-errors-input-nearest@8"]["errors"][1:] == ["nearest", "input", "symmetric", "float", "float"]
     assert results["bert-default@8 written as format 2"]["format_version"] == 2  # older files keep loading
     # bf16 is documented: a CPT checkpoint rebuilds FP32 masters (and says so), so it stays exact
     bf16 = results["bert-default@8 torch_dtype=bfloat16"]

@@ -207,24 +207,25 @@ class QuantizedProducts(torch.autograd.Function):
         saved = ctx.saved_tensors
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
         layer = ctx.layer
-        input_error = weight_error = bias_error = error
-        int8, error_codes = (False, False), None
+        input_error = weight_error = error
+        int8 = (False, False)
         if ctx.grad_bits is not None:
             backend = backend_for(error.device)
             int8 = int8_products(layer, errors)
-            if int8[0]:  # the error as codes for an int8 input gradient (its values rebuilt where read)
-                error_codes = backend.error_codes(error, ctx.grad_bits, errors)
-                int8 = (error_codes is not None, int8[1])
+            # the error as codes for an int8 input gradient (its values rebuilt where the weight gradient reads them)
+            error_codes = backend.error_codes(error, ctx.grad_bits, errors) if int8[0] else None
+            int8 = (error_codes is not None, int8[1])
+            float_weight = errors.quantizes_weight_gradient and not int8[1]  # a float product of the quantized error
+            quantized = None
             if error_codes is not None:
-                if (bias_dtype is not None and ctx.needs_input_grad[6]) or (errors.quantizes_weight_gradient
-                                                                             and not int8[1]):
-                    bias_error = backend.restore(*error_codes, error.dtype).view(error.shape)
-            elif errors.quantizes_input_gradient or (errors.quantizes_weight_gradient and not int8[1]):
-                bias_error = backend.error(error, ctx.grad_bits, errors, layer.output_feature_dim,
-                                           layer.cpt_precision.fused_errors)
-            input_error = (error_codes if error_codes is not None else bias_error if errors.quantizes_input_gradient
+                if float_weight:
+                    quantized = backend.restore(*error_codes, error.dtype).view(error.shape)
+            elif errors.quantizes_input_gradient or float_weight:
+                quantized = backend.error(error, ctx.grad_bits, errors, layer.output_feature_dim,
+                                          layer.cpt_precision.fused_errors)
+            input_error = (error_codes if error_codes is not None else quantized if errors.quantizes_input_gradient
                            else error)
-            weight_error = bias_error if errors.quantizes_weight_gradient and not int8[1] else error
+            weight_error = quantized if float_weight else error  # an int8 weight gradient quantizes its own
         compute_dtype = error.dtype
         # The rebuilt input is this backward's own tensor (not a saved one) where it came from codes.
         x_fresh = ctx.x_bits is not None or saved[1] is not None
@@ -240,8 +241,8 @@ class QuantizedProducts(torch.autograd.Function):
         grad_weight = None if grad_weight is None else grad_weight.to(weight_dtype)
         grad_bias = None
         if bias_dtype is not None and ctx.needs_input_grad[6]:
-            feature_dim = layer.output_feature_dim % bias_error.dim()
-            grad_bias = bias_error.sum([d for d in range(bias_error.dim()) if d != feature_dim]).to(bias_dtype)
+            feature_dim = layer.output_feature_dim % weight_error.dim()
+            grad_bias = weight_error.sum([d for d in range(weight_error.dim()) if d != feature_dim]).to(bias_dtype)
         return (grad_x, None, None, grad_weight, None, None, grad_bias, None, None, None, None, None, None, None, None,
                 None, None, None)
 
