@@ -132,7 +132,9 @@ for name, backend in (("reference", ReferenceBackend()), ("cuda", cuda)):
     model(input_ids=ids, labels=labels).loss.backward()
     grads[name] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 register_backend(device, CPUBackend() if device == "cpu" else None)
-checked["model_error"] = max(((grads["cuda"][n] - g).norm() / g.norm()).item() for n, g in grads["reference"].items())
+# (the attention keys' bias gets no gradient in exact arithmetic, softmax being shift-invariant: float noise alone)
+checked["model_error"] = max(((grads["cuda"][n] - g).norm() / g.norm()).item() for n, g in grads["reference"].items()
+                             if not n.endswith("key.bias"))
 checked["fallbacks"] = cuda.fallbacks
 assert checked["model_error"] < 1e-3, checked
 print(json.dumps(checked))
