@@ -79,6 +79,16 @@ def build_word_tokenizer(words: list[str], save_dir: str | None = None):
     return BertTokenizerFast.from_pretrained(directory, do_lower_case=True)
 
 
+def save_local_bert(directory, model_class) -> None:
+    """A tiny BERT (``model_class``: BertModel, BertForSequenceClassification, ...) and its word tokenizer saved in
+    ``directory``: a stand-in for all-MiniLM-L6-v2 in the benches' checks."""
+    torch.manual_seed(0)
+    config = tiny_bert_config()
+    config.vocab_size, config.max_position_embeddings = 200, 512
+    model_class(config).save_pretrained(directory)
+    build_word_tokenizer(["the", "a", "man", "woman", "is", "not", "dog"], str(directory))
+
+
 def two_quantizable_layers(kind: str) -> tuple[nn.Module, torch.Tensor]:
     """Two quantized layers in a row, large enough for the native kernels (16K values) and the fused error kernel
     (64K), so that both backwards take the reused buffers in turn."""

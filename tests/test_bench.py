@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from .fresh_python import run_python
-from .helpers import build_word_tokenizer, tiny_bert_config
+from .helpers import save_local_bert, tiny_bert_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -21,11 +21,7 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     from transformers import BertForSequenceClassification
 
     model_dir = tmp_path / "model"
-    torch.manual_seed(0)
-    config = tiny_bert_config()
-    config.vocab_size, config.max_position_embeddings = 200, 512
-    BertForSequenceClassification(config).save_pretrained(model_dir)
-    build_word_tokenizer(["the", "a", "man", "woman", "is", "not", "dog"], str(model_dir))
+    save_local_bert(model_dir, BertForSequenceClassification)
     output = tmp_path / "results.json"
     command = [os.path.join(ROOT, "bench", "pretrained.py"), "--model_path", str(model_dir),
                "--data_dir", shared_data_dir, "--output", str(output), "--no_gpt2", "--train_size", "64",

@@ -67,14 +67,10 @@ def test_the_gpu_finetune_bundle_carries_what_the_rte_and_bf16_runs_read(tmp_pat
     import torch
     from transformers import BertModel
 
-    from .helpers import build_word_tokenizer, tiny_bert_config
+    from .helpers import save_local_bert
 
     source = tmp_path / "model"
-    torch.manual_seed(0)
-    config = tiny_bert_config()
-    config.vocab_size, config.max_position_embeddings = 200, 512
-    BertModel(config).save_pretrained(source)
-    build_word_tokenizer(["the", "a", "man", "woman", "is", "not", "dog"], str(source))
+    save_local_bert(source, BertModel)
     bundle = tmp_path / "gpu_data"
     _run_script("gpu_bundle.py", ["--bundle", "finetune", "--folder", str(bundle), "--model_path", str(source),
                                   "--data_dir", shared_data_dir])
