@@ -258,3 +258,55 @@ def test_the_trainer_trains_on_the_cuda_backend_with_int8_backward_products_and_
 
     result = run_comparison("cuda", {**os.environ, "HF_CPT_CUDA_KERNELS": "1"}, TRAINER_RUN)
     assert len(result["losses"]) == 2 and result["moved"] > 0 and result["gap"] < 1e-4
+
+
+def test_a_cpt_step_on_the_cuda_backend_replays_in_a_cuda_graph_and_compiles_once_across_bit_widths():
+    """Issue 74's capture and compile checks for a quantized MLP on the CUDA backend (its kernels are custom ops): a
+    whole training step captured once and replayed gives the eager step's weight gradient's scale of values, and
+    a compiled step keeps one graph through bits 3..8."""
+    import os
+
+    from torch._dynamo.utils import counters
+
+    from hf_cpt import quantize_model, set_precision
+    from hf_cpt.backends import backend_for
+
+    os.environ["HF_CPT_CUDA_KERNELS"] = "1"
+    assert backend_for("cuda").name == "cuda"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
+    quantize_model(model, CPTConfig(quant_scheme="per-token", weight_gradient_product="int8",
+                                    input_gradient_product="int8"))
+    set_precision(model, 6, 8)
+    x = torch.randn(64, 256, device="cuda")
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up outside the graph
+            model.zero_grad(set_to_none=False)
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = model[0].weight.grad.clone()
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        model.zero_grad(set_to_none=False)
+        graph.replay()
+    torch.cuda.synchronize()
+    replayed = model[0].weight.grad
+    assert torch.isfinite(replayed).all() and ((replayed - eager).norm() / eager.norm()) < 0.1  # other noise draws
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model)
+    for bits in (3, 4, 5, 6, 7, 8, 3):
+        set_precision(model, bits, 8)
+        compiled(x).square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
