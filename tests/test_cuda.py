@@ -260,19 +260,17 @@ def test_the_trainer_trains_on_the_cuda_backend_with_int8_backward_products_and_
     assert len(result["losses"]) == 2 and result["moved"] > 0 and result["gap"] < 1e-4
 
 
-def test_a_cpt_step_on_the_cuda_backend_replays_in_a_cuda_graph_and_compiles_once_across_bit_widths():
+def test_a_cpt_step_on_the_cuda_backend_replays_in_a_cuda_graph_and_compiles_once_across_bit_widths(monkeypatch):
     """Issue 74's capture and compile checks for a quantized MLP on the CUDA backend (its kernels are custom ops): a
     whole training step captured once and replayed gives the eager step's weight gradient's scale of values, and
     a compiled step keeps one graph through bits 3..8."""
-    import os
-
     from torch._dynamo.utils import counters
 
-    from hf_cpt import quantize_model, set_precision
-    from hf_cpt.backends import backend_for
+    from hf_cpt import backends, quantize_model, set_precision
 
-    os.environ["HF_CPT_CUDA_KERNELS"] = "1"
-    assert backend_for("cuda").name == "cuda"
+    monkeypatch.setenv("HF_CPT_CUDA_KERNELS", "1")
+    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)  # chosen again, with the kernels on
+    assert backends.backend_for("cuda").name == "cuda"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
     quantize_model(model, CPTConfig(quant_scheme="per-token", weight_gradient_product="int8",
@@ -310,3 +308,4 @@ def test_a_cpt_step_on_the_cuda_backend_replays_in_a_cuda_graph_and_compiles_onc
         compiled(x).square().mean().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
