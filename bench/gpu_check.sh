@@ -3,7 +3,8 @@
 # backend's kernels on, then the GPU bench. Logs and JSON go under $OUT (the device tool's folder; else outputs/gpu);
 # copy $OUT/gpu.json to bench/results/gpu.json and run `python bench/report.py` for the docs.
 # The device image has its own torch / transformers: hf_cpt runs from this checkout (PYTHONPATH), not installed.
-# torchao's rows need its wheel: put it under wheels/ (ignored; pass it in `carry`), installed here without deps.
+# torchao's rows need its wheel, fetched beforehand where a registry is reachable (`pip download --no-deps torchao -d
+# wheels/`; ignored by git; pass "wheels" in `carry`), installed here without deps.
 set -uo pipefail
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
@@ -12,6 +13,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 if compgen -G "wheels/torchao-*.whl" > /dev/null; then
     python -m pip install -q --no-deps wheels/torchao-*.whl 2>&1 | tail -2
 fi
-timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda.py 2>&1 \
+# tests/test_cuda.py runs the interpreter tests' comparisons on the GPU (the interpreter ones are CPU work: CI's)
+timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
     | tee "$OUT/tests.log" | tail -20
 timeout 280 python bench/gpu.py --output "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log" | tail -30
