@@ -136,7 +136,7 @@ register_backend(device, CPUBackend() if device == "cpu" else None)
 checked["model_error"] = max(((grads["cuda"][n] - g).norm() / g.norm()).item() for n, g in grads["reference"].items()
                              if not n.endswith("key.bias"))
 checked["fallbacks"] = cuda.fallbacks
-assert checked["model_error"] < 1e-3, checked
+assert checked["model_error"] < 1e-4, checked
 print(json.dumps(checked))
 """
 
@@ -224,7 +224,7 @@ def test_the_operand_kernel_gives_the_reference_codes_and_values_bit_for_bit_in_
 @pytest.mark.slow
 def test_the_backward_kernels_give_the_reference_codes_and_the_int8_products_its_gradients_in_the_interpreter():
     """Bit for bit: the error's codes and noise, the blocked operands; the int8 weight gradient within float32
-    rounding of its float definition; a BERT's gradients on this backend within 1e-3 of the reference backend's (the
+    rounding of its float definition; a BERT's gradients on this backend within 1e-4 of the reference backend's (the
     forward's epilogues round differently and an int8 product of the pooler's 4 rows falls back to float)."""
     result = run_comparison("cpu", {**os.environ, "TRITON_INTERPRET": "1"}, BACKWARD_COMPARISON)
     assert (result["errors"], result["blocks"]) == (2 * 6 * 2, 3 * 2)
