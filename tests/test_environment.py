@@ -70,10 +70,20 @@ def test_env_command_prints_every_setting_and_the_allocator_hint_under_glibc(cap
     assert main(["env", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"hf_cpt", "torch", "transformers", "accelerate", "python", "platform", "accelerator",
-                           "CPU products", "C kernels", "threads", "memory allocator"}
+                           "CUDA backend", "CPU products", "C kernels", "threads", "memory allocator"}
     assert report["memory allocator"].startswith("glibc (/lib/x86_64-linux-gnu/libc.so.6): a CPU run's peak memory")
     assert report["memory allocator"].endswith("installed here: LD_PRELOAD=/x/libjemalloc.so.2")
     monkeypatch.setattr(environment, "malloc_library", lambda: "/x/libjemalloc.so.2")
     assert main(["env"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "- memory allocator: jemalloc (/x/libjemalloc.so.2)" in lines and len(lines) == len(report)
+
+
+def test_env_says_whether_the_cuda_backend_is_on(monkeypatch):
+    from hf_cpt.backends import CUDA_KERNELS_VARIABLE
+
+    monkeypatch.delenv(CUDA_KERNELS_VARIABLE, raising=False)
+    assert environment.environment_report()["CUDA backend"].startswith("off: the reference formulas on CUDA tensors")
+    monkeypatch.setenv(CUDA_KERNELS_VARIABLE, "1")
+    monkeypatch.setattr(environment, "_version", lambda name: "not installed" if name == "triton" else "1.0")
+    assert "Triton is not installed" in environment.environment_report()["CUDA backend"]

@@ -20,6 +20,8 @@ from .cpu import CPUBackend
 from .reference import ReferenceBackend
 
 REFERENCE = ReferenceBackend()
+# "1" turns the CUDA backend's kernels on (off until its tests have passed on a GPU: bench/gpu_check.sh sets it)
+CUDA_KERNELS_VARIABLE = "HF_CPT_CUDA_KERNELS"
 _BACKENDS: dict[str, Backend] = {"cpu": CPUBackend()}
 
 
@@ -40,7 +42,7 @@ def backend_for(device: torch.device | str) -> Backend:
 
 
 def _cuda_backend() -> Backend:
-    if os.environ.get("HF_CPT_CUDA_KERNELS") != "1" or importlib.util.find_spec("triton") is None:
+    if os.environ.get(CUDA_KERNELS_VARIABLE) != "1" or importlib.util.find_spec("triton") is None:
         return REFERENCE
     from .cuda import CUDABackend
 

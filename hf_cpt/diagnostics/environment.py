@@ -123,7 +123,14 @@ def environment_report() -> dict[str, str]:
         memory += f": {ALLOCATOR_HINT}; " + (
             "installed here: " + ", ".join(f"LD_PRELOAD={path}" for path in installed.values()) if installed else
             "none is installed in " + ", ".join(LIBRARY_FOLDERS))
+    from ..backends import CUDA_KERNELS_VARIABLE as switch
+
+    triton = _version("triton")
+    cuda_backend = (f"off: the reference formulas on CUDA tensors (${switch}=1 turns on the Triton kernels and int8 "
+                    "products, not yet run on a GPU)" if os.environ.get(switch) != "1" else
+                    f"on (${switch}=1), Triton {triton}" if triton != "not installed" else
+                    f"${switch}=1 but Triton is not installed: the reference formulas")
     return {"hf_cpt": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
         "accelerate": _version("accelerate"), "python": platform.python_version(), "platform": platform.platform(),
-        "accelerator": accelerator, "CPU products": products, "C kernels": kernels,
+        "accelerator": accelerator, "CUDA backend": cuda_backend, "CPU products": products, "C kernels": kernels,
         "threads": f"{torch.get_num_threads()} (a C kernel's: {_kernel_threads(native)})", "memory allocator": memory}

@@ -17,8 +17,6 @@ from ..base import Backend, Codes, int8_gemm_takes
 from .backward_kernels import block_scaled_matmul, row_codes, token_block_codes
 from .kernels import operand_codes, restore_values
 
-ENABLE_VARIABLE = "HF_CPT_CUDA_KERNELS"
-
 
 class CUDABackend(Backend):
     """Operands' codes and values, values rebuilt from codes, per-token errors' codes: one Triton pass each; products
