@@ -410,10 +410,10 @@ def int8_label(config: dict) -> str:
     return f" (int8 {' and '.join(on)} gradient{'s' if len(on) > 1 else ''})" if on else ""
 
 
-def int8_verdicts(grouped: dict) -> list[tuple[str, tuple, float, tuple[float, float], bool]]:
-    """(run, errors, mean accuracy %, the float run's seed range in %, whether the mean lies inside it) of each run
-    with backward products on int8 grids against the same run with both in float (the CPT paper's): the rule that
-    picks the default numerics (docs/backward.md)."""
+def int8_verdicts(grouped: dict) -> list[tuple[str, tuple, float, tuple[float, float], bool, list[float]]]:
+    """(run, errors, mean accuracy %, the float run's seed range in %, whether the mean lies inside it, the gaps to
+    the float run seed by seed in points) of each run with backward products on int8 grids against the same run with
+    both in float (the CPT paper's): the rule that picks the default numerics (docs/method.md §2)."""
     verdicts = []
     for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
         label = next((f" (int8 {part})" for part in ("input and weight gradients", "input gradient", "weight gradient")
@@ -422,14 +422,16 @@ def int8_verdicts(grouped: dict) -> list[tuple[str, tuple, float, tuple[float, f
         if baseline:
             accuracy = _points(entries)
             seeds = (100 * min(e["metric"] for e in baseline), 100 * max(e["metric"] for e in baseline))
-            verdicts.append((name, option, accuracy, seeds, seeds[0] <= accuracy <= seeds[1]))
+            verdicts.append((name, option, accuracy, seeds, seeds[0] <= accuracy <= seeds[1],
+                             seed_gaps(entries, baseline)))
     return verdicts
 
 
 def _int8_findings(grouped: dict) -> list[str]:
     return [f"- {name}: {accuracy:.2f}% mean accuracy, {'inside' if inside else 'outside'} the seeds' range of the "
-            f"same run with both products in float ({low:.2f}-{high:.2f}%)."
-            for name, _, accuracy, (low, high), inside in int8_verdicts(grouped)]
+            f"same run with both products in float ({low:.2f}-{high:.2f}%); against it seed by seed: "
+            + ", ".join(f"{g:+.2f}" for g in gaps) + f" points (mean {mean(gaps):+.2f})."
+            for name, _, accuracy, (low, high), inside, gaps in int8_verdicts(grouped) if gaps]
 
 
 def _integer_pairs(grouped: dict) -> list[str]:

@@ -57,8 +57,10 @@ def test_the_backward_page_judges_each_int8_run_against_the_seed_range_of_its_fl
                 "c": run(0, 0.59, input_gradient_product="int8", weight_gradient_product="int8"),
                 "d": run(1, 0.57, input_gradient_product="int8", weight_gradient_product="int8"),
                 "e": run(0, 0.50, weight_gradient_product="int8")}
-    verdicts = {name: inside for name, _, _, _, inside in page.int8_verdicts(page.groups(ablation))}
-    assert verdicts == {"CPT 4-8/8 (int8 input and weight gradients)": True, "CPT 4-8/8 (int8 weight gradient)": False}
+    verdicts = {name: (inside, [round(g, 6) for g in gaps])
+                for name, _, _, _, inside, gaps in page.int8_verdicts(page.groups(ablation))}
+    assert verdicts == {"CPT 4-8/8 (int8 input and weight gradients)": (True, [3.0, -3.0]),
+                        "CPT 4-8/8 (int8 weight gradient)": (False, [-6.0])}
 
 
 def test_the_gpu_finetune_bundle_carries_what_the_rte_and_bf16_runs_read(tmp_path, shared_data_dir):
