@@ -12,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_cpt import CPTConfig, quantize_model, set_precision
 from hf_cpt.cost import CostMeter
-from hf_cpt.numerics import backward_products
+from hf_cpt.numerics import backward_products, error_kernels
 from hf_cpt.numerics.bitops import bitops_per_mac
 from hf_cpt.numerics.fake_quant import fake_quantize, token_range
 
@@ -22,7 +22,7 @@ SEED = torch.tensor(1234, dtype=torch.int32)
 
 def _gradients(layer: nn.Module, x: torch.Tensor, error: torch.Tensor, monkeypatch, **options):
     """(input gradient, weight gradient) of ``layer`` quantized at 4/8 bits, fed ``x``, for an output error."""
-    monkeypatch.setattr(backward_products, "noise_seed", lambda device: SEED.to(device))
+    monkeypatch.setattr(error_kernels, "noise_seed", lambda device: SEED.to(device))
     quantize_model(layer, CPTConfig(quant_scheme=options.pop("scheme", "per-token"), **options))
     set_precision(layer, BITS, ERROR_BITS)
     layer.train()

@@ -78,7 +78,8 @@ from hf_cpt.backends.cuda import CUDABackend
 from hf_cpt.backends.cuda.backward_kernels import block_scaled_matmul, row_codes, token_block_codes
 from hf_cpt.backends.reference import ReferenceBackend
 from hf_cpt.numerics import backward_products as bp
-from hf_cpt.numerics.error_kernels import hashed_stochastic_quantize, symmetric_levels
+from hf_cpt.numerics.error_kernels import hashed_stochastic_quantize, noise_seed, symmetric_levels
+from hf_cpt.numerics.errors import ErrorQuantization
 from hf_cpt.numerics.fake_quant import num_levels
 device = sys.argv[1]
 torch.manual_seed(0)
@@ -97,6 +98,13 @@ for dtype in (torch.float32, torch.bfloat16):
                 fused = hashed_stochastic_quantize(grad.float(), num_levels(b), noise, True, False)
                 assert torch.equal((codes.float() * scale + minimum).cpu(), fused.cpu())
             checked["errors"] += 1
+        # the backend's quantized error (codes and values in one pass): the fused kernels' values for the seed it draws
+        scheme = ErrorQuantization(granularity="token", range="minmax")
+        torch.manual_seed(bits)
+        got = CUDABackend().error(grad, b, scheme, -1)
+        torch.manual_seed(bits)
+        want = hashed_stochastic_quantize(grad.float(), num_levels(b), noise_seed(grad.device), True, False)
+        assert got.dtype == dtype and torch.equal(got.cpu(), want.to(dtype).cpu()), (dtype, bits)
 x = torch.randn(300, 70, device=device)
 for bits in (3, 5, 8):
     b = torch.tensor(float(bits), device=device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import backward_products
+from ..numerics import backward_products, error_kernels
 from ..numerics.errors import ErrorQuantization, quantize_error
 from ..numerics.fake_quant import fake_quantize_compact, quantize_compact, restore_compact
 from ..numerics.integer_matmul import code_matmul
@@ -83,14 +83,14 @@ class Backend:
         (`backward_products.error_codes`), for the min/max grid; None for the zero-centred one (products in float)."""
         if scheme.range != "minmax":
             return None
-        seed = backward_products.noise_seed(grad.device) if scheme.rounding == "stochastic" else None
+        seed = error_kernels.noise_seed(grad.device) if scheme.rounding == "stochastic" else None
         return backward_products.error_codes(grad.reshape(-1, grad.shape[-1]), bits, scheme.granularity == "token",
                                              seed)
 
     def int8_input_gradient(self, error: Codes, weight: torch.Tensor) -> torch.Tensor:
         """``E W`` ``[T, in]`` in float32 from the error's codes (rows ``[T, out]``) and an ``[out, in]`` weight
         re-quantized per input channel at 8 bits: one int8 product on codes."""
-        bits = backward_products.REQUANTIZED.to(weight.device)
+        bits = backward_products.requantized_bits(weight.device)
         rows, low, high = backward_products.input_channel_range(weight)
         _, (codes, scale, minimum) = self.operand(rows, low, high, bits, values=False)
         return self.code_product(error, (codes.t(), scale.reshape(1, -1), minimum.reshape(1, -1)), bits, None)
@@ -98,4 +98,4 @@ class Backend:
     def int8_weight_gradient(self, error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor) -> torch.Tensor:
         """``Eᵀ X`` ``[out, in]`` in float32 of a full-precision error ``[T, out]`` and an input ``[T, in]``, both
         quantized in blocks of tokens (`backward_products.weight_gradient`)."""
-        return backward_products.weight_gradient(error, x, error_bits, backward_products.noise_seed(error.device))
+        return backward_products.weight_gradient(error, x, error_bits, error_kernels.noise_seed(error.device))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .derived import derived
 from .error_kernels import hashed_uniform_noise, symmetric_levels, symmetric_round
 from .fake_quant import MIN_SCALE, levels_on, quantization_scale, tensor_range, token_range
 
@@ -30,9 +31,9 @@ REQUANTIZED_BITS = 8  # the bits of a re-quantized operand (the weight per input
 REQUANTIZED = torch.tensor(float(REQUANTIZED_BITS))
 
 
-def noise_seed(device: torch.device) -> torch.Tensor:
-    """A seed of the hashed noise, drawn from the global RNG as the fused error kernels draw theirs."""
-    return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int32)
+def requantized_bits(device: torch.device) -> torch.Tensor:
+    """`REQUANTIZED_BITS` as a tensor on ``device``: copied there once, not in every backward (a host copy each)."""
+    return derived(REQUANTIZED, ("on", device), lambda: REQUANTIZED.to(device))
 
 
 def error_codes(grad: torch.Tensor, bits: torch.Tensor, per_row: bool, seed: torch.Tensor | None
@@ -62,7 +63,7 @@ def token_block_scales(source: torch.Tensor, bits: torch.Tensor) -> tuple[torch.
     a float32 ``[T, N]`` matrix on the zero-centred grid (``L = 2^(b-1) - 1``); a block of zeros gets the floor."""
     rows, columns = source.shape
     padded = F.pad(source.abs(), (0, 0, 0, (-rows) % TOKEN_BLOCK)).view(-1, TOKEN_BLOCK, columns)
-    top = symmetric_levels(bits.to(source.device, torch.float32))
+    top = levels_on(bits, source.device, torch.float32, symmetric_levels)
     return (padded.amax(1, keepdim=True) / top).clamp_min(MIN_SCALE), top
 
 
@@ -81,4 +82,4 @@ def weight_gradient(error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tens
                     ) -> torch.Tensor:
     """``Eᵀ X`` ``[out, in]`` of the full-precision error ``[T, out]`` and the input ``[T, in]``, each quantized per
     channel in blocks of tokens (the error at ``error_bits``, stochastic), in float32."""
-    return token_blocks(error, error_bits, seed).t().matmul(token_blocks(x, REQUANTIZED.to(x.device)))
+    return token_blocks(error, error_bits, seed).t().matmul(token_blocks(x, requantized_bits(x.device)))

@@ -58,6 +58,11 @@ def symmetric_round(
     return torch.minimum(torch.maximum(torch.round(scaled), -top), top) * scale
 
 
+def noise_seed(device: torch.device) -> torch.Tensor:
+    """A seed of the hashed noise, drawn from the global RNG on ``device`` (no host copy on an accelerator)."""
+    return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int32)
+
+
 def hashed_uniform_noise(numel: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Uniform noise in [-1/2, 1/2) from a 32-bit integer hash of (element index, seed) (the "lowbias32" hash).
 

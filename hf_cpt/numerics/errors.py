@@ -17,7 +17,7 @@ import torch
 from ..utils import check_choice, setting
 from . import error_kernels
 from .backward_products import PRODUCTS
-from .error_kernels import KERNEL_SOURCES, grid, symmetric_levels, symmetric_round
+from .error_kernels import KERNEL_SOURCES, grid, noise_seed, symmetric_levels, symmetric_round
 from .fake_quant import _compute_dtype, fake_quantize, levels_on, quantization_scale, tensor_range, token_range
 
 # Below this many elements the eager error quantizer is as fast as the fused one.
@@ -196,7 +196,7 @@ def quantize_error(
     elif fused:
         kernel = error_kernels.fused_kernel(grad.device, scheme.granularity, scheme.range)
     if kernel is not None:
-        seed = torch.randint(0, 2**31 - 1, (), device=grad.device, dtype=torch.int32)
+        seed = noise_seed(grad.device)
         levels = levels_on(bits, grad.device, bits.dtype, levels_of)
         try:
             # Per row as (rows, features), else flat: one kernel serves every rank and layout.

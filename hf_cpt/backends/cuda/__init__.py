@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...numerics.backward_products import REQUANTIZED, noise_seed
-from ...numerics.error_kernels import symmetric_levels
+from ...numerics.backward_products import requantized_bits
+from ...numerics.error_kernels import noise_seed, symmetric_levels
 from ...numerics.errors import ErrorQuantization
 from ...numerics.fake_quant import levels_on, quantization_scale
 from ..base import Backend, Codes, int8_gemm_takes
@@ -52,8 +52,11 @@ class CUDABackend(Backend):
         per_token = scheme.granularity == "token" and feature_dim % grad.dim() == grad.dim() - 1
         if not (fused and per_token and scheme.range == "minmax" and scheme.rounding == "stochastic"):
             return super().error(grad, bits, scheme, feature_dim, fused)
-        codes = self.error_codes(grad, bits, scheme)
-        return self.restore(*codes, grad.dtype).view(grad.shape)
+        if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not grad.numel():
+            return super().error(grad, bits, scheme, feature_dim, fused)
+        rows = grad.reshape(-1, grad.shape[-1]).contiguous()  # codes and values in one pass over the error
+        return row_codes(rows, levels_on(bits, grad.device, torch.float32), noise_seed(grad.device), True)[4].view(
+            grad.shape)
 
     def error_codes(self, grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization) -> Codes | None:
         supported = grad.dtype in (torch.float32, torch.bfloat16, torch.float16) and grad.numel()
@@ -77,8 +80,8 @@ class CUDABackend(Backend):
 
     def int8_weight_gradient(self, error: torch.Tensor, x: torch.Tensor, error_bits: torch.Tensor) -> torch.Tensor:
         seed = noise_seed(error.device)
-        error_top = symmetric_levels(error_bits.to(error.device, torch.float32))
+        error_top = levels_on(error_bits, error.device, torch.float32, symmetric_levels)
         error_codes, error_scales = token_block_codes(error.contiguous(), error_top, seed)
-        input_top = symmetric_levels(REQUANTIZED.to(x.device, torch.float32))
+        input_top = levels_on(requantized_bits(x.device), x.device, torch.float32, symmetric_levels)
         input_codes, input_scales = token_block_codes(x.contiguous(), input_top, None)
         return block_scaled_matmul(error_codes, error_scales, input_codes, input_scales)

@@ -15,9 +15,8 @@ import triton.language as tl
 
 from ...numerics.backward_products import TOKEN_BLOCK
 from ...numerics.fake_quant import MIN_SCALE
-from .kernels import _store_values
+from .kernels import ROUNDING, _store_values
 
-ROUNDING = 12582912.0  # 1.5 * 2^23: (y + R) - R rounds a float32 |y| < 2^22 to an integer, half to even
 ROW_BLOCK = 1024  # features per step of the per-row kernel
 CHANNEL_BLOCK = 64  # channels per program of the blocked kernels
 
