@@ -20,6 +20,8 @@ import tempfile
 import threading
 import warnings
 
+from .python_server import FOLDER_PREFIX
+
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_server.py")
 # Variables read when used, not by what the server imports: a command may set them differently. pytest sets
 # PYTEST_CURRENT_TEST for each test; importing sklearn or joblib in the test process sets KMP_INIT_AT_FORK (for Intel's
@@ -101,7 +103,7 @@ def _start(env: dict, preload: tuple[str, ...] = ()) -> dict:
     from this process, which it watches: it ends when this process does, whichever thread started it."""
     if not hasattr(os, "fork") or not hasattr(socket, "AF_UNIX"):
         return {"path": None, "process": None}
-    folder = tempfile.mkdtemp(prefix="hf_cpt_python_server_")
+    folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
     path = os.path.join(folder, "socket")
     log = os.path.join(folder, "stderr")
     with open(log, "w") as stderr:

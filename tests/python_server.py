@@ -22,12 +22,14 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
 
+FOLDER_PREFIX = "hf_cpt_python_server_"  # of the temporary folder `fresh_python` makes for a server's socket and log
 PRELOAD = ("torch", "transformers", "transformers.trainer", "accelerate", "safetensors.torch", "datasets", "timm",
            "peft", "matplotlib.pyplot")
 
@@ -49,7 +51,11 @@ def main(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
     print("ready", flush=True)
     while True:
         readable, _, _ = select.select([listener, sys.stdin], [], [])
-        if sys.stdin in readable:  # the pipe from the process that started this one closed: it ended
+        if sys.stdin in readable:  # the pipe from the process that started this one closed: it ended (perhaps
+            listener.close()        # killed, its atexit cleanup never run): the server removes the folder
+            folder = os.path.dirname(os.path.abspath(path))  # fresh_python made for it
+            if os.path.basename(folder).startswith(FOLDER_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)
             raise SystemExit(0)
         connection, _ = listener.accept()
         if os.fork() == 0:

@@ -99,12 +99,15 @@ def test_a_server_outlives_the_thread_that_started_it(tmp_path):
         fresh_python._stop(started["process"], started["path"])
 
 
-def test_a_server_ends_with_the_process_that_started_it_however_that_ends():
+def test_a_server_ends_with_the_process_that_started_it_however_that_ends_and_leaves_no_folder():
     script = (f"import os, sys; sys.path.insert(0, {ROOT!r}); from tests import fresh_python\n"
-              "print(fresh_python._start(dict(os.environ), ('json',))['process'].pid, flush=True)\n"
+              "server = fresh_python._start(dict(os.environ), ('json',))\n"
+              "print(server['process'].pid, server['path'], flush=True)\n"
               "os._exit(0)  # as a killed pytest: no atexit function runs\n")
-    pid = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    said = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    pid, folder = int(said[0]), os.path.dirname(said[1])
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while (_alive(pid) or os.path.exists(folder)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid)
+    assert not os.path.exists(folder)  # socket and log gone: killed test runs do not fill the temporary folder
