@@ -28,7 +28,7 @@ TEST_WORKERS ?= 2
 # Then the layers' tests again on the other CPU path (HF_CPT_INT8_DOT: int8 dot products forced off where the CPU has
 # them, on where it has not), so that both paths run on every machine.
 OTHER_PATH_TESTS := tests/test_nn.py tests/test_integer_matmul.py tests/test_recompute.py tests/test_composition.py \
-	tests/test_backends.py tests/test_code_kernels.py tests/test_backward_products.py
+	tests/test_backends.py tests/test_code_kernels.py tests/test_backward_products.py tests/test_weight_ranges.py
 
 test: install
 	$(RUN_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup

@@ -32,6 +32,10 @@ def method(config: dict) -> str:
             else f"CPT {config['bits_min']}-{config['bits_max']}/{config['grad_bits']}")
     if config.get("delay"):
         name += f" (first {100 * config['delay']:.0f}% at {config.get('delay_precision', 'max')})"
+    if config.get("rounding", "nearest") != "nearest":  # the smooth schedule rounded up (the CPT paper's Eq. 1)
+        name += f" ({config['rounding']}-rounded cycle)"
+    if config.get("weight_range", "minmax") != "minmax":  # runs without the field used min/max weight ranges
+        name += " (clipped weight ranges)"
     if config.get("quant_scheme", "auto") != "auto":
         name += f" ({config['quant_scheme']} activations)"
     if config.get("integer_matmul") is True:  # runs without the field used the float product

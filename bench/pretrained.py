@@ -52,6 +52,8 @@ FIDELITY_VARIANTS = {
     **{scheme: dict(quant_scheme=scheme) for scheme in SCHEMES},
     "paper + attention": dict(quant_scheme="paper", quantize_attention=True),
     "rotated-per-token + attention": dict(quant_scheme="rotated-per-token", quantize_attention=True),
+    # the weights' ranges clipped (weight_range="mse"): what the clip buys the forward at each precision
+    "rotated-per-token + clipped weights": dict(quant_scheme="rotated-per-token", weight_range="mse"),
 }
 FIDELITY_BITS = (3, 4, 5, 6, 7, 8)
 
@@ -130,10 +132,12 @@ RUNS.update(BACKWARD_RUNS)
 RUNS["bf16"] = dict(schedule="fp32")
 MIXED_PRECISION_RUNS = {"bf16"}  # trained with TrainingArguments(bf16=True)
 RUNS["cpt-4-8/8-error-token-ceil"] = {**CPT_4_8, **PER_ROW, "rounding": "ceil"}
+# each weight channel's range clipped to the ratio with the least squared error at the current bits (weight_range)
+RUNS["cpt-4-8/8-error-token-clipped"] = {**CPT_4_8, **PER_ROW, "weight_range": "mse"}
 GPU_SCAN = ["fp32", "bf16", "static-8/8-error-token", "cpt-4-8/8-error-token", "cpt-5-8/8-error-token",
             "cpt-4-8/8-error-token-attention-symmetric", "cpt-4-8/8-error-token-attention-8-symmetric",
             "cpt-4-8/8-error-token-attention-8-symmetric-delay", "cpt-4-8/8-error-token-ceil",
-            "cpt-4-8/8-error-token-int8-both"]
+            "cpt-4-8/8-error-token-clipped", "cpt-4-8/8-error-token-int8-both"]
 DEFAULT_RUNS = ["fp32", "static-8/8", "cpt-4-8/8", "cpt-5-8/8"]
 
 

@@ -17,7 +17,7 @@ _MODULES = {
     "integrations.callback": ["CPTCallback"],
     "integrations.trainer": ["CPTTrainer", "ExportSettings"],
     "config": ["CPTConfig", "ActivationConfig", "EvaluationConfig", "ModuleSelection", "RangeTestConfig",
-        "ScheduleConfig", "ScheduleOptions"],
+        "ScheduleConfig", "ScheduleOptions", "WeightConfig"],
     "runtime": ["RuntimeSettings"],
     "numerics.errors": ["ErrorQuantization", "quantize_error"],
     "serialization.format": ["CheckpointFields"],

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ActivationConfig, CPTConfig, ModuleSelection
+from .config import ActivationConfig, CPTConfig, ModuleSelection, WeightConfig
 from .config.parts import PART_FIELDS
 from .nn.attention import attention_support, install_attention, uninstall_attention
 from .nn.base import QuantLayerMixin, input_features
@@ -96,10 +96,10 @@ def matches_any(name: str, patterns: list[str] | None) -> str | None:
 
 
 def layer_settings_changed(model: nn.Module, config: CPTConfig) -> dict[str, tuple[Any, Any]]:
-    """The settings that decide how the layers compute (modules, activations, errors) on which ``config`` differs from
+    """The settings that decide how the layers compute (modules, activations, weights, errors) on which ``config`` differs from
     the config ``model`` was quantized with: {flat name: (then, now)}; empty for a model loaded from a checkpoint."""
     used = find_precision_state(model).quantized_with
-    parts = (ModuleSelection, ActivationConfig, ErrorQuantization)
+    parts = (ModuleSelection, ActivationConfig, WeightConfig, ErrorQuantization)
     names = [flat for part in parts for flat in PART_FIELDS[part].values()]
     return {} if used is None else {name: (getattr(used, name), getattr(config, name)) for name in names
                                     if getattr(used, name) != getattr(config, name)}

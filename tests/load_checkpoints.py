@@ -43,6 +43,7 @@ def main(manifest_path: str) -> None:
             "format_version": model.config.quantization_config.format_version,
             # how the loaded model would quantize errors if trained further
             "errors": list(dataclasses.astuple(hf_cpt.find_precision_state(model).errors)),
+            "weight_range": hf_cpt.find_precision_state(model).weight_range,
         }
         if entry.get("train_more"):
             result.update(train_further(model, inputs, entry))

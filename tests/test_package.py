@@ -28,8 +28,9 @@ MAX_LINES = 400
 # it added the compressed-tensors export, staged saves, load-time digest and value checks, the kernel cache's checks
 # and schedules counted by cycles (10,200), then the CUDA backend's first kernels (10,350), then the backward's int8
 # products (options, float definitions, cost, Triton kernels as custom ops: 10,800) and saved codes packed two a
-# byte at 4 bits (10,900). A guard against growth: raise it only for a feature, and say so.
-MAX_LIBRARY_LINES = 10_900
+# byte at 4 bits (10,900), then clipped weight ranges (`weight_range="mse"`: the search, its config part and
+# checkpoint field, 10,960). A guard against growth: raise it only for a feature, and say so.
+MAX_LIBRARY_LINES = 10_960
 
 
 def _modules() -> dict[str, str]:

@@ -90,6 +90,7 @@ CASES = [
     ("gpt2-paper-attention", "gpt2", {"quant_scheme": "paper", "quantize_attention": True}, "save_model"),
     ("llama-attention-8-bits", "llama", {"quantize_attention": True, "attention_bits": 8}, "save_model"),
     ("bert-default-hub", "bert", {}, "push_to_hub"),
+    ("llama-clipped-weights", "llama", {"weight_range": "mse"}, "save_model"),
     ("bert-errors-input-nearest", "bert", {"error_products": "input",
                                           "error_rounding": "nearest", "error_range": "symmetric"}, "save_model"),
 ]
@@ -245,6 +246,9 @@ def test_trained_checkpoints_reload_exactly_in_a_fresh_process(trained_checkpoin
         first.append(entry | {"name": entry["name"] + " resaved", "resave": str(hop / entry["name"])})
     first.append(gpt2 | {"name": "gpt2 trained further", "resave": str(hop / "trained-further"),
                          "train_more": True})
+    clipped = next(e for e in entries if e["name"] == "llama-clipped-weights@4")
+    first.append(clipped | {"name": "llama clipped trained further", "resave": str(hop / "clipped-further"),
+                            "train_more": True})
     results = _run_loader(first, tmp_path / "first.json")
 
     for name, row in results.items():
@@ -261,19 +265,27 @@ def test_trained_checkpoints_reload_exactly_in_a_fresh_process(trained_checkpoin
     # bf16 is documented: a CPT checkpoint rebuilds FP32 masters (and says so), so it stays exact
     bf16 = results["bert-default@8 torch_dtype=bfloat16"]
     assert bf16["dtype"] == "torch.float32" and "loading in float32 instead of torch.bfloat16" in bf16["stderr"]
-    further = results["gpt2 trained further"]
-    assert further["parameters_moved"] > 0 and further["still_frozen_after_training"] == 0
-    assert all(torch.isfinite(torch.tensor(further["losses"])))
+    for name in ("gpt2 trained further", "llama clipped trained further"):
+        further = results[name]
+        assert further["parameters_moved"] > 0 and further["still_frozen_after_training"] == 0
+        assert all(torch.isfinite(torch.tensor(further["losses"])))
+    # the clipped ranges travel: the loaded model quantizes a changed weight as the trained one did
+    assert {name: row["weight_range"] for name, row in results.items() if "clipped" in name} == {
+        "llama-clipped-weights@8": "mse", "llama-clipped-weights@4": "mse", "llama-clipped-weights@8 resaved": "mse",
+        "llama-clipped-weights@4 resaved": "mse", "llama clipped trained further": "mse"}
+    assert results["bert-default@8"]["weight_range"] == "minmax"
 
     # the second hop: what the first process saved, loaded by another one
     second = [e | {"name": e["name"] + " (hop 2)", "path": str(hop / e["name"]), "io": str(hop / e["name"]) + ".io.pt"}
               for e in entries]
-    second.append(gpt2 | {"name": "gpt2 trained further (hop 2)", "path": str(hop / "trained-further"),
-                          "io": str(hop / "trained-further") + ".io.pt"})
+    second += [source | {"name": f"{name} (hop 2)", "path": str(hop / folder), "io": str(hop / folder) + ".io.pt"}
+               for source, name, folder in ((gpt2, "gpt2 trained further", "trained-further"),
+                                            (clipped, "llama clipped trained further", "clipped-further"))]
     results = _run_loader(second, tmp_path / "second.json")
     bad = {name: row["max_rel_diff"] for name, row in results.items() if row["max_rel_diff"] > TOLERANCE}
     assert not bad, bad
     assert results["gpt2 trained further (hop 2)"]["layers_frozen"] > 0
+    assert results["llama clipped trained further (hop 2)"]["layers_frozen"] > 0
 
 
 def test_pretrained_minilm_reloads_exactly(tmp_path):

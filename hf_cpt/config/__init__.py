@@ -12,9 +12,10 @@ from .parts import (
     ModuleSelection,
     RangeTestConfig,
     ScheduleConfig,
+    WeightConfig,
     auto_cycles,
 )
 
 __all__ = ["AUTO_MAX_CYCLES", "AUTO_STEPS_PER_CYCLE", "EMA_INITS", "EVAL_PRECISIONS", "QUANT_SCHEMES",
     "ActivationConfig", "CPTConfig", "EvaluationConfig", "ModuleSelection", "RangeTestConfig", "ScheduleConfig",
-    "ScheduleOptions", "auto_cycles", "flat_settings"]
+    "ScheduleOptions", "WeightConfig", "auto_cycles", "flat_settings"]

@@ -25,6 +25,7 @@ from .parts import (
     ModuleSelection,
     RangeTestConfig,
     ScheduleConfig,
+    WeightConfig,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ PART_FIELDS[ScheduleOptions] = {name: name for name in SCHEDULE_OPTIONS}
 NESTED_PARTS = (
     ("schedule_options", ScheduleOptions, ScheduleOptions(), "Rounding, delayed start precision, error schedule."),
     ("activations", ActivationConfig, ActivationConfig(), "How layer inputs are quantized (`ActivationConfig`)."),
+    ("weights", WeightConfig, WeightConfig(), "How weights' ranges are chosen (`WeightConfig`)."),
     ("errors", ErrorQuantization, RUN_ERRORS, "How errors are quantized (`ErrorQuantization`)."),
     ("range_test", RangeTestConfig, RangeTestConfig(), "The precision range test (`RangeTestConfig`)."),
     ("runtime", RuntimeSettings, RuntimeSettings(), "Engine switches (`RuntimeSettings`), never saved."),

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..numerics.bits import bits_problem
 from ..numerics.errors import ErrorQuantization
+from ..numerics.fake_quant import WEIGHT_RANGES
 from ..runtime import RuntimeSettings
 from ..schedules import (
     DELAY_PRECISIONS,
@@ -191,6 +192,21 @@ class ActivationConfig:
 
 
 @dataclass(frozen=True)
+class WeightConfig:
+    """How a weight's per-output-channel quantization range is chosen (`hf_cpt.numerics.fake_quant.weight_ranges`)."""
+
+    range: str = setting(
+        "minmax",
+        "Each output channel's weight range: 'minmax' (the CPT paper's min to max, bit-exact) or 'mse' (the range "
+        "clipped to the ratio, from 1 down to 0.55, with the least squared error at the current bits; exports and "
+        "loaded models keep it)."
+    )
+
+    def __post_init__(self) -> None:
+        check_choice(type(self).__name__, "range", self.range, WEIGHT_RANGES)
+
+
+@dataclass(frozen=True)
 class ModuleSelection:
     """Which modules become CPT layers: patterns, opt-ins for embeddings, attention and adapters."""
 
@@ -338,6 +354,7 @@ def _register(part: type, renames: dict[str, str] | None = None) -> None:
 
 _register(ScheduleConfig)
 _register(ActivationConfig, {"momentum": "activation_momentum", "ema_init": "activation_ema_init"})
+_register(WeightConfig, {"range": "weight_range"})
 _register(ModuleSelection)
 _register(RangeTestConfig, {"start_bits": "prt_start_bits", "steps_per_precision": "prt_steps_per_precision",
                             "threshold": "prt_threshold", "metric": "prt_metric", "window": "prt_window",

@@ -16,13 +16,13 @@ from torch import nn
 
 from ..backends import backend_for
 from ..numerics.fake_quant import (
-    channel_ranges,
     dequantize_codes,
     fake_quantize,
     quantize_codes,
     quantize_ste,
     tensor_range,
     token_range,
+    weight_ranges,
 )
 from ..numerics.integer_matmul import MAX_REDUCED_SIZE
 from ..numerics.rotation import Rotation, factor_sizes, get_rotation, rotation_shapes
@@ -167,7 +167,8 @@ class QuantLayerMixin:
         frozen = self.frozen_codes(bits)
         if frozen is not None:
             return frozen
-        return quantize_codes(self.rotate_weight(self.weight.detach()), bits, self.weight_channel_dim)
+        return quantize_codes(self.rotate_weight(self.weight.detach()), bits, self.weight_channel_dim,
+                              self.cpt_precision.weight_range)
 
     def _frozen_weight(self) -> torch.Tensor | None:
         """The frozen weight when it is in force for this forward (eval mode at the frozen bits)."""
@@ -272,11 +273,11 @@ class QuantLayerMixin:
             elif rotation is not None and training_products:
                 rotated_weight = rotation.apply(weight.detach(), self.weight_feature_dim)
                 weight_rotation = rotation
-                weight_range = channel_ranges(rotated_weight, self.weight_channel_dim)
+                weight_range = weight_ranges(rotated_weight, bits, self.weight_channel_dim, precision.weight_range)
             else:
                 if rotation is not None:
                     weight = rotation.apply(weight, self.weight_feature_dim)
-                weight_range = channel_ranges(weight, self.weight_channel_dim)
+                weight_range = weight_ranges(weight, bits, self.weight_channel_dim, precision.weight_range)
             if reuse_key is not None and reused is None:
                 operand = rotated_weight if rotated_weight is not None else weight.detach()
                 weight_quantized = backend_for(operand.device).operand(operand, *weight_range, bits, values=not integer)
@@ -393,6 +394,6 @@ class QuantLayerMixin:
                 snapped = dequantize_codes(*frozen, self.weight.shape, self.weight_channel_dim)
             else:
                 weight = self.rotate_weight(self.weight.detach())
-                minimum, maximum = channel_ranges(weight, self.weight_channel_dim)
-                snapped = fake_quantize(weight, minimum, maximum, torch.tensor(float(bits)))
+                bits, method = torch.tensor(float(bits)), self.cpt_precision.weight_range
+                snapped = fake_quantize(weight, *weight_ranges(weight, bits, self.weight_channel_dim, method), bits)
             return snapped if rotated else self.rotate_weight(snapped, inverse=True)

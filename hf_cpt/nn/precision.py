@@ -28,8 +28,10 @@ class PrecisionState:
         activation_ema_init: str = "zeros",
         errors: ErrorQuantization = PAPER_ERRORS,
         runtime: RuntimeSettings | None = None,
+        weight_range: str = "minmax",
     ) -> None:
         runtime = runtime or RuntimeSettings()
+        self.weight_range = weight_range  # how each weight's channel ranges are chosen (`weight_ranges`)
         self.bits = torch.zeros(())
         self.compact_codes = False
         self.nibble_codes = False
@@ -73,7 +75,7 @@ class PrecisionState:
         """A state for the static settings of a `CPTConfig` (or a loaded checkpoint's quantization_config, which
         holds no runtime settings: the loading process's defaults)."""
         return cls(settings.activation_momentum, settings.activation_ema_init, settings.errors,
-                   getattr(settings, "runtime", RuntimeSettings()))
+                   getattr(settings, "runtime", RuntimeSettings()), settings.weight_range)
 
     def on_device(self, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """``bits`` (one of the 0-d bit-width tensors, kept on the CPU) on ``device``, for the layers there.

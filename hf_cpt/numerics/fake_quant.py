@@ -1,4 +1,5 @@
-"""Fake quantization of weights and activations (docs/method.md §2): asymmetric min/max uniform quantization.
+"""Fake quantization of weights and activations (docs/method.md §2): asymmetric min/max uniform quantization (a
+weight's range optionally clipped, `weight_ranges`).
 
 ``Q(x) = s * round(clamp((x - m) / s, 0, 2^b - 1)) + m`` with ``s = max((M - m) / (2^b - 1), 1e-8)``, round half to
 even, bit-exact with that formula; the forward quantizers pass gradients straight through. On CPU the codes come
@@ -16,6 +17,10 @@ from .code_kernels import quantize_codes_native, ranges_native, restore_codes_na
 from .derived import derived
 
 MIN_SCALE = 1e-8
+# How a weight's per-channel range is chosen (`weight_ranges`; CPTConfig.weight_range): the CPT paper's min/max, or
+# clipped to the ratio of CLIP_RATIOS (1 down to 0.55) with the least squared error at the current bits.
+WEIGHT_RANGES = ("minmax", "mse")
+CLIP_RATIOS = tuple(round(1.0 - 0.05 * k, 2) for k in range(10))
 
 
 def num_levels(bits: torch.Tensor) -> torch.Tensor:
@@ -134,6 +139,31 @@ def channel_ranges(weight: torch.Tensor, channel_dim: int = 0) -> tuple[torch.Te
     return weight.amin(dim=dims, keepdim=True), weight.amax(dim=dims, keepdim=True)
 
 
+def weight_ranges(
+    weight: torch.Tensor, bits: torch.Tensor, channel_dim: int = 0, method: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each output channel's quantization range at ``bits`` by ``method`` (`WEIGHT_RANGES`): "minmax", the CPT
+    paper's ``[min, max]`` (`channel_ranges`); "mse", the clipped ``[a * min, a * max]`` for the ratio ``a`` of
+    `CLIP_RATIOS` whose quantized weight lies nearest the weight in squared error (the first on a tie, so a channel
+    the full range serves best keeps it). Ratios and errors in float32, as `quantize_codes` computes, so that the
+    training forward and an export choose the same range; no host synchronization."""
+    minimum, maximum = channel_ranges(weight, channel_dim)
+    if method == "minmax" or weight.dim() < 2:  # a 1-D tensor's channels are single values: nothing to clip
+        return minimum, maximum
+    source, minimum, maximum = weight.detach().float(), minimum.float(), maximum.float()
+    dims = tuple(d for d in range(weight.dim()) if d != channel_dim % weight.dim())
+    best = None
+    for ratio in CLIP_RATIOS:
+        low, high = minimum * ratio, maximum * ratio
+        error = fake_quantize(source, low, high, bits).sub_(source).square_().sum(dim=dims, keepdim=True)
+        if best is None:
+            best = [error, low, high]
+            continue
+        better = error < best[0]
+        best = [torch.where(better, candidate, kept) for candidate, kept in zip((error, low, high), best)]
+    return best[1], best[2]
+
+
 def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor min and max."""
     minimum, maximum = torch.aminmax(x.detach())
@@ -168,24 +198,25 @@ def quantize_ste(x: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, 
     return _FakeQuantizeSTE.apply(x, minimum, maximum, bits)
 
 
-def quantize_weight(weight: torch.Tensor, bits: torch.Tensor, channel_dim: int = 0) -> torch.Tensor:
-    """Per-output-channel weight quantization (straight-through gradient)."""
-    minimum, maximum = channel_ranges(weight, channel_dim)
-    return quantize_ste(weight, minimum, maximum, bits)
+def quantize_weight(
+    weight: torch.Tensor, bits: torch.Tensor, channel_dim: int = 0, method: str = "minmax"
+) -> torch.Tensor:
+    """Per-output-channel weight quantization (straight-through gradient) over `weight_ranges` by ``method``."""
+    return quantize_ste(weight, *weight_ranges(weight, bits, channel_dim, method), bits)
 
 
 def quantize_codes(
-    weight: torch.Tensor, bits: int | torch.Tensor, channel_dim: int = 0
+    weight: torch.Tensor, bits: int | torch.Tensor, channel_dim: int = 0, method: str = "minmax"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Integer codes of a weight at ``bits``, per output channel, with its scale and zero point.
 
-    The arithmetic of `fake_quantize` over `channel_ranges`, so that
+    The arithmetic of `fake_quantize` over `weight_ranges` (by ``method``), so that
     ``dequantize_codes(*quantize_codes(w, b, d), w.shape, d)`` equals the fake-quantized weight bit for bit.
     Returns codes (uint8, ``[C, K]`` with ``C = w.shape[channel_dim]``), scale and zero point (float32, ``[C]``).
     """
     source = weight.detach().float()
     bits = bits if isinstance(bits, torch.Tensor) else torch.tensor(float(bits))
-    codes, scale, minimum = quantization_codes(source, *channel_ranges(source, channel_dim), bits)
+    codes, scale, minimum = quantization_codes(source, *weight_ranges(source, bits, channel_dim, method), bits)
     channels = weight.shape[channel_dim]
     codes = codes.movedim(channel_dim, 0).reshape(channels, -1).to(torch.uint8)
     return codes, scale.reshape(channels), minimum.reshape(channels)

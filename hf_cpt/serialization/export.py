@@ -156,6 +156,7 @@ def _model_settings(model: nn.Module, cpt_config: CPTConfig | None) -> dict[str,
         "error_range": precision.errors.range,
         "input_gradient_product": precision.errors.input_product,
         "weight_gradient_product": precision.errors.weight_product,
+        "weight_range": precision.weight_range,
         "cpt_config": json_safe(cpt_config.to_dict()) if cpt_config is not None else None,
         "hf_cpt_version": __version__,
     }

@@ -19,6 +19,7 @@ from ..config import EMA_INITS
 from ..nn.base import ACTIVATION_GRANULARITIES
 from ..numerics.backward_products import PRODUCTS
 from ..numerics.bits import bits_problem, check_bits
+from ..numerics.fake_quant import WEIGHT_RANGES
 from ..numerics.errors import (
     ERROR_GRANULARITY_CHOICES,
     ERROR_PRODUCTS,
@@ -121,6 +122,7 @@ class CheckpointFields:
     error_range: str = "minmax"  # absent in files written before the option: the grid they trained with
     input_gradient_product: str = "float"  # the backward GEMMs (absent in older files: the float ones they ran)
     weight_gradient_product: str = "float"
+    weight_range: str = "minmax"  # how the weights' ranges are chosen (absent in older files: the min/max they used)
     # For the record:
     cpt_config: dict[str, Any] | None = None  # the run's CPTConfig
     hf_cpt_version: str | None = None
@@ -246,7 +248,7 @@ class CheckpointFields:
                               ("error_granularity", ERROR_GRANULARITY_CHOICES), ("error_rounding", ERROR_ROUNDINGS),
                               ("error_products", ERROR_PRODUCTS),
                               ("error_range", ERROR_RANGE_CHOICES), ("input_gradient_product", PRODUCTS),
-                              ("weight_gradient_product", PRODUCTS),
+                              ("weight_gradient_product", PRODUCTS), ("weight_range", WEIGHT_RANGES),
                               ("activation_ema_init", EMA_INITS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"quantization_config.{name} must be one of {list(choices)}, "
