@@ -96,8 +96,9 @@ def matches_any(name: str, patterns: list[str] | None) -> str | None:
 
 
 def layer_settings_changed(model: nn.Module, config: CPTConfig) -> dict[str, tuple[Any, Any]]:
-    """The settings that decide how the layers compute (modules, activations, weights, errors) on which ``config`` differs from
-    the config ``model`` was quantized with: {flat name: (then, now)}; empty for a model loaded from a checkpoint."""
+    """The settings that decide how the layers compute (modules, activations, weights, errors) on which ``config``
+    differs from the config ``model`` was quantized with: {flat name: (then, now)}; empty for a model loaded from a
+    checkpoint."""
     used = find_precision_state(model).quantized_with
     parts = (ModuleSelection, ActivationConfig, WeightConfig, ErrorQuantization)
     names = [flat for part in parts for flat in PART_FIELDS[part].values()]

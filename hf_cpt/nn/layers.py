@@ -139,7 +139,8 @@ class QuantEmbedding(QuantLayerMixin, nn.Embedding):
         if bits is None:
             return nn.Embedding.forward(self, input)
         weight = self._frozen_weight()
-        weight = weight if weight is not None else quantize_weight(self.weight, bits, 0, self.cpt_precision.weight_range)
+        if weight is None:
+            weight = quantize_weight(self.weight, bits, 0, self.cpt_precision.weight_range)
         return F.embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
                            self.sparse)
 

@@ -19,7 +19,6 @@ from ..config import EMA_INITS
 from ..nn.base import ACTIVATION_GRANULARITIES
 from ..numerics.backward_products import PRODUCTS
 from ..numerics.bits import bits_problem, check_bits
-from ..numerics.fake_quant import WEIGHT_RANGES
 from ..numerics.errors import (
     ERROR_GRANULARITY_CHOICES,
     ERROR_PRODUCTS,
@@ -27,6 +26,7 @@ from ..numerics.errors import (
     ERROR_ROUNDINGS,
     ErrorQuantization,
 )
+from ..numerics.fake_quant import WEIGHT_RANGES
 from ..version import __version__
 
 # The quant_method written. A reader without hf_cpt (transformers, lm-eval, a serving engine) names it in the first line
