@@ -13,7 +13,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 if compgen -G "wheels/torchao-*.whl" > /dev/null; then
     python -m pip install -q --no-deps wheels/torchao-*.whl 2>&1 | tail -2
 fi
-# tests/test_cuda.py runs the interpreter tests' comparisons on the GPU (the interpreter ones are CPU work: CI's)
-timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
-    | tee "$OUT/tests.log" | tail -20
+# tests/test_cuda.py runs the interpreter tests' comparisons on the GPU (the interpreter ones are CPU work: CI's), then
+# the compositions (LoRA, autocast, checkpointing, accumulation, compile, FSDP2): four workers where pytest-xdist is
+# installed (one GPU holds them all), the slowest tests named.
+WORKERS=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
+timeout 240 python -m pytest -q -p no:cacheprovider ${WORKERS:-} --durations=8 tests/test_cuda.py 2>&1 \
+    | tee "$OUT/tests.log" | tail -30
 timeout 280 python bench/gpu.py --output "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log" | tail -30

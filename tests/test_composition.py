@@ -1,4 +1,7 @@
-"""CPT combined with the rest of the stack: peft LoRA, bf16 autocast, gradient checkpointing, accumulation."""
+"""CPT combined with the rest of the stack: peft LoRA, bf16 autocast, gradient checkpointing, accumulation, compile.
+
+Each composition is a function of the device it runs on: the tests here run them on the CPU, tests/test_cuda.py on a
+GPU with the CUDA backend (`COMPOSITIONS`)."""
 
 import pytest
 import torch
@@ -18,10 +21,10 @@ def _data(n=32, seq_len=12):
     return [{"input_ids": row, "labels": int(row[0] % 3)} for row in ids]
 
 
-def _args(tmp_path, **overrides):
+def _args(tmp_path, device="cpu", **overrides):
     values = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=3, logging_steps=1,
-                  save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
-                  learning_rate=1e-3)
+                  save_strategy="no", report_to="none", use_cpu=device == "cpu", disable_tqdm=True, seed=0,
+                  data_seed=0, learning_rate=1e-3)
     values.update(overrides)
     return TrainingArguments(**values)
 
@@ -36,9 +39,13 @@ def _losses(trainer):
 
 
 def test_lora_after_quantization_saves_loads_merges_and_exports(tmp_path):
+    lora_after_quantization(tmp_path, "cpu")
+
+
+def lora_after_quantization(tmp_path, device: str) -> None:
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    model = _model()
+    model = _model().to(device)
     quantize_model(model, CPTConfig())
     lora = LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS", init_lora_weights=False)
     peft_model = get_peft_model(model, lora)
@@ -46,7 +53,7 @@ def test_lora_after_quantization_saves_loads_merges_and_exports(tmp_path):
     assert isinstance(query.base_layer, QuantLayerMixin) and not isinstance(query.lora_A["default"], QuantLayerMixin)
     set_precision(peft_model, 4, 8)
     peft_model.train()
-    batch = {"input_ids": torch.randint(5, 128, (4, 10))}
+    batch = {"input_ids": torch.randint(5, 128, (4, 10), device=device)}
     peft_model(**batch).logits.sum().backward()
     assert query.lora_A["default"].weight.grad is not None and query.base_layer.weight.grad is None  # frozen base
     peft_model.eval()
@@ -55,7 +62,7 @@ def test_lora_after_quantization_saves_loads_merges_and_exports(tmp_path):
         expected = peft_model(**batch).logits
 
     peft_model.save_pretrained(tmp_path / "adapter")  # plain peft: adapters only, FP32
-    base = _model()
+    base = _model().to(device)
     quantize_model(base, CPTConfig())
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     set_eval_precision(reloaded, 6)
@@ -74,14 +81,18 @@ def test_lora_after_quantization_saves_loads_merges_and_exports(tmp_path):
     save_quantized(merged, tmp_path / "merged", bits=6, model_card=False)
     from transformers import AutoModelForSequenceClassification
 
-    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged")
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged", device_map=device)
     with torch.no_grad():
         got = loaded(**batch).logits
     assert float((got - reference).abs().max() / reference.abs().max()) <= 1e-5
 
 
 def test_bf16_autocast_trains(tmp_path):
-    trainer = CPTTrainer(model=_model(), args=_args(tmp_path, bf16=True), train_dataset=_data(),
+    bf16_autocast_trains(tmp_path, "cpu")
+
+
+def bf16_autocast_trains(tmp_path, device: str) -> None:
+    trainer = CPTTrainer(model=_model(), args=_args(tmp_path, device, bf16=True), train_dataset=_data(),
                          cpt_config=CPTConfig(bits_min=4, num_cycles=1))
     trainer.train()
     losses = _losses(trainer)
@@ -90,10 +101,14 @@ def test_bf16_autocast_trains(tmp_path):
 
 
 def test_gradient_checkpointing_gives_the_same_first_loss(tmp_path):
+    gradient_checkpointing_gives_the_same_first_loss(tmp_path, "cpu")
+
+
+def gradient_checkpointing_gives_the_same_first_loss(tmp_path, device: str) -> None:
     config = CPTConfig(bits_min=4, num_cycles=1)
-    plain = CPTTrainer(model=_model(), args=_args(tmp_path / "a"), train_dataset=_data(), cpt_config=config)
+    plain = CPTTrainer(model=_model(), args=_args(tmp_path / "a", device), train_dataset=_data(), cpt_config=config)
     plain.train()
-    checkpointed = CPTTrainer(model=_model(), args=_args(tmp_path / "b", gradient_checkpointing=True),
+    checkpointed = CPTTrainer(model=_model(), args=_args(tmp_path / "b", device, gradient_checkpointing=True),
                               train_dataset=_data(), cpt_config=config)
     checkpointed.train()
     assert _losses(checkpointed)[0] == pytest.approx(_losses(plain)[0], rel=1e-6)  # same forward
@@ -101,12 +116,16 @@ def test_gradient_checkpointing_gives_the_same_first_loss(tmp_path):
 
 
 def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
+    gradient_accumulation_counts_every_micro_batch(tmp_path, "cpu")
+
+
+def gradient_accumulation_counts_every_micro_batch(tmp_path, device: str) -> None:
     config = CPTConfig(bits_min=4, num_cycles=1)
-    accumulated = CPTTrainer(model=_model(), args=_args(tmp_path / "a", per_device_train_batch_size=4,
+    accumulated = CPTTrainer(model=_model(), args=_args(tmp_path / "a", device, per_device_train_batch_size=4,
                                                         gradient_accumulation_steps=2),
                              train_dataset=_data(), cpt_config=config)
     accumulated.train()
-    whole = CPTTrainer(model=_model(), args=_args(tmp_path / "b", per_device_train_batch_size=8),
+    whole = CPTTrainer(model=_model(), args=_args(tmp_path / "b", device, per_device_train_batch_size=8),
                        train_dataset=_data(), cpt_config=config)
     whole.train()
     a, b = accumulated.cpt_callback.meter.totals, whole.cpt_callback.meter.totals
@@ -126,6 +145,10 @@ def _assert_compiled_once(counters, model) -> None:
 
 @pytest.mark.slow
 def test_torch_compile_visits_every_bit_width_and_accumulates_without_recompiling(tmp_path):
+    compile_visits_every_bit_width(tmp_path, "cpu")
+
+
+def compile_visits_every_bit_width(tmp_path, device: str) -> None:
     """`torch_compile=True` under the Trainer, two micro-batches per step: a run through bits 3..8 compiles its
     graph once, and its cost meter counts the MACs the same run counts eagerly."""
     from torch._dynamo.utils import counters
@@ -140,7 +163,7 @@ def test_torch_compile_visits_every_bit_width_and_accumulates_without_recompilin
         compile_args = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
         model = _model(layers=1)  # one block: dynamo's tracing takes seconds a block
         model.config.problem_type = "single_label_classification"  # else set by the first call: a guard that fails
-        trainer = CPTTrainer(model=model, args=_args(tmp_path / str(compiled), max_steps=12,
+        trainer = CPTTrainer(model=model, args=_args(tmp_path / str(compiled), device, max_steps=12,
                                                         per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                                         **compile_args),
                              train_dataset=_data(96), cpt_config=config)
@@ -188,3 +211,10 @@ def test_a_compiled_model_outside_the_trainer_is_not_recompiled_by_the_counts_of
     assert per_forward > 0 and attention.float_macs.count == 4 * per_forward  # counted in every compiled forward
     _assert_compiled_once(counters, model)
     torch._dynamo.reset()
+
+
+# What tests/test_cuda.py runs on a GPU: each composition above, as a function of the device.
+COMPOSITIONS = {"lora": lora_after_quantization, "bf16-autocast": bf16_autocast_trains,
+                "gradient-checkpointing": gradient_checkpointing_gives_the_same_first_loss,
+                "gradient-accumulation": gradient_accumulation_counts_every_micro_batch,
+                "compile": compile_visits_every_bit_width}

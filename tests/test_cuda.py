@@ -13,6 +13,7 @@ from hf_cpt.numerics import error_kernels
 from hf_cpt.numerics.error_kernels import KERNEL_SOURCES
 from hf_cpt.numerics.fake_quant import quantize_codes
 
+from .test_composition import COMPOSITIONS
 from .test_serialization_fresh_process import FAMILIES, TOLERANCE, _data, _Rows, _run_loader
 
 pytestmark = [pytest.mark.slow,
@@ -309,3 +310,33 @@ def test_a_cpt_step_on_the_cuda_backend_replays_in_a_cuda_graph_and_compiles_onc
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
     monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
+
+
+@pytest.fixture
+def cuda_backend(monkeypatch):
+    """The CUDA backend's kernels on for this test (``HF_CPT_CUDA_KERNELS=1``), chosen afresh before and after."""
+    from hf_cpt import backends
+
+    monkeypatch.setenv(backends.CUDA_KERNELS_VARIABLE, "1")
+    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
+    assert backends.backend_for("cuda").name == "cuda"
+    yield
+    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
+
+
+@pytest.mark.parametrize("composition", sorted(COMPOSITIONS))
+def test_cpt_composes_with_the_stack_on_the_cuda_backend(composition, tmp_path, cuda_backend):
+    """Issue 74's compositions on a GPU, each as tests/test_composition.py runs it on the CPU: peft LoRA (trained,
+    reloaded, merged and exported), bf16 autocast, gradient checkpointing, gradient accumulation, torch.compile."""
+    COMPOSITIONS[composition](tmp_path, "cuda")
+
+
+def test_fsdp2_on_one_gpu_rank_trains_as_ddp_does_on_the_cuda_backend(tmp_path):
+    """FSDP2's sharded parameters (`fully_shard`, one nccl rank) train as DDP does, on the CUDA backend."""
+    import os
+
+    from hf_cpt import backends
+
+    from .test_distributed import fsdp2_matches_ddp
+
+    fsdp2_matches_ddp(tmp_path, world=1, device="cuda", env={**os.environ, backends.CUDA_KERNELS_VARIABLE: "1"})

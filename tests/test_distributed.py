@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`) over 2 CPU processes (gloo) trains a CPT model like DDP does, and exports."""
+"""FSDP2 (`fully_shard`) over 2 CPU processes (gloo) trains a CPT model like DDP does, and exports (tests/test_cuda.py:
+the same on one GPU rank, nccl)."""
 
 import concurrent.futures
 import gc
@@ -21,10 +22,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, mode: str, out_dir: str, device: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world)
     wrapped = None
     try:
         from transformers import BertForSequenceClassification
@@ -39,6 +42,7 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+        model.to(device)
         quantize_model(model, CPTConfig(bits_min=3, bits_max=8, fused_error_quantizer=False))
         if mode == "fsdp":
             from torch.distributed.fsdp import fully_shard
@@ -55,7 +59,7 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
         for step in range(STEPS):
             set_precision(model, schedule(step), 8)
             bits_seen.append(find_precision_state(model).current[0])
-            ids = torch.randint(5, 128, (4, 10), generator=generator)
+            ids = torch.randint(5, 128, (4, 10), generator=generator).to(device)
             torch.manual_seed(1000 * step + rank)  # the error quantizer's noise, the same in both modes
             loss = wrapped(input_ids=ids, labels=ids[:, 0] % 3).loss
             loss.backward()
@@ -84,28 +88,39 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _launch(world: int, mode: str, out_dir: str) -> None:
+def _launch(world: int, mode: str, out_dir: str, device: str = "cpu", env: dict | None = None) -> None:
     """``world`` processes of `_worker`, as a launcher starts them (processes of the tests' server,
     tests/fresh_python.py: the imports paid once, not once a rank)."""
     port = _free_port()
     commands = [["-c", f"from tests.test_distributed import _worker; _worker({rank}, {world}, {port}, {mode!r}, "
-                       f"{out_dir!r})"] for rank in range(world)]
+                       f"{out_dir!r}, {device!r})"] for rank in range(world)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=world) as pool:
-        runs = list(pool.map(lambda command: run_python(command, cwd=ROOT, timeout=300), commands))
+        runs = list(pool.map(lambda command: run_python(command, cwd=ROOT, timeout=300, env=env), commands))
     for rank, run in enumerate(runs):
         assert run.returncode == 0, f"{mode} rank {rank}:\n{run.stderr[-3000:]}"
 
 
 @pytest.mark.slow
 def test_fsdp2_matches_ddp_and_exports(tmp_path):
+    fsdp2_matches_ddp(tmp_path, world=2)
+    _exports(tmp_path)
+
+
+def fsdp2_matches_ddp(tmp_path, world: int, device: str = "cpu", env: dict | None = None) -> None:
+    """The same steps under DDP and under FSDP2 on ``world`` ranks: the same bits on every rank, losses and trained
+    weights."""
     for mode in ("ddp", "fsdp"):
-        _launch(2, mode, str(tmp_path))
+        _launch(world, mode, str(tmp_path), device, env)
     ddp, fsdp = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fsdp.pt")
     bits = torch.load(tmp_path / "fsdp-bits.pt")
-    assert bits[0] == bits[1] == ddp["bits"] and len(set(bits[0])) > 1  # identical bits on both ranks each step
+    assert all(rank == ddp["bits"] for rank in bits) and len(set(bits[0])) > 1  # identical bits on every rank
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4, abs=1e-5)
     for key, value in ddp["state"].items():
         torch.testing.assert_close(fsdp["state"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def _exports(tmp_path) -> None:
+    fsdp = torch.load(tmp_path / "fsdp.pt")
 
     # the gathered full state dict exports a quantized checkpoint that loads back exactly
     from transformers import AutoModelForSequenceClassification, BertForSequenceClassification
