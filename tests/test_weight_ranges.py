@@ -43,12 +43,12 @@ def _squared_errors(weight, ranges, bits, channel_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("channel_dim", [0, 1])
+@pytest.mark.parametrize("shape, channel_dim", [((24, 40), 0), ((24, 40), 1), ((16, 4, 3, 3), 0)])  # Conv1D: 1
 @pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
-def test_the_ranges_are_the_clipped_ones_of_least_squared_error(bits, channel_dim, dtype):
+def test_the_ranges_are_the_clipped_ones_of_least_squared_error(bits, shape, channel_dim, dtype):
     torch.manual_seed(bits)
-    weight = (torch.randn(24, 40) * 0.05).to(dtype)
-    weight[3, 5] = weight[3, 5] * 12  # an outlier: the channel the clip is for
+    weight = (torch.randn(shape) * 0.05).to(dtype)
+    weight.view(-1)[5] *= 12  # an outlier: the channel the clip is for
     got = weight_ranges(weight, torch.tensor(float(bits)), channel_dim, "mse")
     expected = _by_definition(weight, bits, channel_dim)
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
