@@ -89,6 +89,8 @@ class ErrorQuantization:
         "auto" becomes per row ("token") for per-token activations and per tensor otherwise (docs/backward.md:
         per-row errors bring a fine-tuned transformer near FP32; on a CNN trained from scratch they made no
         consistent difference, so its layers keep the paper's per-tensor errors)."""
+        if torch.compiler.is_dynamo_compiling():  # traced once: the cache would only draw dynamo's warning about it
+            return _resolve_errors.__wrapped__(self, activation_granularity)
         return _resolve_errors(self, activation_granularity)
 
     def for_attention(self) -> ErrorQuantization:

@@ -207,7 +207,9 @@ def _build_axis_steps(
     if split is not None:
         # Sylvester blocks are symmetric: the same whether transposed or not.
         device, dtype = factors[0].device, factors[0].dtype
-        return [_sylvester_block(size, device, dtype) for size in split] + remaining[::-1]
+        # traced code builds the blocks once: the cache would only draw dynamo's warning about it
+        block = _sylvester_block.__wrapped__ if torch.compiler.is_dynamo_compiling() else _sylvester_block
+        return [block(size, device, dtype) for size in split] + remaining[::-1]
     block = remaining.pop()
     while remaining and block.shape[0] * remaining[-1].shape[0] <= MAX_MERGED_BLOCK:
         block = torch.kron(remaining.pop(), block)
