@@ -152,13 +152,10 @@ def weight_ranges(
         return minimum, maximum
     source, minimum, maximum = weight.detach().float(), minimum.float(), maximum.float()
     dims = tuple(d for d in range(weight.dim()) if d != channel_dim % weight.dim())
-    best = None
+    best = [torch.full_like(minimum, float("inf")), minimum, maximum]  # (squared error, range) of each channel
     for ratio in CLIP_RATIOS:
         low, high = minimum * ratio, maximum * ratio
         error = fake_quantize(source, low, high, bits).sub_(source).square_().sum(dim=dims, keepdim=True)
-        if best is None:
-            best = [error, low, high]
-            continue
         better = error < best[0]
         best = [torch.where(better, candidate, kept) for candidate, kept in zip((error, low, high), best)]
     return best[1], best[2]
