@@ -35,7 +35,7 @@ def method(config: dict) -> str:
     if config.get("rounding", "nearest") != "nearest":  # the smooth schedule rounded up (the CPT paper's Eq. 1)
         name += f" ({config['rounding']}-rounded cycle)"
     if config.get("weight_range", "minmax") != "minmax":  # runs without the field used min/max weight ranges
-        name += " (clipped weight ranges)"
+        name += CLIPPED_LABEL
     if config.get("quant_scheme", "auto") != "auto":
         name += f" ({config['quant_scheme']} activations)"
     if config.get("integer_matmul") is True:  # runs without the field used the float product
@@ -302,6 +302,7 @@ def findings(grouped: dict, fp32: list[dict] | None, default_errors: tuple) -> l
         lines.append(line + ("" if seeds >= 2 else " (one seed: a direction, not a result)") + ".")
     lines += _attention_pairs(grouped)
     lines += _integer_pairs(grouped)
+    lines += _clipped_pairs(grouped)
     lines += _int8_findings(grouped)
     lines += _attention_by_schedule(grouped, default_errors)
     lines += _attention_errors_share(grouped)
@@ -405,6 +406,7 @@ def _attention_pairs(grouped: dict) -> list[str]:
 
 
 INTEGER_LABEL = " (forward on integer codes)"
+CLIPPED_LABEL = " (clipped weight ranges)"
 INT8_PRODUCTS = (("input_gradient_product", "input"), ("weight_gradient_product", "weight"))
 
 
@@ -450,6 +452,19 @@ def _integer_pairs(grouped: dict) -> list[str]:
         if gaps:
             lines.append(f"- {name} against the same run with the float product, seed by seed ({describe(option)}; "
                          "any change of rounding sends a run down another path, so a single gap is noise): "
+                         + ", ".join(f"{g:+.2f}" for g in gaps) + f" points (mean {mean(gaps):+.2f}).")
+    return lines
+
+
+def _clipped_pairs(grouped: dict) -> list[str]:
+    """Each run with clipped weight ranges (`weight_range="mse"`) against the same run on min/max ranges, seed by seed
+    (the same data order and initial head)."""
+    lines = []
+    for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
+        gaps = seed_gaps(entries, grouped.get((name.replace(CLIPPED_LABEL, ""), option), [])) \
+            if CLIPPED_LABEL in name else []
+        if gaps:
+            lines.append(f"- {name} against the same run on min/max weight ranges, seed by seed: "
                          + ", ".join(f"{g:+.2f}" for g in gaps) + f" points (mean {mean(gaps):+.2f}).")
     return lines
 

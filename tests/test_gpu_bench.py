@@ -63,6 +63,23 @@ def test_the_backward_page_judges_each_int8_run_against_the_seed_range_of_its_fl
                         "CPT 4-8/8 (int8 weight gradient)": (False, [-6.0])}
 
 
+def test_the_backward_page_sets_clipped_and_ceil_runs_apart_and_pairs_the_clipped_with_their_min_max_twins():
+    page = _load_report().backward_page
+    base = {"schedule": "cpt", "bits_min": 4, "bits_max": 8, "grad_bits": 8, "error_granularity": "token"}
+
+    def run(seed, metric, **fields):
+        return {"seed": seed, "metric": metric, "cpt_config": {**base, **fields}}
+
+    ablation = {"a": run(0, 0.56), "b": run(1, 0.60), "c": run(0, 0.58, weight_range="mse"),
+                "d": run(1, 0.59, weight_range="mse"), "e": run(0, 0.50, rounding="ceil")}
+    grouped = page.groups(ablation)
+    assert sorted(name for name, _ in grouped) == ["CPT 4-8/8", "CPT 4-8/8 (ceil-rounded cycle)",
+                                                   "CPT 4-8/8 (clipped weight ranges)"]
+    assert page._clipped_pairs(grouped) == [
+        "- CPT 4-8/8 (clipped weight ranges) against the same run on min/max weight ranges, seed by seed: +2.00, "
+        "-1.00 points (mean +0.50)."]
+
+
 def test_the_gpu_finetune_bundle_carries_what_the_rte_and_bf16_runs_read(tmp_path, shared_data_dir):
     """Issue 75's preparation, at a tiny size on the CPU: the bundle (a float16 encoder, MNLI, RTE) feeds
     bench/pretrained.py with --task rte, a bf16-autocast FP32 run and a CPT variant among them."""
