@@ -17,6 +17,6 @@ fi
 # the compositions (LoRA, autocast, checkpointing, accumulation, compile, FSDP2): four workers where pytest-xdist is
 # installed (one GPU holds them all), the slowest tests named.
 WORKERS=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
-timeout 240 python -m pytest -q -p no:cacheprovider ${WORKERS:-} --durations=8 tests/test_cuda.py 2>&1 \
+timeout 200 python -m pytest -q -p no:cacheprovider ${WORKERS:-} --durations=8 tests/test_cuda.py 2>&1 \
     | tee "$OUT/tests.log" | tail -30
-timeout 280 python bench/gpu.py --output "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log" | tail -30
+timeout 260 python bench/gpu.py --output "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log" | tail -30
