@@ -33,7 +33,7 @@ def method(config: dict) -> str:
     if config.get("delay"):
         name += f" (first {100 * config['delay']:.0f}% at {config.get('delay_precision', 'max')})"
     if config.get("rounding", "nearest") != "nearest":  # the smooth schedule rounded up (the CPT paper's Eq. 1)
-        name += f" ({config['rounding']}-rounded cycle)"
+        name += CEIL_LABEL if config["rounding"] == "ceil" else f" ({config['rounding']}-rounded cycle)"
     if config.get("weight_range", "minmax") != "minmax":  # runs without the field used min/max weight ranges
         name += CLIPPED_LABEL
     if config.get("quant_scheme", "auto") != "auto":
@@ -302,7 +302,7 @@ def findings(grouped: dict, fp32: list[dict] | None, default_errors: tuple) -> l
         lines.append(line + ("" if seeds >= 2 else " (one seed: a direction, not a result)") + ".")
     lines += _attention_pairs(grouped)
     lines += _integer_pairs(grouped)
-    lines += _clipped_pairs(grouped)
+    lines += _variant_pairs(grouped)
     lines += _int8_findings(grouped)
     lines += _attention_by_schedule(grouped, default_errors)
     lines += _attention_errors_share(grouped)
@@ -407,6 +407,9 @@ def _attention_pairs(grouped: dict) -> list[str]:
 
 INTEGER_LABEL = " (forward on integer codes)"
 CLIPPED_LABEL = " (clipped weight ranges)"
+CEIL_LABEL = " (ceil-rounded cycle)"
+# A variant's label -> what its twin without the label ran: each variant run against its twin, seed by seed.
+VARIANT_TWINS = {CLIPPED_LABEL: "on min/max weight ranges", CEIL_LABEL: "with the nearest-rounded cycle"}
 INT8_PRODUCTS = (("input_gradient_product", "input"), ("weight_gradient_product", "weight"))
 
 
@@ -456,16 +459,16 @@ def _integer_pairs(grouped: dict) -> list[str]:
     return lines
 
 
-def _clipped_pairs(grouped: dict) -> list[str]:
-    """Each run with clipped weight ranges (`weight_range="mse"`) against the same run on min/max ranges, seed by seed
-    (the same data order and initial head)."""
+def _variant_pairs(grouped: dict) -> list[str]:
+    """Each run of a `VARIANT_TWINS` variant (clipped weight ranges, the ceil-rounded cycle) against its twin without
+    it, seed by seed (the same data order and initial head)."""
     lines = []
     for (name, option), entries in sorted(grouped.items(), key=lambda kv: kv[0]):
-        gaps = seed_gaps(entries, grouped.get((name.replace(CLIPPED_LABEL, ""), option), [])) \
-            if CLIPPED_LABEL in name else []
-        if gaps:
-            lines.append(f"- {name} against the same run on min/max weight ranges, seed by seed: "
-                         + ", ".join(f"{g:+.2f}" for g in gaps) + f" points (mean {mean(gaps):+.2f}).")
+        for label, twin in VARIANT_TWINS.items():
+            gaps = seed_gaps(entries, grouped.get((name.replace(label, ""), option), [])) if label in name else []
+            if gaps:
+                lines.append(f"- {name} against the same run {twin}, seed by seed: "
+                             + ", ".join(f"{g:+.2f}" for g in gaps) + f" points (mean {mean(gaps):+.2f}).")
     return lines
 
 

@@ -63,7 +63,7 @@ def test_the_backward_page_judges_each_int8_run_against_the_seed_range_of_its_fl
                         "CPT 4-8/8 (int8 weight gradient)": (False, [-6.0])}
 
 
-def test_the_backward_page_sets_clipped_and_ceil_runs_apart_and_pairs_the_clipped_with_their_min_max_twins():
+def test_the_backward_page_sets_clipped_and_ceil_runs_apart_and_pairs_each_with_its_twin():
     page = _load_report().backward_page
     base = {"schedule": "cpt", "bits_min": 4, "bits_max": 8, "grad_bits": 8, "error_granularity": "token"}
 
@@ -75,7 +75,9 @@ def test_the_backward_page_sets_clipped_and_ceil_runs_apart_and_pairs_the_clippe
     grouped = page.groups(ablation)
     assert sorted(name for name, _ in grouped) == ["CPT 4-8/8", "CPT 4-8/8 (ceil-rounded cycle)",
                                                    "CPT 4-8/8 (clipped weight ranges)"]
-    assert page._clipped_pairs(grouped) == [
+    assert page._variant_pairs(grouped) == [
+        "- CPT 4-8/8 (ceil-rounded cycle) against the same run with the nearest-rounded cycle, seed by seed: -6.00 "
+        "points (mean -6.00).",
         "- CPT 4-8/8 (clipped weight ranges) against the same run on min/max weight ranges, seed by seed: +2.00, "
         "-1.00 points (mean +0.50)."]
 
