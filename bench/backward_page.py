@@ -32,8 +32,8 @@ def method(config: dict) -> str:
             else f"CPT {config['bits_min']}-{config['bits_max']}/{config['grad_bits']}")
     if config.get("delay"):
         name += f" (first {100 * config['delay']:.0f}% at {config.get('delay_precision', 'max')})"
-    if config.get("rounding", "nearest") != "nearest":  # the smooth schedule rounded up (the CPT paper's Eq. 1)
-        name += CEIL_LABEL if config["rounding"] == "ceil" else f" ({config['rounding']}-rounded cycle)"
+    if config.get("rounding", "nearest") == "ceil":  # the smooth schedule rounded up (the CPT paper's Eq. 1)
+        name += CEIL_LABEL
     if config.get("weight_range", "minmax") != "minmax":  # runs without the field used min/max weight ranges
         name += CLIPPED_LABEL
     if config.get("quant_scheme", "auto") != "auto":

@@ -1,11 +1,15 @@
-"""Small helpers every layer of the package may use: names of callables, JSON-safe values."""
+"""Small helpers every layer of the package may use: names of callables, JSON-safe values, compile-safe caches."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 def callable_name(fn: Any) -> str:
@@ -88,3 +92,12 @@ def model_embeddings(model: Any, which: str) -> Any:
     import torch
 
     return module if isinstance(module, torch.nn.Module) else None
+
+
+def cached_outside_compile(maxsize: int) -> Callable[[Callable], Callable]:
+    """`functools.lru_cache` for eager calls of a pure function; code that torch.compile traces calls the function
+    itself (dynamo does not trace through a cache, warns that it ignores it, and bakes the result into the graph)."""
+    def decorate(fn: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        return functools.wraps(fn)(lambda *args: fn(*args) if torch.compiler.is_compiling() else cached(*args))
+    return decorate

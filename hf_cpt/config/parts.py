@@ -197,10 +197,8 @@ class WeightConfig:
 
     range: str = setting(
         "minmax",
-        "Each output channel's weight range: 'minmax' (the CPT paper's min to max, bit-exact) or 'mse' (the range "
-        "clipped to the ratio, from 1 down to 0.55, with the least squared error at the current bits; exports and "
-        "loaded models keep it)."
-    )
+        "Each output channel's weight range: 'minmax' (the CPT paper's, bit-exact) or 'mse' (clipped to the ratio, "
+        "1 down to 0.55, of least squared error at the current bits; exports and loaded models keep it).")
 
     def __post_init__(self) -> None:
         check_choice(type(self).__name__, "range", self.range, WEIGHT_RANGES)

@@ -9,12 +9,11 @@ tensors go through one fused kernel with hashed noise (`hf_cpt.numerics.error_ke
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..utils import check_choice, setting
+from ..utils import cached_outside_compile, check_choice, setting
 from . import error_kernels
 from .backward_products import PRODUCTS
 from .error_kernels import KERNEL_SOURCES, grid, noise_seed, symmetric_levels, symmetric_round
@@ -89,8 +88,6 @@ class ErrorQuantization:
         "auto" becomes per row ("token") for per-token activations and per tensor otherwise (docs/backward.md:
         per-row errors bring a fine-tuned transformer near FP32; on a CNN trained from scratch they made no
         consistent difference, so its layers keep the paper's per-tensor errors)."""
-        if torch.compiler.is_dynamo_compiling():  # traced once: the cache would only draw dynamo's warning about it
-            return _resolve_errors.__wrapped__(self, activation_granularity)
         return _resolve_errors(self, activation_granularity)
 
     def for_attention(self) -> ErrorQuantization:
@@ -111,7 +108,7 @@ class ErrorQuantization:
 PAPER_ERRORS = ErrorQuantization()  # the CPT paper: one range per tensor, stochastic rounding
 
 
-@functools.lru_cache(maxsize=64)
+@cached_outside_compile(maxsize=64)
 def _resolve_errors(errors: ErrorQuantization, activation_granularity: str) -> ErrorQuantization:
     # Cached: every training forward of a layer asks, and the answer is fixed for the run.
     granularity = errors.granularity

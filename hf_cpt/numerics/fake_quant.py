@@ -142,11 +142,10 @@ def channel_ranges(weight: torch.Tensor, channel_dim: int = 0) -> tuple[torch.Te
 def weight_ranges(
     weight: torch.Tensor, bits: torch.Tensor, channel_dim: int = 0, method: str = "minmax"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each output channel's quantization range at ``bits`` by ``method`` (`WEIGHT_RANGES`): "minmax", the CPT
-    paper's ``[min, max]`` (`channel_ranges`); "mse", the clipped ``[a * min, a * max]`` for the ratio ``a`` of
-    `CLIP_RATIOS` whose quantized weight lies nearest the weight in squared error (the first on a tie, so a channel
-    the full range serves best keeps it). Ratios and errors in float32, as `quantize_codes` computes, so that the
-    training forward and an export choose the same range; no host synchronization."""
+    """Each output channel's range at ``bits`` by ``method``: "minmax", the paper's (`channel_ranges`); "mse", the
+    clipped ``[a * min, a * max]`` for the ratio ``a`` of `CLIP_RATIOS` of least squared error (the first on a tie:
+    a channel the full range serves best keeps it). In float32, as `quantize_codes`, so that training and exports
+    choose the same range; no host synchronization."""
     minimum, maximum = channel_ranges(weight, channel_dim)
     if method == "minmax" or weight.dim() < 2:  # a 1-D tensor's channels are single values: nothing to clip
         return minimum, maximum

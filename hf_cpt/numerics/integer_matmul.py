@@ -7,10 +7,9 @@ int8 dot products, else the float32 GEMM of the centred codes where a bound prov
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from ..utils import cached_outside_compile
 from .code_kernels import centred_codes_native, code_product_native
 from .derived import derived
 
@@ -27,18 +26,12 @@ def _centred(codes: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
 SUM_COLUMNS = 8
 
 
-@functools.lru_cache(maxsize=32)
-def _cached_ones(reduced: int, device: torch.device) -> torch.Tensor:
-    with torch.inference_mode(False):  # a normal tensor even when first asked for under inference mode
-        return torch.ones(reduced, SUM_COLUMNS, dtype=torch.int8, device=device)
-
-
+@cached_outside_compile(maxsize=32)
 def _ones(reduced: int, device: torch.device) -> torch.Tensor:
     """``[reduced, SUM_COLUMNS]`` int8 ones: made once per size and device in eager code (every product of a step
-    needs one), a constant of the graph in compiled code (which does not trace through a cache)."""
-    if torch.compiler.is_compiling():
+    needs one), a constant of the graph in compiled code."""
+    with torch.inference_mode(False):  # a normal tensor even when first asked for under inference mode
         return torch.ones(reduced, SUM_COLUMNS, dtype=torch.int8, device=device)
-    return _cached_ones(reduced, device)
 
 
 def _code_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

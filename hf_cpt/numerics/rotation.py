@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..utils import cached_outside_compile
 from . import native
 from .derived import derived
 
@@ -174,7 +175,7 @@ class Rotation:
         return self.apply(eye)
 
 
-@functools.lru_cache(maxsize=16)
+@cached_outside_compile(maxsize=16)
 def _sylvester_block(size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return (sylvester_hadamard(size) / math.sqrt(size)).to(device=device, dtype=dtype)
 
@@ -207,9 +208,7 @@ def _build_axis_steps(
     if split is not None:
         # Sylvester blocks are symmetric: the same whether transposed or not.
         device, dtype = factors[0].device, factors[0].dtype
-        # traced code builds the blocks once: the cache would only draw dynamo's warning about it
-        block = _sylvester_block.__wrapped__ if torch.compiler.is_dynamo_compiling() else _sylvester_block
-        return [block(size, device, dtype) for size in split] + remaining[::-1]
+        return [_sylvester_block(size, device, dtype) for size in split] + remaining[::-1]
     block = remaining.pop()
     while remaining and block.shape[0] * remaining[-1].shape[0] <= MAX_MERGED_BLOCK:
         block = torch.kron(remaining.pop(), block)

@@ -15,7 +15,16 @@ from ...numerics.errors import ErrorQuantization
 from ...numerics.fake_quant import levels_on, quantization_scale
 from ..base import Backend, Codes, int8_gemm_takes
 from .backward_kernels import block_scaled_matmul, row_codes, token_block_codes
-from .kernels import operand_codes, restore_values
+from .kernels import KERNEL_DTYPES, operand_codes, restore_values
+
+
+def _kernels_read(t: torch.Tensor) -> bool:  # a float dtype the Triton kernels take, and at least one element
+    return t.dtype in KERNEL_DTYPES and t.numel() > 0
+
+
+def _row_grids(t: torch.Tensor, bits: torch.Tensor, seed: torch.Tensor | None, values: bool = False):
+    """`row_codes` of ``t``'s rows (along its last dimension) at ``bits``."""
+    return row_codes(t.reshape(-1, t.shape[-1]).contiguous(), levels_on(bits, t.device, torch.float32), seed, values)
 
 
 class CUDABackend(Backend):
@@ -50,28 +59,21 @@ class CUDABackend(Backend):
     def error(self, grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization, feature_dim: int,
               fused: bool = True) -> torch.Tensor:
         per_token = scheme.granularity == "token" and feature_dim % grad.dim() == grad.dim() - 1
-        if not (fused and per_token and scheme.range == "minmax" and scheme.rounding == "stochastic"):
+        if not (fused and per_token and scheme.range == "minmax" and scheme.rounding == "stochastic"
+                and _kernels_read(grad)):
             return super().error(grad, bits, scheme, feature_dim, fused)
-        if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not grad.numel():
-            return super().error(grad, bits, scheme, feature_dim, fused)
-        rows = grad.reshape(-1, grad.shape[-1]).contiguous()  # codes and values in one pass over the error
-        return row_codes(rows, levels_on(bits, grad.device, torch.float32), noise_seed(grad.device), True)[4].view(
-            grad.shape)
+        return _row_grids(grad, bits, noise_seed(grad.device), True)[4].view(grad.shape)  # codes, values: one pass
 
     def error_codes(self, grad: torch.Tensor, bits: torch.Tensor, scheme: ErrorQuantization) -> Codes | None:
-        supported = grad.dtype in (torch.float32, torch.bfloat16, torch.float16) and grad.numel()
-        if scheme.range != "minmax" or scheme.granularity != "token" or not supported:
+        if scheme.range != "minmax" or scheme.granularity != "token" or not _kernels_read(grad):
             return super().error_codes(grad, bits, scheme)
-        seed = noise_seed(grad.device)
-        levels = levels_on(bits, grad.device, torch.float32)
-        rows = grad.reshape(-1, grad.shape[-1]).contiguous()
-        return row_codes(rows, levels, seed if scheme.rounding == "stochastic" else None)[:3]
+        seed = noise_seed(grad.device) if scheme.rounding == "stochastic" else None  # as the reference draws it
+        return _row_grids(grad, bits, seed)[:3]
 
     def token_operand(self, x: torch.Tensor, dim: int, bits: torch.Tensor, values: bool):
-        if dim % x.dim() != x.dim() - 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if dim % x.dim() != x.dim() - 1 or not _kernels_read(x):
             return None
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        codes, scale, minimum, maximum, out = row_codes(rows, levels_on(bits, x.device, torch.float32), None, values)
+        codes, scale, minimum, maximum, out = _row_grids(x, bits, None, values)
         shape = (*x.shape[:-1], 1)
         x_range = (minimum.view(shape).to(x.dtype), maximum.view(shape).to(x.dtype))
         quantized = (out.view(x.shape) if values else None), (codes.view(x.shape), scale.view(shape),

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels read and write (others: reference)
 ROUNDING = 12582912.0  # 1.5 * 2^23: (y + R) - R rounds a float32 |y| < 2^22 to an integer, half to even
 
 
@@ -100,7 +101,7 @@ def restore_values(codes: torch.Tensor, minimum: torch.Tensor, scale: torch.Tens
     """``codes * scale + minimum`` in float32, then ``dtype`` (float32 / bf16 / fp16), in one pass (the custom op
     ``hf_cpt::restore_values``); None for any other layout."""
     per_row = _rows_layout(codes, minimum, scale)
-    if per_row is None or codes.dtype != torch.uint8 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if per_row is None or codes.dtype != torch.uint8 or dtype not in KERNEL_DTYPES:
         return None
     return _restore_op(codes, minimum.contiguous(), scale.contiguous(), dtype, per_row)
 
@@ -111,7 +112,7 @@ def operand_codes(x: torch.Tensor, minimum: torch.Tensor, scale: torch.Tensor, l
     ``x`` whose ``minimum`` and ``scale`` (float32) are one value or one per leading row (``x.shape[:-1]``), in one
     pass (the custom op ``hf_cpt::operand_codes``); None for any other layout (the reference formula serves it)."""
     per_row = _rows_layout(x, minimum, scale)
-    if per_row is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if per_row is None or x.dtype not in KERNEL_DTYPES:
         return None
     codes, out = _codes_op(x, minimum.contiguous(), scale.contiguous(), levels.to(torch.float32), values, per_row)
     return codes, (out if values else None)
