@@ -38,8 +38,13 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.load(open(output))
     assert set(results["fidelity"]) == {"model (local)"}
-    assert set(results["fidelity"]["model (local)"]) == {"paper", "per-token", "rotated", "rotated-per-token",
-                                                         "paper + attention", "rotated-per-token + attention"}
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import pretrained
+
+    # every variant the script defines, at every precision it measures
+    assert set(results["fidelity"]["model (local)"]) == set(pretrained.FIDELITY_VARIANTS)
+    assert all(set(bits) == {str(b) for b in pretrained.FIDELITY_BITS}
+               for bits in results["fidelity"]["model (local)"].values())
     assert set(results["finetune"]) == {"static-8/8/seed0", "cpt-4-8/8/seed0"}
     entry = results["finetune"]["cpt-4-8/8/seed0"]
     assert entry["steps"] == 2 and entry["cost"]["steps"] == 2 and set(entry["profile"]) >= {"3", "8", "fp32"}
@@ -58,7 +63,6 @@ def test_pretrained_benchmark_smoke(tmp_path, shared_data_dir):
     pool.shutdown()
     assert beside.returncode == 0, beside.stderr[-3000:]
     fidelity = json.load(open(gradients))
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import backward_page
     import gradient_fidelity
 
