@@ -92,18 +92,14 @@ class ImageDataset(torch.utils.data.Dataset):
         return {"pixel_values": image, "labels": self.labels[index]}
 
 
-class DeviceImages(torch.utils.data.Dataset):
-    """Normalised images held on a device, served as indices; `DeviceImages.collate` gathers a batch there and
-    augments it there (the padded random crop and horizontal flip of `ImageDataset`, per sample, drawn on the
-    device): no per-sample host work, no copies to the device."""
+class DeviceImages(ImageDataset):
+    """`ImageDataset`'s images held on a device, served as indices; `DeviceImages.collate` gathers a batch there and
+    augments it there (the same padded random crop and horizontal flip, per sample, drawn on the device): no
+    per-sample host work, no copies to the device."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, device: str) -> None:
-        mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
-        self.images = ((images.float() / 255 - mean) / std).to(device)
-        self.labels, self.augment = labels.to(device), augment
-
-    def __len__(self) -> int:
-        return len(self.labels)
+        super().__init__(images, labels, augment)
+        self.images, self.labels = self.images.to(device), self.labels.to(device)
 
     def __getitem__(self, index: int) -> int:
         return index
@@ -131,7 +127,7 @@ def load_cifar_arrays(path: str, device: str, train_size: int | None, test_size:
     arrays = np.load(path)
 
     def split(name: str, limit: int | None) -> DeviceImages:
-        images = torch.from_numpy(arrays[f"x_{name}"]).permute(0, 3, 1, 2).contiguous()
+        images = torch.from_numpy(arrays[f"x_{name}"])
         labels = torch.from_numpy(arrays[f"y_{name}"])
         if limit is not None:  # the first images of each class, as `load_folder` caps them
             keep = torch.cat([torch.nonzero(labels == c)[: max(1, limit // len(CLASSES)), 0]

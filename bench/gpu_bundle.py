@@ -4,9 +4,9 @@
 ``--bundle finetune`` (issue 75, bench/gpu_finetune.sh): all-MiniLM-L6-v2 with its weights stored in float16 (about
 45 MB; loaded back as float32, the rounding to float16 being the only change to the checkpoint) and its tokenizer,
 ``mnli/dev.jsonl`` and ``rte/{train,dev}.csv``. ``--bundle horizon`` (issue 76, bench/gpu_horizon.sh): the project's
-CIFAR-10 images as one uint8 array file (`cifar10_uint8.npz`: ``x_train`` [N, 32, 32, 3], ``y_train``, ``x_test``,
-``y_test``, class names), which bench/horizon.py reads with ``--images``, and ``wikitext-2/{valid,test}.txt`` for
-bench/language_model.py (56 MiB in all).
+CIFAR-10 images as one uint8 array file (`cifar10_uint8.npz`: ``x_train`` [N, 3, 32, 32] and ``y_train`` as
+`bench/cifar10.load_folder` decodes them, ``x_test``, ``y_test``), which bench/horizon.py reads with ``--images``,
+and ``wikitext-2/{valid,test}.txt`` for bench/language_model.py (57 MiB in all).
 
     python bench/gpu_bundle.py --bundle finetune      # writes gpu_data/ (ignored by git)
 """
@@ -48,28 +48,15 @@ def copy_files(data_dir: str, folder: str, files: tuple[tuple[str, str], ...]) -
         shutil.copyfile(harness.data_file(data_dir, *parts), os.path.join(folder, *parts))
 
 
-def cifar10_arrays(data_dir: str, split: str, limit: int | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(uint8 images [N, 32, 32, 3], int64 labels, class names) of ``cifar10/<split>/<class>/*.jpg``, in a fixed
-    order (class folders sorted, files sorted); ``limit``: the first images of each class."""
-    from PIL import Image
-
-    root = harness.data_file(data_dir, "cifar10", split)
-    classes = sorted(os.listdir(root))
-    images, labels = [], []
-    for label, name in enumerate(classes):
-        files = sorted(os.listdir(os.path.join(root, name)))[:limit]
-        for file in files:
-            with Image.open(os.path.join(root, name, file)) as image:
-                images.append(np.asarray(image.convert("RGB"), dtype=np.uint8))
-            labels.append(label)
-    return np.stack(images), np.asarray(labels, dtype=np.int64), classes
-
-
 def horizon_bundle(data_dir: str, folder: str, limit: int | None) -> None:
-    x_train, y_train, classes = cifar10_arrays(data_dir, "train", limit)
-    x_test, y_test, _ = cifar10_arrays(data_dir, "test", limit)
-    np.savez_compressed(os.path.join(folder, "cifar10_uint8.npz"), x_train=x_train, y_train=y_train,
-                        x_test=x_test, y_test=y_test, classes=np.asarray(classes))
+    import cifar10
+
+    root = harness.data_file(data_dir, "cifar10")
+    per_split = None if limit is None else limit * len(cifar10.CLASSES)  # `load_folder` caps a split's total
+    (x_train, y_train), (x_test, y_test) = (cifar10.load_folder(os.path.join(root, split), per_split)
+                                            for split in ("train", "test"))
+    np.savez_compressed(os.path.join(folder, "cifar10_uint8.npz"), x_train=x_train.numpy(), y_train=y_train.numpy(),
+                        x_test=x_test.numpy(), y_test=y_test.numpy())
     copy_files(data_dir, folder, TEXT_FILES)
 
 

@@ -2,7 +2,7 @@
 # Issue 76 on one H100/H200 (`run` in the tool library): the CIFAR ResNet-20 at 4, 16, 64 and 160 epochs with the
 # paper's 32 cycles, 4 seeds per cell, several processes sharing the GPU (each claims a (length, run, seed) before
 # training it; the JSON resumes across runs of this script). Locally first:
-#     python bench/gpu_bundle.py --bundle horizon --folder gpu_cifar    # CIFAR-10 as one array, WikiText-2 (56 MiB)
+#     python bench/gpu_bundle.py --bundle horizon --folder gpu_cifar    # CIFAR-10 as one array, WikiText-2 (57 MiB)
 # then `run` with carry ["gpu_cifar"] and the command `bash bench/gpu_horizon.sh`; copy $OUT/*.json to
 # bench/results/ and run `python bench/report.py`. STAGE=lm: the Llama-style language model instead (3 processes).
 set -uo pipefail

@@ -29,7 +29,7 @@ each claims a (length, run, seed) before training it (`harness.claim`) and leave
     OMP_NUM_THREADS=1 nohup python bench/horizon.py > outputs/horizon_b.log 2>&1 &   # a second core
 
 On a GPU (issue 76: 4 to 160 epochs, 4 seeds, the paper's 32 cycles; `bench/gpu_horizon.sh`): ``--device cuda
---images gpu_data/cifar10_uint8.npz`` holds the images on the GPU and augments each batch there.
+--images gpu_cifar/cifar10_uint8.npz`` holds the images on the GPU and augments each batch there.
 """
 
 from __future__ import annotations

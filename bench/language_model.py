@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402  (sets the offline environment and the import path first)
 import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from hf_cpt import CPTConfig, CPTTrainer  # noqa: E402
 
@@ -61,22 +62,17 @@ LLAMA_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
 MODELS = {"gpt2-small": MODEL_SHAPE, "llama-70m": LLAMA_SHAPE}
 
 
-class StopWhenValidationStalls:
-    """A Trainer callback: stop once the validation loss has not improved for ``patience`` evaluations (one per
-    epoch with ``--until_stalled``): each run trains until its validation loss stops improving."""
+class StopWhenValidationStalls(TrainerCallback):
+    """Stop once the validation loss has not improved for ``patience`` evaluations (one per epoch with
+    ``--until_stalled``): each run trains until its validation loss stops improving."""
 
-    def __new__(cls, patience: int):
-        from transformers import TrainerCallback
+    def __init__(self, patience: int) -> None:
+        self.patience, self.best, self.stalled = patience, float("inf"), 0
 
-        class Callback(TrainerCallback):
-            best, stalled = float("inf"), 0
-
-            def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-                loss = (metrics or {}).get("eval_loss", float("inf"))
-                self.best, self.stalled = (loss, 0) if loss < self.best else (self.best, self.stalled + 1)
-                control.should_training_stop = self.stalled >= patience
-
-        return Callback()
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        loss = (metrics or {}).get("eval_loss", float("inf"))
+        self.best, self.stalled = (loss, 0) if loss < self.best else (self.best, self.stalled + 1)
+        control.should_training_stop = self.stalled >= self.patience
 
 
 def perplexity(loss: float) -> float:

@@ -255,11 +255,11 @@ def run_finetune(results: dict, data_dir: str, path: str, seeds: list[int], runs
         TrainingArguments,
     )
 
-    settings = {"train_size": train_size, "max_steps": max_steps}
+    # files written before --task hold MNLI runs and no task; RTE has fixed splits (no train_size)
+    settings = {"train_size": train_size} if task == "mnli" else {"task": task}
+    settings["max_steps"] = max_steps
     if eval_size is not None:
         settings["eval_size"] = eval_size
-    if task != "mnli":  # files written before --task hold MNLI runs and no task
-        settings = {"task": task, "max_steps": max_steps, **({} if eval_size is None else {"eval_size": eval_size})}
     harness.check_settings(results, "finetune_settings", settings, path)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     train_rows, eval_rows = task_split(task, data_dir, train_size)

@@ -89,8 +89,6 @@ def model_embeddings(model: Any, which: str) -> Any:
         module = getter()
     except (NotImplementedError, AttributeError):
         return None
-    import torch
-
     return module if isinstance(module, torch.nn.Module) else None
 
 

@@ -4,10 +4,12 @@ Skipped where torch sees no CUDA device (CI); run on a GPU machine with ``pytest
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from hf_cpt import CPTConfig, CPTTrainer, set_eval_precision
+from hf_cpt import CPTConfig, CPTTrainer, backends, set_eval_precision
 from hf_cpt.convert import quant_layers
 from hf_cpt.numerics import error_kernels
 from hf_cpt.numerics.error_kernels import KERNEL_SOURCES
@@ -22,6 +24,8 @@ pytestmark = [pytest.mark.slow,
 # A model trained on a GPU and loaded on a CPU runs its float products on other kernels (other summation orders):
 # the codes and ranges are the trained ones, the outputs agree to float rounding, not bit for bit.
 CROSS_DEVICE_TOLERANCE = 1e-4
+# A child process's environment with the CUDA backend's kernels on
+KERNELS_ON = {**os.environ, backends.CUDA_KERNELS_VARIABLE: "1"}
 
 CASES = [
     ("bert-default", "bert", {}),
@@ -227,8 +231,6 @@ def test_a_loaded_checkpoint_moved_to_the_gpu_keeps_its_frozen_codes(tmp_path):
 
 def test_the_operand_kernel_gives_the_reference_codes_and_values_bit_for_bit_on_the_gpu():
     """The CUDA backend's Triton kernel compiled for this GPU (no interpreter): the same 72 cases as on CPU."""
-    import os
-
     from .test_cuda_kernels import run_comparison
 
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -236,42 +238,43 @@ def test_the_operand_kernel_gives_the_reference_codes_and_values_bit_for_bit_on_
 
 
 def test_the_backward_kernels_give_the_reference_codes_and_the_int8_products_its_gradients_on_the_gpu():
-    import os
-
     from .test_cuda_kernels import BACKWARD_COMPARISON, run_comparison
 
-    result = run_comparison("cuda", {**os.environ, "HF_CPT_CUDA_KERNELS": "1"}, BACKWARD_COMPARISON)
+    result = run_comparison("cuda", KERNELS_ON, BACKWARD_COMPARISON)
     assert (result["errors"], result["blocks"]) == (2 * 6 * 2, 3 * 2)
 
 
 def test_every_kernel_is_a_custom_op_that_passes_opcheck_on_the_gpu():
-    import os
-
     from .test_cuda_kernels import OPCHECK, run_comparison
 
     assert run_comparison("cuda", dict(os.environ), OPCHECK) == {"checked": 7}
 
 
 def test_the_trainer_trains_on_the_cuda_backend_with_int8_backward_products_and_saves_what_loads():
-    import os
-
     from .test_cuda_kernels import TRAINER_RUN, run_comparison
 
-    result = run_comparison("cuda", {**os.environ, "HF_CPT_CUDA_KERNELS": "1"}, TRAINER_RUN)
+    result = run_comparison("cuda", KERNELS_ON, TRAINER_RUN)
     assert len(result["losses"]) == 2 and result["moved"] > 0 and result["gap"] < 1e-4
 
 
-def test_a_cpt_step_on_the_cuda_backend_replays_in_a_cuda_graph_and_compiles_once_across_bit_widths(monkeypatch):
+@pytest.fixture
+def cuda_backend(monkeypatch):
+    """The CUDA backend's kernels on for this test (``HF_CPT_CUDA_KERNELS=1``), chosen afresh before and after."""
+    monkeypatch.setenv(backends.CUDA_KERNELS_VARIABLE, "1")
+    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
+    assert backends.backend_for("cuda").name == "cuda"
+    yield
+    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
+
+
+def test_a_cpt_step_on_the_cuda_backend_replays_in_a_cuda_graph_and_compiles_once_across_bit_widths(cuda_backend):
     """Issue 74's capture and compile checks for a quantized MLP on the CUDA backend (its kernels are custom ops): a
     whole training step captured once and replayed gives the eager step's weight gradient's scale of values, and
     a compiled step keeps one graph through bits 3..8."""
     from torch._dynamo.utils import counters
 
-    from hf_cpt import backends, quantize_model, set_precision
+    from hf_cpt import quantize_model, set_precision
 
-    monkeypatch.setenv("HF_CPT_CUDA_KERNELS", "1")
-    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)  # chosen again, with the kernels on
-    assert backends.backend_for("cuda").name == "cuda"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
     quantize_model(model, CPTConfig(quant_scheme="per-token", weight_gradient_product="int8",
@@ -309,19 +312,6 @@ def test_a_cpt_step_on_the_cuda_backend_replays_in_a_cuda_graph_and_compiles_onc
         compiled(x).square().mean().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
-    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
-
-
-@pytest.fixture
-def cuda_backend(monkeypatch):
-    """The CUDA backend's kernels on for this test (``HF_CPT_CUDA_KERNELS=1``), chosen afresh before and after."""
-    from hf_cpt import backends
-
-    monkeypatch.setenv(backends.CUDA_KERNELS_VARIABLE, "1")
-    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
-    assert backends.backend_for("cuda").name == "cuda"
-    yield
-    monkeypatch.delitem(backends._BACKENDS, "cuda", raising=False)
 
 
 @pytest.mark.parametrize("composition", sorted(COMPOSITIONS))
@@ -333,10 +323,6 @@ def test_cpt_composes_with_the_stack_on_the_cuda_backend(composition, tmp_path, 
 
 def test_fsdp2_on_one_gpu_rank_trains_as_ddp_does_on_the_cuda_backend(tmp_path):
     """FSDP2's sharded parameters (`fully_shard`, one nccl rank) train as DDP does, on the CUDA backend."""
-    import os
-
-    from hf_cpt import backends
-
     from .test_distributed import fsdp2_matches_ddp
 
-    fsdp2_matches_ddp(tmp_path, world=1, device="cuda", env={**os.environ, backends.CUDA_KERNELS_VARIABLE: "1"})
+    fsdp2_matches_ddp(tmp_path, world=1, device="cuda", env=KERNELS_ON)

@@ -96,6 +96,7 @@ def environment_report() -> dict[str, str]:
     """``hf-cpt env``'s lines: what each setting is on this machine and what it means for a CPT run."""
     import torch
 
+    from ..backends import CUDA_KERNELS_VARIABLE as switch
     from ..backends import backend_for
     from ..backends.cpu import INT8_DOT_VARIABLE
     from ..numerics import native
@@ -123,8 +124,6 @@ def environment_report() -> dict[str, str]:
         memory += f": {ALLOCATOR_HINT}; " + (
             "installed here: " + ", ".join(f"LD_PRELOAD={path}" for path in installed.values()) if installed else
             "none is installed in " + ", ".join(LIBRARY_FOLDERS))
-    from ..backends import CUDA_KERNELS_VARIABLE as switch
-
     triton = _version("triton")
     cuda_backend = (f"off: the reference formulas on CUDA tensors (${switch}=1 turns on the Triton kernels and int8 "
                     "products, not yet run on a GPU)" if os.environ.get(switch) != "1" else
